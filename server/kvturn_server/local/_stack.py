@@ -1,0 +1,304 @@
+"""The local stack: one prefill vLLM, one decode vLLM and the router, all on 127.0.0.1.
+
+``Stack.start()`` launches the servers, waits for health with progress output and records them
+in ``<state_dir>/stack.json``; ``Stack.stop()`` (or ``kvturn down`` from another shell) stops
+them. A second start while one runs is refused with a clear message instead of clashing on
+ports.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvturn_server.local._model import build_model, is_built
+from kvturn_server.local._process import (
+    ServerSpec,
+    StackError,
+    launch,
+    pid_alive,
+    port_is_free,
+    stop_group,
+    wait_healthy,
+)
+
+STATE_FILE = "stack.json"
+Progress = Callable[[float, list[str], list[str]], None]
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """Everything that shapes the local stack. Ports must differ from each other."""
+
+    state_dir: Path = Path(".kvturn")
+    model_size: str = "tiny"
+    model_dir: Path | None = None
+    host: str = "127.0.0.1"
+    router_port: int = 8000
+    prefill_port: int = 8100
+    decode_port: int = 8200
+    prefill_side_channel_port: int = 5600
+    decode_side_channel_port: int = 5700
+    served_model_name: str = "kvturn-tiny"
+    kv_cache_gib: float = 1.0
+    max_model_len: int = 8192
+    kv_read_timeout: float = 20.0
+    startup_timeout: float = 600.0
+    with_reference: bool = False
+    reference_port: int = 8300
+    extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def model_path(self) -> Path:
+        return self.model_dir or self.state_dir / "models" / self.model_size
+
+    def url(self, port: int) -> str:
+        return f"http://{self.host}:{port}"
+
+    @property
+    def router_url(self) -> str:
+        return self.url(self.router_port)
+
+    @property
+    def prefill_url(self) -> str:
+        return self.url(self.prefill_port)
+
+    @property
+    def decode_url(self) -> str:
+        return self.url(self.decode_port)
+
+    @property
+    def reference_url(self) -> str:
+        return self.url(self.reference_port)
+
+    def ports(self) -> dict[str, int]:
+        ports = {
+            "router": self.router_port,
+            "prefill": self.prefill_port,
+            "decode": self.decode_port,
+            "prefill NIXL side channel": self.prefill_side_channel_port,
+            "decode NIXL side channel": self.decode_side_channel_port,
+        }
+        if self.with_reference:
+            ports["reference"] = self.reference_port
+        return ports
+
+    def validate(self) -> None:
+        if self.host not in ("127.0.0.1", "localhost", "::1"):
+            raise StackError(f"the local stack listens on loopback only, not {self.host!r}")
+        ports = self.ports()
+        if len(set(ports.values())) != len(ports):
+            raise StackError(f"stack ports must all differ: {ports}")
+
+
+def vllm_is_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None and importlib.util.find_spec(
+        "nixl") is not None
+
+
+INSTALL_HINT = (
+    "the vLLM CPU stack is not installed in this environment. Run `make test` or `make demo` "
+    "from the repository root (they install it into .venv), or `pip install -e '.[cpu,router]'` "
+    "and then `pip uninstall -y torchvision torchaudio torchcodec triton` (see README)."
+)
+
+
+def _vllm_env(cfg: StackConfig, side_channel_port: int | None) -> dict[str, str]:
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CPU_KVCACHE_SPACE": f"{cfg.kv_cache_gib:g}",
+        # vLLM binds its engine<->worker message queues to this address; keep them on loopback.
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if side_channel_port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
+    return env
+
+
+def kv_transfer_config(cfg: StackConfig, role: str) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of the prefill (``kv_producer``) or decode (``kv_consumer``)."""
+    config: dict[str, Any] = {
+        "kv_connector": "KVTurnConnector",
+        "kv_connector_module_path": "kvturn_server.connector",
+        "kv_role": role,
+        "kv_buffer_device": "cpu",
+        # A failed or abandoned read must recompute, never fail the user's request.
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kv_read_timeout": cfg.kv_read_timeout},
+    }
+    return config
+
+
+def _vllm_spec(cfg: StackConfig, name: str, port: int, role: str | None,
+               side_channel_port: int | None) -> ServerSpec:
+    argv = [
+        sys.executable, "-m", "kvturn_server.local._vllm", "serve", str(cfg.model_path),
+        "--host", cfg.host, "--port", str(port),
+        "--served-model-name", cfg.served_model_name,
+        "--seed", "0",
+        # Eager mode boots in ~40 s instead of 50-85 s; the tiny model gains nothing from compile.
+        "--enforce-eager",
+        "--max-model-len", str(cfg.max_model_len),
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--uvicorn-log-level", "warning",
+        *cfg.extra_vllm_args,
+    ]
+    if role is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(cfg, role))]
+    return ServerSpec(
+        name=name, argv=argv, port=port, health_url=f"{cfg.url(port)}/health",
+        log_path=cfg.state_dir / "logs" / f"{name}.log",
+        env=_vllm_env(cfg, side_channel_port))
+
+
+def server_specs(cfg: StackConfig) -> list[ServerSpec]:
+    specs = [
+        _vllm_spec(cfg, "prefill", cfg.prefill_port, "kv_producer", cfg.prefill_side_channel_port),
+        _vllm_spec(cfg, "decode", cfg.decode_port, "kv_consumer", cfg.decode_side_channel_port),
+    ]
+    if cfg.with_reference:
+        specs.append(_vllm_spec(cfg, "reference", cfg.reference_port, None, None))
+    router_argv = [
+        sys.executable, "-m", "kvturn_server.cli", "router",
+        "--host", cfg.host, "--port", str(cfg.router_port),
+        "--prefill", cfg.prefill_url, "--decode", cfg.decode_url,
+    ]
+    specs.append(ServerSpec(
+        name="router", argv=router_argv, port=cfg.router_port,
+        health_url=f"{cfg.router_url}/health",
+        log_path=cfg.state_dir / "logs" / "router.log", env={"PYTHONUNBUFFERED": "1"}))
+    return specs
+
+
+@dataclass
+class RunningStack:
+    """What ``stack.json`` records about a started stack."""
+
+    config: StackConfig
+    pids: dict[str, int]
+    started_at: float
+
+    def to_json(self) -> str:
+        cfg = asdict(self.config)
+        cfg["state_dir"] = str(self.config.state_dir)
+        cfg["model_dir"] = str(self.config.model_path)
+        cfg["extra_vllm_args"] = list(self.config.extra_vllm_args)
+        return json.dumps({"config": cfg, "pids": self.pids, "started_at": self.started_at},
+                          indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunningStack:
+        data = json.loads(text)
+        cfg = dict(data["config"])
+        cfg["state_dir"] = Path(cfg["state_dir"])
+        cfg["model_dir"] = Path(cfg["model_dir"])
+        cfg["extra_vllm_args"] = tuple(cfg.get("extra_vllm_args", ()))
+        return cls(StackConfig(**cfg), {k: int(v) for k, v in data["pids"].items()},
+                   float(data["started_at"]))
+
+
+def read_running(state_dir: Path) -> RunningStack | None:
+    """The stack recorded in ``state_dir`` if any of its processes is still alive."""
+    path = state_dir / STATE_FILE
+    try:
+        running = RunningStack.from_json(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        path.unlink(missing_ok=True)
+        return None
+    if any(pid_alive(pid) for pid in running.pids.values()):
+        return running
+    path.unlink(missing_ok=True)
+    return None
+
+
+class Stack:
+    """Start and stop the local prefill/decode/router stack described by a ``StackConfig``."""
+
+    def __init__(self, config: StackConfig, *, die_with_parent: bool = False) -> None:
+        self.config = config
+        self.die_with_parent = die_with_parent
+        self._procs: dict[str, tuple[ServerSpec, subprocess.Popen[bytes]]] = {}
+        self.startup_seconds: float | None = None
+
+    def start(self, progress: Progress | None = None) -> Stack:
+        cfg = self.config
+        cfg.validate()
+        if not vllm_is_installed():
+            raise StackError(INSTALL_HINT)
+        running = read_running(cfg.state_dir)
+        if running is not None:
+            raise StackError(
+                f"a kvturn stack is already running from {cfg.state_dir} (router "
+                f"{running.config.router_url}, pids {sorted(running.pids.values())}); "
+                "stop it with `kvturn down` first")
+        busy = [f"{name} port {port}" for name, port in cfg.ports().items()
+                if not port_is_free(cfg.host, port)]
+        if busy:
+            raise StackError(f"in use by another process: {', '.join(busy)}; stop it or "
+                             "choose other ports (see `kvturn up --help`)")
+        if not is_built(cfg.model_path, cfg.model_size):
+            build_model(cfg.model_size, cfg.model_path)
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for spec in server_specs(cfg):
+                self._procs[spec.name] = (spec, launch(spec, die_with_parent=self.die_with_parent))
+            self._record()
+            self.startup_seconds = wait_healthy(
+                self._procs, timeout=cfg.startup_timeout, progress=progress)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _record(self) -> None:
+        running = RunningStack(self.config, {n: p.pid for n, (_, p) in self._procs.items()},
+                               time.time())
+        path = self.config.state_dir / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(running.to_json())
+        os.replace(tmp, path)
+
+    def pid(self, name: str) -> int:
+        return self._procs[name][1].pid
+
+    def stop(self) -> None:
+        # Router first, so that no new request reaches a stopping vLLM.
+        for name in sorted(self._procs, key=lambda n: n != "router"):
+            stop_group(self._procs[name][1].pid)
+        self._procs.clear()
+        (self.config.state_dir / STATE_FILE).unlink(missing_ok=True)
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def stop_running(state_dir: Path) -> RunningStack | None:
+    """Stop the stack recorded in ``state_dir`` (``kvturn down``); None if none was running."""
+    running = read_running(state_dir)
+    if running is None:
+        return None
+    for name in sorted(running.pids, key=lambda n: n != "router"):
+        pid = running.pids[name]
+        if pid_alive(pid):
+            stop_group(pid)
+    (state_dir / STATE_FILE).unlink(missing_ok=True)
+    return running
+

@@ -23,7 +23,8 @@ from kvturn_server.local import (
 def _add_stack_args(p: argparse.ArgumentParser) -> None:
     d = StackConfig()
     p.add_argument("--state-dir", type=Path, default=d.state_dir,
-                   help="where the stack keeps its model, logs and stack.json (default: %(default)s)")
+                   help="where the stack keeps its model, logs and stack.json "
+                        "(default: %(default)s)")
     p.add_argument("--size", choices=sorted(SIZES), default=d.model_size,
                    help="which locally built model to serve (default: %(default)s)")
     p.add_argument("--model-dir", type=Path, default=None,
@@ -88,6 +89,7 @@ def cmd_model_build(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     cfg = _stack_config(args)
+    cfg.validate()
     stack = Stack(cfg, die_with_parent=not args.detach)
     print(f"starting prefill + decode vLLM and the router ({cfg.model_size} model); "
           "this takes 1-2 minutes on a small CPU host", file=sys.stderr)

@@ -18,6 +18,7 @@ All three are measured, not guessed (docs/cpu-stack.md has the numbers):
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -71,6 +72,7 @@ def default_nixl_progress_thread(enabled: bool) -> None:
     if not _nixl_patched:
         original = config_cls.__init__
 
+        @functools.wraps(original)
         def init(self: Any, *args: Any, **kwargs: Any) -> None:
             if len(args) == 0:
                 kwargs.setdefault("enable_prog_thread", config_cls.kvturn_prog_thread_default)

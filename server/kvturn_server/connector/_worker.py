@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -11,8 +10,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 )
 
 from kvturn_server.connector._config import ConnectorConfig
-
-log = logging.getLogger("kvturn.connector")
 
 
 class KVTurnPullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
@@ -43,8 +40,10 @@ class KVTurnPullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 continue
             if req_id not in self._abandoned:
                 self._abandoned.add(req_id)
-                log.warning("KV read for request %s still in flight after %.1f s; abandoning "
-                            "it and recomputing", req_id, self.kvturn_config.kv_read_timeout)
+                self._log_failure(
+                    failure_type="transfer_timeout", req_id=req_id,
+                    msg=f"read still in flight after {self.kvturn_config.kv_read_timeout:g} s; "
+                        "abandoning it, the blocks are recomputed")
             # A handle NIXL refuses to release stays: its blocks may still be written to.
             kept = [h for h in transfers[req_id]
                     if not self._handle_failed_transfer(req_id, h, failed)]

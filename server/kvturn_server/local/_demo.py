@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from kvturn_server.local._metrics import PromptSources, prompt_sources
 from kvturn_server.local._stack import Stack, StackConfig, read_running
@@ -34,14 +35,14 @@ class TurnReport:
     decode: PromptSources
 
 
-def _run_turn(client: OpenAI, model: str, messages: list[dict[str, str]],
+def _run_turn(client: OpenAI, model: str, messages: list[ChatCompletionMessageParam],
               max_tokens: int) -> tuple[str, int, float, float]:
     started = time.perf_counter()
     ttft: float | None = None
     parts: list[str] = []
     prompt_tokens = 0
     stream = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,  # type: ignore[arg-type]
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True})
     for chunk in stream:
         if chunk.usage is not None:
@@ -58,7 +59,7 @@ def _run_turn(client: OpenAI, model: str, messages: list[dict[str, str]],
 def run_conversation(cfg: StackConfig, turns: int, max_tokens: int = 48) -> list[TurnReport]:
     """Run ``turns`` chat turns through the router and measure each one."""
     client = OpenAI(base_url=f"{cfg.router_url}/v1", api_key="kvturn-demo", max_retries=0)
-    messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": SYSTEM}]
     reports: list[TurnReport] = []
     for i in range(turns):
         messages.append({"role": "user", "content": USER_TURNS[i % len(USER_TURNS)]})

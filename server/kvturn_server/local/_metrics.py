@@ -6,7 +6,8 @@ import re
 import urllib.request
 from dataclasses import dataclass
 
-_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
+_LINE = re.compile(
+    r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -27,12 +28,15 @@ def parse(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     return samples
 
 
-def scrape(base_url: str, timeout: float = 5.0) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(base_url: str, timeout: float = 5.0) -> Samples:
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout) as resp:
         return parse(resp.read().decode("utf-8", errors="replace"))
 
 
-def total(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
+def total(samples: Samples, name: str,
           **labels: str) -> float:
     """Sum of ``name`` over every sample whose labels include ``labels``."""
     want = set(labels.items())

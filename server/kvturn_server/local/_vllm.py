@@ -29,7 +29,7 @@ def _version(name: str) -> str:
 
 
 def main() -> None:
-    metadata.version = _version
+    metadata.version = _version  # type: ignore[assignment]
     from vllm.entrypoints.cli.main import main as vllm_main
 
     vllm_main()

@@ -1,0 +1,41 @@
+"""One real stack per test session: prefill + decode vLLM (CPU) with the kvturn connector, the
+router, and a plain single vLLM instance of the same model and flags as the reference."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvturn_server.local import INSTALL_HINT, Stack, StackConfig, free_port, vllm_is_installed
+
+# Short enough that the stalled-transfer test finishes quickly, long enough that a healthy read
+# on a loaded 2-core machine never trips it.
+KV_READ_TIMEOUT = 5.0
+
+
+def _progress(elapsed: float, ready: list[str], waiting: list[str]) -> None:
+    if waiting and int(elapsed) % 15 == 0 and elapsed - int(elapsed) < 0.5:
+        print(f"[e2e] starting vLLM stack: {elapsed:.0f} s, waiting for {', '.join(waiting)}",
+              file=sys.__stderr__, flush=True)
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    if not vllm_is_installed():
+        pytest.fail(f"e2e tests need the vLLM CPU stack: {INSTALL_HINT}", pytrace=False)
+    state = tmp_path_factory.mktemp("stack")
+    ports = {name: free_port() for name in (
+        "router_port", "prefill_port", "decode_port", "reference_port",
+        "prefill_side_channel_port", "decode_side_channel_port")}
+    cfg = StackConfig(state_dir=state, model_dir=Path(state) / "model", with_reference=True,
+                      kv_read_timeout=KV_READ_TIMEOUT, **ports)
+    started = time.monotonic()
+    with Stack(cfg, die_with_parent=True) as running:
+        running.start(progress=_progress)
+        print(f"[e2e] stack healthy after {time.monotonic() - started:.0f} s (logs: "
+              f"{state / 'logs'})", file=sys.__stderr__, flush=True)
+        yield running

@@ -89,8 +89,8 @@ def cmd_model_build(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     cfg = _stack_config(args)
-    cfg.validate()
     stack = Stack(cfg, die_with_parent=not args.detach)
+    stack.check()
     print(f"starting prefill + decode vLLM and the router ({cfg.model_size} model); "
           "this takes 1-2 minutes on a small CPU host", file=sys.stderr)
     stack.start(progress=ProgressLine())

@@ -235,7 +235,8 @@ class Stack:
         self._procs: dict[str, tuple[ServerSpec, subprocess.Popen[bytes]]] = {}
         self.startup_seconds: float | None = None
 
-    def start(self, progress: Progress | None = None) -> Stack:
+    def check(self) -> None:
+        """Raise StackError if the stack cannot start here (before anything is launched)."""
         cfg = self.config
         cfg.validate()
         if not vllm_is_installed():
@@ -251,6 +252,11 @@ class Stack:
         if busy:
             raise StackError(f"in use by another process: {', '.join(busy)}; stop it or "
                              "choose other ports (see `kvturn up --help`)")
+
+    def start(self, progress: Progress | None = None) -> Stack:
+        """Launch the servers and wait until all are healthy; stop them all on any failure."""
+        self.check()
+        cfg = self.config
         if not is_built(cfg.model_path, cfg.model_size):
             build_model(cfg.model_size, cfg.model_path)
         cfg.state_dir.mkdir(parents=True, exist_ok=True)

@@ -65,6 +65,8 @@ class Router:
         decode = next(self._next_decode)
         headers = {"x-request-id": request_id}
         if body.get("stream"):
+            log.info("request_id=%s path=%s prefill_ms=%.1f streaming from %s", request_id,
+                     path, prefill_ms, decode.base_url)
             return await self._stream(decode, path, leg, headers, prefill_ms)
         try:
             status, payload = await decode.post_json(path, leg, self.decode_timeout)
@@ -162,4 +164,6 @@ def serve(config: RouterConfig) -> None:
 
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # One line per backend call is noise at INFO; the router logs each request itself.
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning")

@@ -32,7 +32,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "router_port", "prefill_port", "decode_port", "reference_port",
         "prefill_side_channel_port", "decode_side_channel_port")}
     cfg = StackConfig(state_dir=state, model_dir=Path(state) / "model", with_reference=True,
-                      kv_read_timeout=KV_READ_TIMEOUT, **ports)
+                      kv_read_timeout=KV_READ_TIMEOUT, bidirectional=True,
+                      decoder_kv_blocks_ttl=120, **ports)
     started = time.monotonic()
     with Stack(cfg, die_with_parent=True) as running:
         running.start(progress=_progress)

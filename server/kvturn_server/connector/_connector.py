@@ -7,9 +7,6 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
-    NixlPullConnectorScheduler,
-)
 
 from kvturn_server.connector._config import ConnectorConfig
 from kvturn_server.connector._host import (
@@ -17,11 +14,13 @@ from kvturn_server.connector._host import (
     keep_thread_affinity,
     request_amx_permission,
 )
+from kvturn_server.connector._scheduler import KVTurnPullScheduler
 from kvturn_server.connector._worker import KVTurnPullWorker
 
 
 class KVTurnConnector(NixlBaseConnector):  # type: ignore[misc]
-    """vLLM KV connector: NIXL pull transfers with kvturn's host fixes and bounded reads.
+    """vLLM KV connector: NIXL pull transfers with kvturn's host fixes, bounded reads and, in
+    vLLM's bidirectional mode, content-verified reads of the decode's retained blocks.
 
     The scheduler side runs in vLLM's EngineCore process, the worker side in each worker
     process; each role builds only its own half.
@@ -31,8 +30,10 @@ class KVTurnConnector(NixlBaseConnector):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.kvturn_config = ConnectorConfig.from_extra(extra)
+        self.connector_scheduler: KVTurnPullScheduler | None
+        self.connector_worker: KVTurnPullWorker | None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = NixlPullConnectorScheduler(
+            self.connector_scheduler = KVTurnPullScheduler(
                 vllm_config, self.engine_id, kv_cache_config)
             self.connector_worker = None
         elif role == KVConnectorRole.WORKER:

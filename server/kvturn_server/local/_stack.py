@@ -51,6 +51,8 @@ class StackConfig:
     kv_cache_gib: float = 1.0
     max_model_len: int = 8192
     kv_read_timeout: float = 20.0
+    bidirectional: bool = False
+    decoder_kv_blocks_ttl: float = 480.0
     startup_timeout: float = 600.0
     with_reference: bool = False
     reference_port: int = 8300
@@ -139,6 +141,12 @@ def kv_transfer_config(cfg: StackConfig, role: str) -> dict[str, Any]:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"kv_read_timeout": cfg.kv_read_timeout},
     }
+    if cfg.bidirectional:
+        # The decode keeps each finished request's blocks (for decoder_kv_blocks_ttl) so that
+        # the next turn's prefill can read them back. Off by default: until the router passes
+        # them on, kept blocks only occupy the decode's cache.
+        config["kv_connector_extra_config"].update(
+            bidirectional_kv_xfer=True, decoder_kv_blocks_ttl=cfg.decoder_kv_blocks_ttl)
     return config
 
 

@@ -1,0 +1,364 @@
+"""Decode-side retention leases: which finished conversations keep their KV blocks, and until when.
+
+When a request with a conversation key finishes on a decode, its blocks (prompt and generated)
+are kept under that key so the conversation's next prefill can read them back instead of
+recomputing. This module owns every rule about those kept blocks; the connector adapter only
+calls it and frees whatever it hands back. A reader asking "when is a retention evicted?" finds
+the whole answer here:
+
+- **Replaced**: the key's next turn is retained (one retention per conversation).
+- **Released**: explicitly, by the client or router.
+- **Expired**: its lease ran out (TTL from creation or the last keepalive, never past the
+  maximum hold).
+- **Evicted**: least recently used first, when the retention budget is exceeded or live requests
+  need blocks. Retention is an optimisation; it must never starve live decoding.
+
+The table never frees blocks itself: every method that drops a retention returns it, and the
+caller must return its ``block_ids`` to the allocator. That keeps this file free of vLLM and
+lets the caller free blocks inside the scheduler step, where vLLM allows it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from kvturn_server.connector._hashing import HASH_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """One conversation's retained KV on a decode.
+
+    Frozen: the table hands these out, and a caller holding one must not be able to move a lease
+    by mutating it. Renewals produce a new object.
+
+    Attributes:
+        key: the conversation key (tenant-scoped by the router).
+        request_id: the engine-local id of the request whose blocks are kept.
+        block_ids: every block the lease holds, in sequence order. All of them are freed together.
+        block_hashes: one chained hash per *full* block, in order, so there may be one fewer
+            hash than blocks (a trailing partial block is held but can never be read). They must
+            cover only tokens whose KV was computed: vLLM never runs a request's final sampled
+            token through the model, so a block ending in it holds no KV for that slot.
+        num_tokens: tokens whose KV the blocks hold (prompt plus generated, less that final
+            sampled token).
+        created_at: clock time the retention was made.
+        expires_at: clock time the lease runs out unless renewed; live while ``now < expires_at``.
+        hold_until: ``created_at + max_hold``; no keepalive extends the lease past this.
+        last_used: clock time of the last read (``touch``) or keepalive; LRU eviction order.
+    """
+
+    key: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+    num_tokens: int
+    created_at: float
+    expires_at: float
+    hold_until: float
+    last_used: float
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    @property
+    def readable_block_ids(self) -> tuple[int, ...]:
+        """The block ids that have a hash, paired one to one with ``block_hashes``."""
+        return self.block_ids[:len(self.block_hashes)]
+
+    def is_live(self, now: float) -> bool:
+        return now < self.expires_at
+
+
+@dataclass(slots=True)
+class RetentionStats:
+    """Counters since the table was built (for the control endpoint and metrics).
+
+    ``replaced``, ``released``, ``expired``, ``evicted`` and ``refused`` count retentions handed
+    back for freeing, by cause; ``created`` counts retentions stored; ``renewed`` successful
+    keepalives.
+    """
+
+    created: int = 0
+    renewed: int = 0
+    released: int = 0
+    expired: int = 0
+    evicted: int = 0
+    replaced: int = 0
+    refused: int = 0
+
+
+class RetentionTable:
+    """Retentions of one decode, keyed by conversation, bounded by a block budget.
+
+    Costs: ``get``/``touch``/``release`` are O(1); ``retain``, ``keepalive``, ``expire`` and
+    ``evict_for`` are O(log n) per retention created, renewed or dropped (an expiry heap with lazy
+    deletion sits beside the LRU-ordered dict).
+
+    Budget accounting counts each retention's blocks, so two retentions sharing a prefix-cached
+    block count it twice. That over-estimates what is held, which errs on the side of live
+    decoding.
+
+    Expired retentions keep their blocks until :meth:`expire` (or an eviction) hands them back:
+    the table cannot free anything by itself, so the caller should call ``expire`` once per
+    scheduler step. They are invisible to ``get``, ``touch`` and ``keepalive`` meanwhile.
+    """
+
+    def __init__(
+        self,
+        *,
+        budget_blocks: int,
+        ttl: float = 480.0,
+        max_hold: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(budget_blocks, bool) or not isinstance(budget_blocks, int) \
+                or budget_blocks < 0:
+            raise ValueError(f"budget_blocks must be a non-negative int, got {budget_blocks!r}")
+        for name, value in (("ttl", ttl), ("max_hold", max_hold)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        self.budget_blocks = budget_blocks
+        self.ttl = float(ttl)
+        self.max_hold = float(max_hold)
+        self.stats = RetentionStats()
+        self._clock = clock
+        # Insertion order is recency order: first is least recently used.
+        self._entries: OrderedDict[str, Retention] = OrderedDict()
+        self._retained_blocks = 0
+        # (expires_at, sequence, key). An entry is current only while _heap_seq[key] == sequence;
+        # renewals push a new entry instead of searching the heap for the old one.
+        self._heap: list[tuple[float, int, str]] = []
+        self._heap_seq: dict[str, int] = {}
+        self._next_seq = 0
+
+    def __len__(self) -> int:
+        """Retentions held, including expired ones not yet handed back by :meth:`expire`."""
+        return len(self._entries)
+
+    @property
+    def retained_blocks(self) -> int:
+        """Blocks held by all retentions (expired ones included until handed back)."""
+        return self._retained_blocks
+
+    def retain(
+        self,
+        key: str,
+        request_id: str,
+        block_ids: Sequence[int],
+        block_hashes: Sequence[bytes],
+        num_tokens: int,
+    ) -> list[Retention]:
+        """Keep a finished request's blocks under ``key``; return every retention to free now.
+
+        The returned list holds, in this order: the key's previous retention (replaced: a
+        conversation keeps only its latest turn), then any retentions dropped to fit the budget
+        (expired ones first, then least recently used). The new retention is never evicted to
+        make room for others.
+
+        A retention larger than the whole budget is refused: it is not stored and comes back as
+        the last item of the returned list, so its blocks are freed like any other. Nothing else
+        is evicted for it, but the previous retention is still replaced, so after ``retain`` the
+        key holds exactly the new retention or nothing (never an older turn the router no longer
+        tracks).
+
+        Raises:
+            ValueError: malformed arguments (empty key, no blocks, negative or repeated block
+                ids, more hashes than blocks, hashes of the wrong size, non-positive token count).
+        """
+        block_ids = tuple(block_ids)
+        block_hashes = tuple(block_hashes)
+        _check_retain(key, request_id, block_ids, block_hashes, num_tokens)
+        now = self._clock()
+        freed: list[Retention] = []
+        previous = self._drop(key)
+        if previous is not None:
+            self.stats.replaced += 1
+            freed.append(previous)
+        retention = Retention(
+            key=key,
+            request_id=request_id,
+            block_ids=block_ids,
+            block_hashes=block_hashes,
+            num_tokens=num_tokens,
+            created_at=now,
+            expires_at=min(now + self.ttl, now + self.max_hold),
+            hold_until=now + self.max_hold,
+            last_used=now,
+        )
+        if retention.num_blocks > self.budget_blocks:
+            self.stats.refused += 1
+            freed.append(retention)
+            return freed
+        freed.extend(self._free_blocks(
+            self._retained_blocks + retention.num_blocks - self.budget_blocks, now))
+        self._store(retention)
+        self.stats.created += 1
+        return freed
+
+    def get(self, key: str) -> Retention | None:
+        """The key's live retention, or None (absent or expired). Does not count as a use."""
+        retention = self._entries.get(key)
+        if retention is None or not retention.is_live(self._clock()):
+            return None
+        return retention
+
+    def touch(self, key: str) -> Retention | None:
+        """Mark the key's live retention as used now (most recently used); return it or None.
+
+        Use does not consume a retention: it stays readable until released, replaced, expired
+        or evicted, so a retried turn can read it again. Use does not extend the lease either;
+        only :meth:`keepalive` does, so a lease's lifetime has one explicit source.
+        """
+        now = self._clock()
+        retention = self._entries.get(key)
+        if retention is None or not retention.is_live(now):
+            return None
+        retention = replace(retention, last_used=now)
+        self._entries[key] = retention
+        self._entries.move_to_end(key)
+        return retention
+
+    def keepalive(self, key: str) -> Retention | None:
+        """Extend the key's live lease to ``min(now + ttl, hold_until)``; return it or None.
+
+        An expired lease is not revived: its blocks may already be promised to the allocator
+        and the router has been told it is gone. A keepalive also counts as use for LRU order:
+        a client keeping its lease alive (a tool is running) is about to need it, unlike an idle
+        conversation.
+        """
+        now = self._clock()
+        retention = self._entries.get(key)
+        if retention is None or not retention.is_live(now):
+            return None
+        expires_at = max(retention.expires_at, min(now + self.ttl, retention.hold_until))
+        retention = replace(retention, expires_at=expires_at, last_used=now)
+        self._entries[key] = retention
+        self._entries.move_to_end(key)
+        self._schedule_expiry(retention)
+        self.stats.renewed += 1
+        return retention
+
+    def release(self, key: str) -> Retention | None:
+        """Drop the key's retention and return it for freeing, or None if there is none.
+
+        Returns the retention even if it has expired but not yet been handed back: its blocks
+        are still held, and the caller is the one who frees them.
+        """
+        retention = self._drop(key)
+        if retention is not None:
+            self.stats.released += 1
+        return retention
+
+    def expire(self) -> list[Retention]:
+        """Drop and return every retention whose lease has run out, soonest expiry first."""
+        now = self._clock()
+        freed: list[Retention] = []
+        while (retention := self._pop_expired(now)) is not None:
+            freed.append(retention)
+        return freed
+
+    def evict_for(self, blocks_needed: int) -> list[Retention]:
+        """Free retentions until at least ``blocks_needed`` blocks are freed or none are left.
+
+        For when live requests need blocks the allocator does not have. Expired retentions go
+        first (they are dead anyway), then least recently used. It may free more than asked,
+        since retentions are freed whole.
+
+        Raises:
+            ValueError: ``blocks_needed`` is not a non-negative int.
+        """
+        if isinstance(blocks_needed, bool) or not isinstance(blocks_needed, int) \
+                or blocks_needed < 0:
+            raise ValueError(f"blocks_needed must be a non-negative int, got {blocks_needed!r}")
+        return self._free_blocks(blocks_needed, self._clock())
+
+    # Internals. _entries, _retained_blocks and _heap_seq change only in _store and _drop.
+
+    def _free_blocks(self, needed: int, now: float) -> list[Retention]:
+        freed: list[Retention] = []
+        while needed > 0 and self._entries:
+            retention = self._pop_expired(now)
+            if retention is None:
+                retention = self._drop(next(iter(self._entries)))
+                assert retention is not None
+                self.stats.evicted += 1
+            freed.append(retention)
+            needed -= retention.num_blocks
+        return freed
+
+    def _pop_expired(self, now: float) -> Retention | None:
+        """Drop and return the soonest-expiring retention if it has expired, else None."""
+        heap = self._heap
+        while heap:
+            expires_at, seq, key = heap[0]
+            if self._heap_seq.get(key) != seq:
+                heapq.heappop(heap)  # superseded by a renewal, or the retention is gone
+                continue
+            if now < expires_at:
+                return None
+            heapq.heappop(heap)
+            retention = self._drop(key)
+            self.stats.expired += 1
+            return retention
+        return None
+
+    def _store(self, retention: Retention) -> None:
+        self._entries[retention.key] = retention
+        self._retained_blocks += retention.num_blocks
+        self._schedule_expiry(retention)
+
+    def _drop(self, key: str) -> Retention | None:
+        retention = self._entries.pop(key, None)
+        if retention is not None:
+            self._retained_blocks -= retention.num_blocks
+            del self._heap_seq[key]
+        return retention
+
+    def _schedule_expiry(self, retention: Retention) -> None:
+        seq = self._next_seq
+        self._next_seq += 1
+        self._heap_seq[retention.key] = seq
+        heapq.heappush(self._heap, (retention.expires_at, seq, retention.key))
+        # Superseded entries only leave the heap when they reach its top; with long leases and
+        # frequent keepalives they would pile up, so rebuild once they dominate.
+        if len(self._heap) > 2 * len(self._entries) + 64:
+            self._heap = [(r.expires_at, self._heap_seq[k], k) for k, r in self._entries.items()]
+            heapq.heapify(self._heap)
+
+
+def _check_retain(
+    key: str,
+    request_id: str,
+    block_ids: tuple[int, ...],
+    block_hashes: tuple[bytes, ...],
+    num_tokens: int,
+) -> None:
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"retention key must be a non-empty str, got {key!r:.60}")
+    if not isinstance(request_id, str):
+        raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
+    if not block_ids:
+        raise ValueError(f"retention {key!r:.60} has no blocks to keep")
+    for block_id in block_ids:
+        if isinstance(block_id, bool) or not isinstance(block_id, int) or block_id < 0:
+            raise ValueError(
+                f"retention {key!r:.60} block ids must be non-negative ints, got {block_id!r:.60}")
+    if len(set(block_ids)) != len(block_ids):
+        raise ValueError(f"retention {key!r:.60} lists a block id more than once")
+    if len(block_hashes) > len(block_ids):
+        raise ValueError(
+            f"retention {key!r:.60} has {len(block_hashes)} hashes for {len(block_ids)} blocks")
+    for digest in block_hashes:
+        if not isinstance(digest, bytes) or len(digest) != HASH_SIZE:
+            raise ValueError(
+                f"retention {key!r:.60} block hashes must be {HASH_SIZE} bytes, "
+                f"got {digest!r:.60}")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
+        raise ValueError(f"retention {key!r:.60} num_tokens must be a positive int, "
+                         f"got {num_tokens!r}")

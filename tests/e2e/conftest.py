@@ -3,7 +3,6 @@ router, and a plain single vLLM instance of the same model and flags as the refe
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,14 +16,20 @@ from kvturn_server.local import INSTALL_HINT, Stack, StackConfig, free_port, vll
 KV_READ_TIMEOUT = 5.0
 
 
-def _progress(elapsed: float, ready: list[str], waiting: list[str]) -> None:
-    if waiting and int(elapsed) % 15 == 0 and elapsed - int(elapsed) < 0.5:
-        print(f"[e2e] starting vLLM stack: {elapsed:.0f} s, waiting for {', '.join(waiting)}",
-              file=sys.__stderr__, flush=True)
-
-
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory,
+          pytestconfig: pytest.Config) -> Iterator[Stack]:
+    # Start-up takes 1-2 minutes and should not look like a hang: print past pytest's capture.
+    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+
+    def say(message: str) -> None:
+        with capture.global_and_fixture_disabled():
+            print(f"\n[e2e] {message}", flush=True)  # noqa: T201
+
+    def progress(elapsed: float, ready: list[str], waiting: list[str]) -> None:
+        if waiting and int(elapsed) % 15 == 0 and elapsed - int(elapsed) < 0.5:
+            say(f"starting vLLM stack: {elapsed:.0f} s, waiting for {', '.join(waiting)}")
+
     if not vllm_is_installed():
         pytest.fail(f"e2e tests need the vLLM CPU stack: {INSTALL_HINT}", pytrace=False)
     state = tmp_path_factory.mktemp("stack")
@@ -36,7 +41,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                       decoder_kv_blocks_ttl=120, **ports)
     started = time.monotonic()
     with Stack(cfg, die_with_parent=True) as running:
-        running.start(progress=_progress)
-        print(f"[e2e] stack healthy after {time.monotonic() - started:.0f} s (logs: "
-              f"{state / 'logs'})", file=sys.__stderr__, flush=True)
+        running.start(progress=progress)
+        say(f"stack healthy after {time.monotonic() - started:.0f} s (logs: {state / 'logs'})")
         yield running

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 from kvturn_server.local import PromptSources, prompt_sources, scrape
+from kvturn_server.local._http import post_json
 from kvturn_server.local._metrics import total
 
-
-def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        data: dict[str, Any] = json.loads(resp.read())
-        return data
+post = post_json
 
 
 def failed_transfers(base_url: str) -> float:

@@ -52,6 +52,7 @@ class StackConfig:
     max_model_len: int = 8192
     kv_read_timeout: float = 20.0
     bidirectional: bool = False
+    prefill_prefix_caching: bool = True
     decoder_kv_blocks_ttl: float = 480.0
     startup_timeout: float = 600.0
     with_reference: bool = False
@@ -166,6 +167,8 @@ def _vllm_spec(cfg: StackConfig, name: str, port: int, role: str | None,
     ]
     if role is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(cfg, role))]
+    if role == "kv_producer" and not cfg.prefill_prefix_caching:
+        argv.append("--no-enable-prefix-caching")
     return ServerSpec(
         name=name, argv=argv, port=port, health_url=f"{cfg.url(port)}/health",
         log_path=cfg.state_dir / "logs" / f"{name}.log",

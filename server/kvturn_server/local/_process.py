@@ -138,14 +138,19 @@ def wait_healthy(
         time.sleep(interval)
 
 
-def pid_alive(pid: int) -> bool:
+def _exists(signal_zero: Callable[[int, int], None], target: int) -> bool:
+    # Signal 0 checks existence only; EPERM means it exists but belongs to someone else.
     try:
-        os.kill(pid, 0)
+        signal_zero(target, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
     return True
+
+
+def pid_alive(pid: int) -> bool:
+    return _exists(os.kill, pid)
 
 
 def stop_group(pid: int, *, grace: float = 15.0) -> None:
@@ -164,13 +169,7 @@ def stop_group(pid: int, *, grace: float = 15.0) -> None:
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return _exists(os.killpg, pgid)
 
 
 def _reap(pid: int) -> None:

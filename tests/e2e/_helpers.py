@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvturn_server.local import PromptSources, prompt_sources, scrape
+from kvturn_server.local._direct import control
 from kvturn_server.local._http import post_json
 from kvturn_server.local._metrics import total
 
@@ -52,3 +56,25 @@ def descendant(pid: int, comm: str) -> int:
             return current
         todo.extend(children.get(current, []))
     raise LookupError(f"no {comm} process under {pid} (pid {os.getpid()} looked)")
+
+
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample on an instance's /metrics (0 when absent)."""
+    return total(scrape(base_url), name, **labels)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str,
+               interval: float = 0.1) -> None:
+    """Poll ``predicate`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s")
+        time.sleep(interval)
+
+
+def retention_stats(control_url: str) -> dict[str, Any]:
+    status, body = control(control_url, "GET", "/kvturn/v1/stats")
+    assert status == 200, body
+    stats: dict[str, Any] = body["retention"]
+    return stats

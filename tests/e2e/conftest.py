@@ -4,7 +4,7 @@ router, and a plain single vLLM instance of the same model and flags as the refe
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,18 +14,30 @@ from kvturn_server.local import INSTALL_HINT, Stack, StackConfig, free_port, vll
 # Short enough that the stalled-transfer test finishes quickly, long enough that a healthy read
 # on a loaded 2-core machine never trips it.
 KV_READ_TIMEOUT = 5.0
+# Decode retention lease: short, so that expiry and keepalive are testable in seconds; long
+# enough that the gap between two turns of a test (a reference run, a few legs) stays inside it.
+RETENTION_TTL = 12.0
+# A small decode cache (blocks of 128 tokens) so that budgets and memory pressure are reachable
+# with the tiny model; retentions may hold a quarter of it.
+DECODE_BLOCKS = 400
+RETENTION_BUDGET = 0.25
+
+
+@pytest.fixture(scope="session")
+def say(pytestconfig: pytest.Config) -> Callable[[str], None]:
+    """Print past pytest's capture (start-up and restarts take long and must not look hung)."""
+    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+
+    def emit(message: str) -> None:
+        with capture.global_and_fixture_disabled():
+            print(f"\n[e2e] {message}", flush=True)  # noqa: T201
+
+    return emit
 
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory,
-          pytestconfig: pytest.Config) -> Iterator[Stack]:
-    # Start-up takes 1-2 minutes and should not look like a hang: print past pytest's capture.
-    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
-
-    def say(message: str) -> None:
-        with capture.global_and_fixture_disabled():
-            print(f"\n[e2e] {message}", flush=True)  # noqa: T201
-
+          say: Callable[[str], None]) -> Iterator[Stack]:
     def progress(elapsed: float, ready: list[str], waiting: list[str]) -> None:
         if waiting and int(elapsed) % 15 == 0 and elapsed - int(elapsed) < 0.5:
             say(f"starting vLLM stack: {elapsed:.0f} s, waiting for {', '.join(waiting)}")
@@ -35,10 +47,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory,
     state = tmp_path_factory.mktemp("stack")
     ports = {name: free_port() for name in (
         "router_port", "prefill_port", "decode_port", "reference_port",
-        "prefill_side_channel_port", "decode_side_channel_port")}
+        "prefill_side_channel_port", "decode_side_channel_port", "prefill_control_port",
+        "decode_control_port")}
     cfg = StackConfig(state_dir=state, model_dir=Path(state) / "model", with_reference=True,
-                      kv_read_timeout=KV_READ_TIMEOUT, bidirectional=True,
-                      decoder_kv_blocks_ttl=120, **ports)
+                      kv_read_timeout=KV_READ_TIMEOUT, decoder_kv_blocks_ttl=RETENTION_TTL,
+                      retention_max_hold=10 * RETENTION_TTL, retention_budget=RETENTION_BUDGET,
+                      decode_num_blocks=DECODE_BLOCKS, **ports)
     started = time.monotonic()
     with Stack(cfg, die_with_parent=True) as running:
         running.start(progress=progress)

@@ -35,5 +35,5 @@ def test_plot_is_a_png(tmp_path: Path) -> None:
 def test_the_benchmark_stack_reuses_on_the_bench_model(tmp_path: Path) -> None:
     cfg = bench_config(tmp_path, {"router_port": 9000})
     assert cfg.model_size == "bench" and cfg.max_model_len >= 16384 + 1024
-    assert cfg.bidirectional and not cfg.prefill_prefix_caching and cfg.with_reference
+    assert not cfg.prefill_prefix_caching and cfg.with_reference
     assert cfg.router_port == 9000

@@ -31,3 +31,38 @@ def test_timeout_must_be_positive_number(bad: object) -> None:
 def test_flags_must_be_booleans() -> None:
     with pytest.raises(ConnectorConfigError, match="nixl_progress_thread must be true or false"):
         ConnectorConfig.from_extra({"nixl_progress_thread": "yes"})
+
+
+def test_retention_defaults() -> None:
+    cfg = ConnectorConfig()
+    assert cfg.control_host == "127.0.0.1" and cfg.control_port is None
+    assert cfg.decoder_kv_blocks_ttl == 480.0 and cfg.retention_max_hold == 3600.0
+    assert cfg.retention_budget == 0.5 and cfg.retention_max_pin == 300.0
+
+
+def test_retention_values() -> None:
+    cfg = ConnectorConfig.from_extra({
+        "control_host": "::1", "control_port": 8201, "decoder_kv_blocks_ttl": 5,
+        "retention_max_hold": 60, "retention_budget": 0, "retention_max_pin": 30})
+    assert (cfg.control_host, cfg.control_port) == ("::1", 8201)
+    assert cfg.decoder_kv_blocks_ttl == 5.0 and cfg.retention_budget == 0.0
+
+
+@pytest.mark.parametrize(("key", "bad", "message"), [
+    ("control_port", 0, "control_port must be a TCP port"),
+    ("control_port", 70000, "control_port must be a TCP port"),
+    ("control_port", "8201", "control_port must be a TCP port"),
+    ("control_host", "", "control_host must be a host address"),
+    ("control_host", "example.com", "control_host must be an IP address or localhost"),
+    ("retention_budget", 1.5, "retention_budget must be a fraction"),
+    ("retention_budget", -0.1, "retention_budget must be a fraction"),
+    ("decoder_kv_blocks_ttl", 0, "decoder_kv_blocks_ttl must be a positive number"),
+])
+def test_bad_retention_values_name_the_key(key: str, bad: object, message: str) -> None:
+    with pytest.raises(ConnectorConfigError, match=message):
+        ConnectorConfig.from_extra({key: bad})
+
+
+def test_max_hold_below_the_ttl_is_refused() -> None:
+    with pytest.raises(ConnectorConfigError, match=r"retention_max_hold .* must be at least"):
+        ConnectorConfig.from_extra({"decoder_kv_blocks_ttl": 600, "retention_max_hold": 60})

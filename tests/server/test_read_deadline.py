@@ -35,6 +35,10 @@ class FakeStats:
     def __init__(self) -> None:
         self.done = 0
         self.failed = 0
+        self.recorded: list[str] = []
+
+    def record(self, key: str, value: object) -> None:
+        self.recorded.append(key)
 
     def record_transfer(self, res: Any) -> None:
         self.done += 1

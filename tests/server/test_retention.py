@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvturn_server.connector._hashing import block_hashes
-from kvturn_server.connector._retention import Retention, RetentionTable
+from kvturn_server.connector._retention import GoneReason, Retention, RetentionTable
 
 BS = 4
 
@@ -181,11 +181,12 @@ def test_keepalive_missing_key(table: RetentionTable) -> None:
 
 def test_release(table: RetentionTable) -> None:
     retain(table, "conv", 3)
-    r = table.release("conv")
-    assert r is not None and r.key == "conv"
+    existed, freed = table.release("conv")
+    assert existed and keys(freed) == ["conv"]
     assert table.get("conv") is None and len(table) == 0 and table.retained_blocks == 0
-    assert table.release("conv") is None
+    assert table.release("conv") == (False, [])
     assert table.stats.released == 1
+    assert table.gone_reason("conv") == GoneReason.RELEASED
 
 
 def test_release_hands_back_an_expired_retention_still_held(
@@ -193,8 +194,8 @@ def test_release_hands_back_an_expired_retention_still_held(
 ) -> None:
     retain(table, "conv", 3)
     clock.advance(500)
-    r = table.release("conv")
-    assert r is not None and r.num_blocks == 3
+    existed, freed = table.release("conv")
+    assert existed and [r.num_blocks for r in freed] == [3]
     assert table.expire() == []
     assert table.retained_blocks == 0
 
@@ -460,29 +461,165 @@ def test_random_operations_keep_the_books_balanced(clock: FakeClock) -> None:
             for block_id in r.block_ids:
                 assert held.pop(block_id) == r.key
 
-    for _ in range(3000):
+    pins: list[str] = []
+    for step in range(3000):
         clock.advance(rng.random() * 5)
         key = f"c{rng.randrange(12)}"
-        op = rng.randrange(6)
+        op = rng.randrange(8)
         if op == 0:
             n = rng.randrange(1, 15)
             ids = blocks(n)
             for block_id in ids:
                 held[block_id] = key
-            free(table.retain(key, "r", ids, hashes(n - 1), n * BS - 1))
+            free(table.retain(key, f"r{step}", ids, hashes(n - 1), n * BS - 1))
+        elif op == 6:
+            pinned = table.pin(key, rng.random() * 20 + 1)
+            if pinned is not None:
+                pins.append(pinned[1].pin_id)
+        elif op == 7 and pins:
+            free(table.unpin(pins.pop(rng.randrange(len(pins))))[1])
         elif op == 1:
             table.touch(key)
         elif op == 2:
             table.keepalive(key)
         elif op == 3:
-            released = table.release(key)
-            free([released] if released else [])
+            free(table.release(key)[1])
         elif op == 4:
             free(table.expire())
         else:
             free(table.evict_for(rng.randrange(10)))
-        assert table.retained_blocks == len(held) <= 40
+        assert table.held_blocks == len(held)
+        assert table.retained_blocks <= 40
         for r in table._entries.values():
             assert r.expires_at <= r.hold_until
+    for pin_id in pins:
+        free(table.unpin(pin_id)[1])
     free(table.evict_for(10**6))
-    assert held == {} and len(table) == 0
+    assert held == {} and len(table) == 0 and table.held_blocks == 0
+
+
+# Pins: a read in flight keeps its blocks whatever happens to the retention.
+
+
+def test_pin_returns_the_live_retention_and_does_not_extend_it(
+    table: RetentionTable, clock: FakeClock,
+) -> None:
+    retain(table, "conv", 2)
+    pinned = table.pin("conv", 30)
+    assert pinned is not None
+    retention, pin = pinned
+    assert retention.key == "conv" and pin.key == "conv" and pin.expires_at == 1030.0
+    assert table.get("conv") == retention  # not a use, not a renewal
+    assert table.stats.pinned == 1 and table.num_pins == 1
+    assert table.pin("other", 30) is None
+
+
+def test_pin_ttl_is_capped(clock: FakeClock) -> None:
+    table = RetentionTable(budget_blocks=10, max_pin=5.0, clock=clock)
+    retain(table, "conv", 1)
+    pinned = table.pin("conv", 100)
+    assert pinned is not None and pinned[1].expires_at == 1005.0
+    with pytest.raises(ValueError, match="pin ttl"):
+        table.pin("conv", 0)
+
+
+def test_an_expired_retention_cannot_be_pinned(table: RetentionTable, clock: FakeClock) -> None:
+    retain(table, "conv", 1)
+    clock.advance(480)
+    assert table.pin("conv", 30) is None
+    assert table.gone_reason("conv") == GoneReason.EXPIRED
+
+
+def test_release_of_a_pinned_retention_drains_until_unpin(table: RetentionTable) -> None:
+    retain(table, "conv", 3)
+    pinned = table.pin("conv", 30)
+    assert pinned is not None
+    assert table.release("conv") == (True, [])
+    assert table.get("conv") is None and table.pin("conv", 30) is None
+    assert table.retained_blocks == 0 and table.held_blocks == 3
+    existed, freed = table.unpin(pinned[1].pin_id)
+    assert existed and keys(freed) == ["conv"] and table.held_blocks == 0
+    assert table.unpin(pinned[1].pin_id) == (False, [])
+
+
+def test_replacement_of_a_pinned_retention_drains(table: RetentionTable) -> None:
+    retain(table, "conv", 2, request_id="turn-1")
+    pinned = table.pin("conv", 30)
+    assert pinned is not None
+    assert retain(table, "conv", 3, request_id="turn-2") == []
+    assert table.held_blocks == 5
+    freed = table.unpin(pinned[1].pin_id)[1]
+    assert [r.request_id for r in freed] == ["turn-1"]
+    current = table.get("conv")
+    assert current is not None and current.request_id == "turn-2"
+
+
+def test_two_pins_hold_until_the_last_goes(table: RetentionTable) -> None:
+    retain(table, "conv", 2)
+    first, second = table.pin("conv", 30), table.pin("conv", 30)
+    assert first is not None and second is not None
+    table.release("conv")
+    assert table.unpin(first[1].pin_id) == (True, [])
+    assert keys(table.unpin(second[1].pin_id)[1]) == ["conv"]
+
+
+def test_unpinning_a_retention_still_in_the_table_frees_nothing(table: RetentionTable) -> None:
+    retain(table, "conv", 2)
+    pinned = table.pin("conv", 30)
+    assert pinned is not None
+    assert table.unpin(pinned[1].pin_id) == (True, [])
+    assert table.get("conv") is not None and table.held_blocks == 2
+
+
+def test_a_lapsed_pin_lets_an_expired_retention_go(table: RetentionTable, clock: FakeClock) -> None:
+    retain(table, "conv", 2)
+    clock.advance(470)
+    assert table.pin("conv", 20) is not None
+    clock.advance(10)
+    assert table.expire() == []  # expired, but the read may still be running
+    assert table.held_blocks == 2 and table.get("conv") is None
+    clock.advance(10)
+    assert keys(table.expire()) == ["conv"]
+    assert table.held_blocks == 0 and table.stats.pins_expired == 1
+
+
+def test_eviction_skips_pinned_retentions(clock: FakeClock) -> None:
+    table = RetentionTable(budget_blocks=6, clock=clock)
+    retain(table, "old", 3)
+    clock.advance(1)
+    retain(table, "mid", 3)
+    assert table.pin("old", 30) is not None
+    clock.advance(1)
+    assert keys(retain(table, "new", 3)) == ["mid"]  # "old" is older but pinned
+    assert keys(table.evict_for(100)) == ["new"]
+    assert table.evict_for(100) == []  # only the pinned one is left
+    assert table.gone_reason("mid") == GoneReason.EVICTED
+
+
+def test_draining_blocks_count_against_the_budget(clock: FakeClock) -> None:
+    table = RetentionTable(budget_blocks=6, clock=clock)
+    retain(table, "a", 4)
+    assert table.pin("a", 30) is not None
+    table.release("a")
+    retain(table, "b", 1)
+    assert keys(retain(table, "c", 2)) == ["b"]  # 4 draining + 2 new fill the budget
+
+
+def test_next_deadline_covers_leases_and_pins(table: RetentionTable, clock: FakeClock) -> None:
+    assert table.next_deadline() is None
+    retain(table, "conv", 1)
+    assert table.next_deadline() == 1480.0
+    assert table.pin("conv", 10) is not None
+    assert table.next_deadline() == 1010.0
+
+
+def test_gone_reasons_are_remembered_within_bounds(clock: FakeClock) -> None:
+    table = RetentionTable(budget_blocks=100, remember=2, clock=clock)
+    for key in ("a", "b", "c"):
+        retain(table, key, 1)
+        table.release(key)
+    assert table.gone_reason("a") == GoneReason.NO_RETENTION  # forgotten: cap of 2
+    assert table.gone_reason("c") == GoneReason.RELEASED
+    retain(table, "c", 1)
+    table.retain("c", "again", blocks(1), hashes(1), BS)
+    assert table.gone_reason("never") == GoneReason.NO_RETENTION

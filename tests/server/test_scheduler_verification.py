@@ -26,6 +26,7 @@ def scheduler(threshold: int = 0) -> KVTurnPullScheduler:
     sched = KVTurnPullScheduler.__new__(KVTurnPullScheduler)
     sched.block_size = BS
     sched.kv_recompute_threshold = threshold
+    sched.is_bidirectional_kv_xfer_enabled = True
     return sched
 
 

@@ -134,13 +134,16 @@ def test_a_server_that_never_gets_healthy_times_out(tmp_path: Path) -> None:
         stop_group(proc.pid, grace=5)
 
 
-def test_bidirectional_and_prefix_cache_switches(tmp_path: Path) -> None:
-    cfg = StackConfig(state_dir=tmp_path, bidirectional=True, decoder_kv_blocks_ttl=60,
+def test_retention_and_prefix_cache_switches(tmp_path: Path) -> None:
+    cfg = StackConfig(state_dir=tmp_path, decoder_kv_blocks_ttl=60, retention_budget=0.25,
                       prefill_prefix_caching=False)
     specs = {s.name: s for s in server_specs(cfg)}
     assert "--no-enable-prefix-caching" in specs["prefill"].argv
     assert "--no-enable-prefix-caching" not in specs["decode"].argv
-    extra = kv_transfer_config(cfg, "kv_consumer")["kv_connector_extra_config"]
-    assert extra["bidirectional_kv_xfer"] is True and extra["decoder_kv_blocks_ttl"] == 60
-    assert "bidirectional_kv_xfer" not in kv_transfer_config(
-        StackConfig(), "kv_consumer")["kv_connector_extra_config"]
+    decode = kv_transfer_config(cfg, "kv_consumer")["kv_connector_extra_config"]
+    assert decode == {"kv_read_timeout": 20.0, "control_port": 8201,
+                      "decoder_kv_blocks_ttl": 60, "retention_max_hold": 3600.0,
+                      "retention_budget": 0.25}
+    prefill = kv_transfer_config(cfg, "kv_producer")["kv_connector_extra_config"]
+    # The connector turns vLLM's bidirectional read on for prefills itself, never on decodes.
+    assert prefill == {"kv_read_timeout": 20.0, "control_port": 8101}

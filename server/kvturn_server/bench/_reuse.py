@@ -25,14 +25,18 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvturn_server.local._direct import (
+    NULL_PARAMS,
+    DirectConversation,
+    control,
+    retention_path,
+)
 from kvturn_server.local._http import post_json
 from kvturn_server.local._metrics import prompt_sources
 from kvturn_server.local._stack import Stack, StackConfig
 
 GENERATED = 32
 NEW_TOKENS = 64
-NULL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-               "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,9 @@ def bench_config(state_dir: Path, ports: dict[str, Any]) -> StackConfig:
     """The stack the benchmark needs: bench model, 32k context, decode->prefill reuse on."""
     cfg = StackConfig(
         state_dir=state_dir, model_size="bench", served_model_name="kvturn-bench",
-        max_model_len=32768, kv_cache_gib=2, bidirectional=True, decoder_kv_blocks_ttl=60,
-        prefill_prefix_caching=False, with_reference=True, kv_read_timeout=30)
+        max_model_len=32768, kv_cache_gib=2, decoder_kv_blocks_ttl=60,
+        prefill_prefix_caching=False, with_reference=True, with_router=False,
+        kv_read_timeout=30)
     return replace(cfg, **ports)
 
 
@@ -81,27 +86,34 @@ class _Runner:
     def _post(self, base_url: str, body: dict[str, Any]) -> dict[str, Any]:
         return post_json(f"{base_url}/v1/completions", body, timeout=600)
 
-    def _ttft(self, prompt: list[int], prefill_params: dict[str, Any]) -> float:
-        started = time.perf_counter()
+    def _ttft(self, prompt: list[int], prefill_params: dict[str, Any],
+              started: float | None = None) -> float:
+        started = time.perf_counter() if started is None else started
         prefilled = self._post(self.cfg.prefill_url, self._body(prompt, 1, prefill_params))
         self._post(self.cfg.decode_url, self._body(prompt, 1, prefilled["kv_transfer_params"]))
         return (time.perf_counter() - started) * 1000
 
     def run(self, tokens: int) -> tuple[float, float, float, float, float]:
         cfg = self.cfg
+        conv = DirectConversation(cfg.prefill_url, cfg.decode_url, cfg.decode_control_url,
+                                  cfg.served_model_name, key=f"bench/{self.rng.random()}")
         first = [self.rng.randrange(10, 1600) for _ in range(tokens)]
-        prefilled = self._post(cfg.prefill_url, self._body(first, 1, dict(NULL_PARAMS)))
-        decoded = self._post(cfg.decode_url,
-                             self._body(first, GENERATED, prefilled["kv_transfer_params"]))
-        history = first + decoded["choices"][0]["token_ids"]
-        retained = decoded["kv_transfer_params"]
+        history = first + conv.turn(first, GENERATED).token_ids
         nxt = history + [self.rng.randrange(10, 1600) for _ in range(NEW_TOKENS)]
 
         recompute = self._ttft(nxt, dict(NULL_PARAMS))
         before = prompt_sources(cfg.prefill_url)
-        reuse = self._ttft(nxt, {**retained, "do_remote_decode": True,
-                                 "do_remote_prefill": False})
+        # The pin is part of a router's turn too: it is inside the measured time.
+        started = time.perf_counter()
+        status, pinned = control(cfg.decode_control_url, "POST",
+                                 retention_path(conv.key, "pin"), {"ttl": 60})
+        if status != 200:
+            raise RuntimeError(f"the benchmark's retention is gone: {pinned}")
+        reuse = self._ttft(nxt, {**pinned["params"], "do_remote_decode": True,
+                                 "do_remote_prefill": False}, started)
+        control(cfg.decode_control_url, "DELETE", f"/kvturn/v1/pins/{pinned['pin_id']}")
         sources = prompt_sources(cfg.prefill_url) - before
+        conv.release()
 
         self._post(cfg.reference_url, self._body(history, 1))
         started = time.perf_counter()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import ipaddress
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -22,31 +23,100 @@ class ConnectorConfig:
             and the connector's per-step polling already drives transfers.
         keep_thread_affinity: undo vLLM's CPU re-pinning of the model thread (CPU platforms).
         request_amx: ask Linux for AMX tile permission at start-up (x86 hosts with AMX).
+        control_host: address of the control endpoint (docs/http-api.md, section C).
+        control_port: its port; unset means no control endpoint, and then a decode retains
+            nothing (nobody could pin, describe or release what it kept). With data parallelism
+            each rank adds its index, like vLLM's NIXL side channel.
+        decoder_kv_blocks_ttl: seconds a decode keeps a finished conversation's KV unless
+            renewed (vLLM's key, with kvturn's lease semantics: renewable, releasable).
+        retention_max_hold: seconds no keepalive can extend a retention past, from its creation.
+        retention_budget: fraction of the decode's KV blocks retentions may hold; 0 turns
+            retention off. Live requests that need blocks evict retentions whatever the budget.
+        retention_max_pin: cap, in seconds, on a read pin's lifetime.
     """
 
     kv_read_timeout: float = 20.0
     nixl_progress_thread: bool = False
     keep_thread_affinity: bool = True
     request_amx: bool = True
+    control_host: str = "127.0.0.1"
+    control_port: int | None = None
+    decoder_kv_blocks_ttl: float = 480.0
+    retention_max_hold: float = 3600.0
+    retention_budget: float = 0.5
+    retention_max_pin: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.retention_max_hold < self.decoder_kv_blocks_ttl:
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config.retention_max_hold ({self.retention_max_hold:g} s) "
+                f"must be at least decoder_kv_blocks_ttl ({self.decoder_kv_blocks_ttl:g} s)")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Validate kvturn's keys in ``extra``; unknown keys are vLLM's and are left alone."""
         extra = extra or {}
         values: dict[str, Any] = {}
         for field in fields(cls):
-            if field.name not in extra:
-                continue
-            raw = extra[field.name]
-            if field.type == "float":
-                if isinstance(raw, bool) or not isinstance(raw, int | float) or raw <= 0:
-                    raise ConnectorConfigError(
-                        f"kv_connector_extra_config.{field.name} must be a positive number "
-                        f"of seconds, got {raw!r}")
-                values[field.name] = float(raw)
-            elif field.type == "bool":
-                if not isinstance(raw, bool):
-                    raise ConnectorConfigError(
-                        f"kv_connector_extra_config.{field.name} must be true or false, "
-                        f"got {raw!r}")
-                values[field.name] = raw
+            if field.name in extra:
+                values[field.name] = _PARSERS[field.name](field.name, extra[field.name])
         return cls(**values)
+
+
+def _seconds(name: str, raw: Any) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not raw > 0:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{name} must be a positive number of seconds, "
+            f"got {raw!r}")
+    return float(raw)
+
+
+def _flag(name: str, raw: Any) -> bool:
+    if not isinstance(raw, bool):
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{name} must be true or false, got {raw!r}")
+    return raw
+
+
+def _host(name: str, raw: Any) -> str:
+    if not isinstance(raw, str) or not raw:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{name} must be a host address, got {raw!r}")
+    if raw != "localhost":
+        try:
+            ipaddress.ip_address(raw)
+        except ValueError as exc:
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config.{name} must be an IP address or localhost, "
+                f"got {raw!r}") from exc
+    return raw
+
+
+def _port(name: str, raw: Any) -> int | None:
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int) or not 0 < raw < 65536:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{name} must be a TCP port (1-65535), got {raw!r}")
+    return raw
+
+
+def _fraction(name: str, raw: Any) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0 <= raw <= 1:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{name} must be a fraction from 0 to 1, got {raw!r}")
+    return float(raw)
+
+
+_PARSERS: dict[str, Callable[[str, Any], Any]] = {
+    "kv_read_timeout": _seconds,
+    "nixl_progress_thread": _flag,
+    "keep_thread_affinity": _flag,
+    "request_amx": _flag,
+    "control_host": _host,
+    "control_port": _port,
+    "decoder_kv_blocks_ttl": _seconds,
+    "retention_max_hold": _seconds,
+    "retention_budget": _fraction,
+    "retention_max_pin": _seconds,
+}

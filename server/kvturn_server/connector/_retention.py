@@ -13,18 +13,30 @@ the whole answer here:
 - **Evicted**: least recently used first, when the retention budget is exceeded or live requests
   need blocks. Retention is an optimisation; it must never starve live decoding.
 
+**Pins** protect reads in flight. A prefill reads a retention's blocks over NIXL without the
+decode taking part, so the decode cannot tell when a read starts. The router therefore pins the
+retention (a short lease of its own) before it sends the prefill leg, and unpins it after. While
+a retention is pinned its blocks are never handed back, whatever happens to the retention:
+released, replaced, expired or evicted, it leaves the table at once (nobody can pin it again) but
+its blocks stay held ("draining") until the last pin goes, by unpin or by the pin's own expiry.
+Eviction prefers unpinned retentions.
+
 The table never frees blocks itself: every method that drops a retention returns it, and the
 caller must return its ``block_ids`` to the allocator. That keeps this file free of vLLM and
 lets the caller free blocks inside the scheduler step, where vLLM allows it.
+
+The table is not thread-safe; its owner serialises access.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from enum import StrEnum
 
 from kvturn_server.connector._hashing import HASH_SIZE
 
@@ -75,6 +87,33 @@ class Retention:
         return now < self.expires_at
 
 
+class GoneReason(StrEnum):
+    """Why a key has no live retention (the control API's ``code``)."""
+
+    NO_RETENTION = "no_retention"
+    EXPIRED = "expired"
+    RELEASED = "released"
+    EVICTED = "evicted"
+    REPLACED = "replaced"
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """A short hold on one retention's blocks for a read in flight.
+
+    Attributes:
+        pin_id: the handle to unpin with.
+        key: the conversation key the pin was taken on.
+        request_id: identifies the pinned retention (a key's next turn is another retention).
+        expires_at: clock time the pin lapses if nobody unpins it.
+    """
+
+    pin_id: str
+    key: str
+    request_id: str
+    expires_at: float
+
+
 @dataclass(slots=True)
 class RetentionStats:
     """Counters since the table was built (for the control endpoint and metrics).
@@ -91,6 +130,8 @@ class RetentionStats:
     evicted: int = 0
     replaced: int = 0
     refused: int = 0
+    pinned: int = 0
+    pins_expired: int = 0
 
 
 class RetentionTable:
@@ -115,17 +156,23 @@ class RetentionTable:
         budget_blocks: int,
         ttl: float = 480.0,
         max_hold: float = 3600.0,
+        max_pin: float = 300.0,
+        remember: int = 4096,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if isinstance(budget_blocks, bool) or not isinstance(budget_blocks, int) \
                 or budget_blocks < 0:
             raise ValueError(f"budget_blocks must be a non-negative int, got {budget_blocks!r}")
-        for name, value in (("ttl", ttl), ("max_hold", max_hold)):
+        for name, value in (("ttl", ttl), ("max_hold", max_hold), ("max_pin", max_pin)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if isinstance(remember, bool) or not isinstance(remember, int) or remember < 0:
+            raise ValueError(f"remember must be a non-negative int, got {remember!r}")
         self.budget_blocks = budget_blocks
         self.ttl = float(ttl)
         self.max_hold = float(max_hold)
+        self.max_pin = float(max_pin)
+        self.remember = remember
         self.stats = RetentionStats()
         self._clock = clock
         # Insertion order is recency order: first is least recently used.
@@ -136,6 +183,15 @@ class RetentionTable:
         self._heap: list[tuple[float, int, str]] = []
         self._heap_seq: dict[str, int] = {}
         self._next_seq = 0
+        self._pins: dict[str, Pin] = {}
+        # (key, request_id) -> live pin count, for retentions in the table and draining ones.
+        self._pin_counts: dict[tuple[str, str], int] = {}
+        # Retentions dropped from the table while pinned: blocks still held.
+        self._draining: dict[tuple[str, str], Retention] = {}
+        self._draining_blocks = 0
+        self._pin_ids = itertools.count(1)
+        # Recently dropped keys and why, so that "no retention" can say "expired" or "evicted".
+        self._gone: OrderedDict[str, GoneReason] = OrderedDict()
 
     def __len__(self) -> int:
         """Retentions held, including expired ones not yet handed back by :meth:`expire`."""
@@ -145,6 +201,26 @@ class RetentionTable:
     def retained_blocks(self) -> int:
         """Blocks held by all retentions (expired ones included until handed back)."""
         return self._retained_blocks
+
+    @property
+    def held_blocks(self) -> int:
+        """Every block the table keeps from the allocator: retained plus draining."""
+        return self._retained_blocks + self._draining_blocks
+
+    @property
+    def num_pins(self) -> int:
+        return len(self._pins)
+
+    def retentions(self) -> list[Retention]:
+        """The retentions in the table, least recently used first (expired ones included)."""
+        return list(self._entries.values())
+
+    def gone_reason(self, key: str) -> GoneReason:
+        """Why ``key`` has no live retention (meaningful when :meth:`get` returns None)."""
+        retention = self._entries.get(key)
+        if retention is not None and not retention.is_live(self._clock()):
+            return GoneReason.EXPIRED
+        return self._gone.get(key, GoneReason.NO_RETENTION)
 
     def retain(
         self,
@@ -179,7 +255,7 @@ class RetentionTable:
         previous = self._drop(key)
         if previous is not None:
             self.stats.replaced += 1
-            freed.append(previous)
+            freed.extend(self._hand_back(previous))
         retention = Retention(
             key=key,
             request_id=request_id,
@@ -193,11 +269,13 @@ class RetentionTable:
         )
         if retention.num_blocks > self.budget_blocks:
             self.stats.refused += 1
+            self._remember(key, GoneReason.EVICTED)
             freed.append(retention)
             return freed
         freed.extend(self._free_blocks(
-            self._retained_blocks + retention.num_blocks - self.budget_blocks, now))
+            self.held_blocks + retention.num_blocks - self.budget_blocks, now))
         self._store(retention)
+        self._gone.pop(key, None)
         self.stats.created += 1
         return freed
 
@@ -244,31 +322,73 @@ class RetentionTable:
         self.stats.renewed += 1
         return retention
 
-    def release(self, key: str) -> Retention | None:
-        """Drop the key's retention and return it for freeing, or None if there is none.
+    def release(self, key: str) -> tuple[bool, list[Retention]]:
+        """Drop the key's retention: (whether there was one, retentions to free now).
 
-        Returns the retention even if it has expired but not yet been handed back: its blocks
-        are still held, and the caller is the one who frees them.
+        An expired retention not yet handed back still counts as "there was one": its blocks
+        are held until someone frees them. A pinned one is released but drains, so the list
+        is empty until its last pin goes.
         """
         retention = self._drop(key)
-        if retention is not None:
-            self.stats.released += 1
-        return retention
+        if retention is None:
+            return False, []
+        self.stats.released += 1
+        self._remember(key, GoneReason.RELEASED)
+        return True, self._hand_back(retention)
 
     def expire(self) -> list[Retention]:
-        """Drop and return every retention whose lease has run out, soonest expiry first."""
+        """Drop every retention whose lease has run out and every pin that lapsed; return
+        what is now free (expired unpinned retentions, soonest first, then draining retentions
+        whose last pin lapsed)."""
         now = self._clock()
         freed: list[Retention] = []
         while (retention := self._pop_expired(now)) is not None:
-            freed.append(retention)
+            freed.extend(self._hand_back(retention))
+        for pin in [p for p in self._pins.values() if p.expires_at <= now]:
+            self.stats.pins_expired += 1
+            freed.extend(self._unpin(pin))
         return freed
+
+    def pin(self, key: str, ttl: float) -> tuple[Retention, Pin] | None:
+        """Pin the key's live retention for ``ttl`` seconds (capped at ``max_pin``); None if
+        there is no live retention. A pin does not extend the lease and is not a use."""
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
+            raise ValueError(f"pin ttl must be a positive number of seconds, got {ttl!r}")
+        now = self._clock()
+        retention = self._entries.get(key)
+        if retention is None or not retention.is_live(now):
+            return None
+        pin = Pin(f"pin-{next(self._pin_ids)}", key, retention.request_id,
+                  now + min(float(ttl), self.max_pin))
+        self._pins[pin.pin_id] = pin
+        ident = (key, retention.request_id)
+        self._pin_counts[ident] = self._pin_counts.get(ident, 0) + 1
+        self.stats.pinned += 1
+        return retention, pin
+
+    def unpin(self, pin_id: str) -> tuple[bool, list[Retention]]:
+        """Drop a pin: (whether it existed, retentions whose blocks are now free)."""
+        pin = self._pins.get(pin_id)
+        if pin is None:
+            return False, []
+        return True, self._unpin(pin)
+
+    def next_deadline(self) -> float | None:
+        """The soonest clock time at which :meth:`expire` would have something to do."""
+        times = [p.expires_at for p in self._pins.values()]
+        while self._heap and self._heap_seq.get(self._heap[0][2]) != self._heap[0][1]:
+            heapq.heappop(self._heap)
+        if self._heap:
+            times.append(self._heap[0][0])
+        return min(times) if times else None
 
     def evict_for(self, blocks_needed: int) -> list[Retention]:
         """Free retentions until at least ``blocks_needed`` blocks are freed or none are left.
 
         For when live requests need blocks the allocator does not have. Expired retentions go
-        first (they are dead anyway), then least recently used. It may free more than asked,
-        since retentions are freed whole.
+        first (they are dead anyway), then the least recently used unpinned ones; pinned
+        retentions are never chosen. It may free more than asked, since retentions are freed
+        whole, and less when only pinned retentions are left.
 
         Raises:
             ValueError: ``blocks_needed`` is not a non-negative int.
@@ -281,19 +401,33 @@ class RetentionTable:
     # Internals. _entries, _retained_blocks and _heap_seq change only in _store and _drop.
 
     def _free_blocks(self, needed: int, now: float) -> list[Retention]:
+        """Drop retentions until ``needed`` blocks are free or nothing unpinned is left.
+
+        Expired retentions go first, then the least recently used unpinned ones. A pinned
+        retention frees nothing now (its blocks drain), so it is never chosen for room.
+        """
         freed: list[Retention] = []
-        while needed > 0 and self._entries:
-            retention = self._pop_expired(now)
+        while needed > 0:
+            retention = self._pop_expired(now, unpinned_only=True)
             if retention is None:
-                retention = self._drop(next(iter(self._entries)))
+                victim = next((k for k, r in self._entries.items()
+                               if (k, r.request_id) not in self._pin_counts), None)
+                if victim is None:
+                    break
+                retention = self._drop(victim)
                 assert retention is not None
                 self.stats.evicted += 1
+                self._remember(victim, GoneReason.EVICTED)
             freed.append(retention)
             needed -= retention.num_blocks
         return freed
 
-    def _pop_expired(self, now: float) -> Retention | None:
-        """Drop and return the soonest-expiring retention if it has expired, else None."""
+    def _pop_expired(self, now: float, *, unpinned_only: bool = False) -> Retention | None:
+        """Drop and return the soonest-expiring retention if it has expired, else None.
+
+        With ``unpinned_only`` a pinned expired retention at the top of the heap stops the
+        search (it would free nothing now); it is dropped by the next plain :meth:`expire`.
+        """
         heap = self._heap
         while heap:
             expires_at, seq, key = heap[0]
@@ -302,11 +436,45 @@ class RetentionTable:
                 continue
             if now < expires_at:
                 return None
+            if unpinned_only and (key, self._entries[key].request_id) in self._pin_counts:
+                return None
             heapq.heappop(heap)
             retention = self._drop(key)
             self.stats.expired += 1
+            self._remember(key, GoneReason.EXPIRED)
             return retention
         return None
+
+    def _hand_back(self, retention: Retention) -> list[Retention]:
+        """A retention just dropped from the table: free it now, or let it drain if pinned."""
+        ident = (retention.key, retention.request_id)
+        if ident in self._pin_counts:
+            self._draining[ident] = retention
+            self._draining_blocks += retention.num_blocks
+            return []
+        return [retention]
+
+    def _unpin(self, pin: Pin) -> list[Retention]:
+        del self._pins[pin.pin_id]
+        ident = (pin.key, pin.request_id)
+        left = self._pin_counts[ident] - 1
+        if left:
+            self._pin_counts[ident] = left
+            return []
+        del self._pin_counts[ident]
+        retention = self._draining.pop(ident, None)
+        if retention is None:
+            return []  # still in the table, unpinned now
+        self._draining_blocks -= retention.num_blocks
+        return [retention]
+
+    def _remember(self, key: str, reason: GoneReason) -> None:
+        if not self.remember:
+            return
+        self._gone[key] = reason
+        self._gone.move_to_end(key)
+        while len(self._gone) > self.remember:
+            self._gone.popitem(last=False)
 
     def _store(self, retention: Retention) -> None:
         self._entries[retention.key] = retention

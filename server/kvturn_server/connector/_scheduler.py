@@ -1,65 +1,229 @@
-"""Scheduler side: vLLM's NIXL pull scheduler plus content verification of decode -> prefill reads.
+"""Scheduler side: vLLM's NIXL pull scheduler plus kvturn's reuse, retention and control.
 
-vLLM's bidirectional mode lets a prefill read the blocks a decode kept after the previous turn,
-but it assumes the new prompt extends the decode's sequence block for block and reads the *tail*
-of the decode's block list. When history was edited (a message removed, reasoning stripped, a
-re-rendered assistant turn) that reads the wrong blocks and silently changes the answer
-(vLLM issue #43094).
+On a **prefill** (``kv_producer``), a prefill leg may carry a decode's retention (pinned by the
+router, see docs/http-api.md). vLLM's bidirectional mode would read the *tail* of the decode's
+block list, assuming the new prompt extends the decode's sequence block for block; after an edit
+(a message removed, reasoning stripped, a re-rendered assistant turn) that reads the wrong
+blocks and silently changes the answer (vLLM issue #43094). Here the decode publishes a chained
+content hash per full block it retains, and the prefill reads only the blocks whose hashes equal
+those of its own prompt, block by block from the start, beyond its local prefix-cache hit; the
+rest is computed. The outcome goes back in the response's ``kvturn.reuse``.
 
-Here the decode publishes a chained content hash per full block of what it retains
-(``kv_transfer_params["kvturn"]["block_hashes"]``), and the prefill reads only the blocks whose
-hashes equal those of its own prompt, block by block from the start, beyond its local
-prefix-cache hit. Everything after the first differing block is computed.
+On a **decode** (``kv_consumer``), a finished request whose params name a conversation
+(``kvturn.conversation``) is retained under that key by the :class:`RetentionKeeper`, which also
+makes room for live requests and serves the control endpoint. vLLM's own bidirectional pinning
+stays off on decodes: it would pin every finished request, single-use, with a fixed TTL.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
 
+from kvturn_server.connector._config import ConnectorConfig
+from kvturn_server.connector._control import ControlServer
+from kvturn_server.connector._engine import EngineWaker, Housekeeper
 from kvturn_server.connector._hashing import block_hashes
-from kvturn_server.connector._reuse import decide_reuse
+from kvturn_server.connector._keeper import RetentionKeeper
+from kvturn_server.connector._retention import Retention
+from kvturn_server.connector._reuse import ReuseReason, decide_reuse
+from kvturn_server.connector._stats import KVTurnStats
 
 log = logging.getLogger("kvturn.connector")
 
 KVTURN_FIELD = "kvturn"
 FORMAT = 1
+READ_PREFIX = "kvturn-read/"
+"""``remote_request_id`` of a retention: the prefill's read-done notification carries it back,
+and the decode's worker recognises (and drops) it instead of freeing a vLLM request."""
+
+# Outcomes where a retention was offered and the prefill computed instead.
+_FALLBACKS = frozenset({ReuseReason.EXPIRED, ReuseReason.STALE, ReuseReason.UNVERIFIED,
+                        ReuseReason.BELOW_THRESHOLD})
+
+
+@dataclass
+class ReuseRecord:
+    """What a prefill leg did with the retention it was given (reported at finish)."""
+
+    reason: ReuseReason
+    reused_tokens: int
+    local_tokens: int
+    read_failed: bool = False
+
+    def report(self) -> dict[str, Any]:
+        if self.read_failed:
+            # The read was planned and failed (NIXL error, timeout, decode gone): vLLM's
+            # recompute policy computed those blocks, so nothing was reused.
+            return {"reason": ReuseReason.STALE.value, "reused_tokens": 0,
+                    "local_tokens": self.local_tokens, "read_failed": True}
+        return {"reason": self.reason.value, "reused_tokens": self.reused_tokens,
+                "local_tokens": self.local_tokens}
 
 
 class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
-    """Publishes block hashes on the decode; verifies them on the prefill before any read."""
+    """Verifies reads on prefills; retains, makes room and serves control on decodes."""
+
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any, *,
+                 config: ConnectorConfig | None = None) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.kvturn_config = config = config or ConnectorConfig()
+        self.is_decode = vllm_config.kv_transfer_config.kv_role == "kv_consumer"
+        self._reuse: dict[str, ReuseRecord] = {}
+        self._stats = KVTurnStats()
+        self._gauges: tuple[int, int, int] = (0, 0, 0)
+        self.keeper: RetentionKeeper | None = None
+        self.control: ControlServer | None = None
+        self._housekeeper: Housekeeper | None = None
+        role = "decode" if self.is_decode else "prefill"
+        if config.control_port is None:
+            if self.is_decode:
+                log.warning("kvturn: no control_port in kv_connector_extra_config, so this "
+                            "decode retains no KV for the next turn's prefill")
+            return
+        if self.is_decode:
+            self.keeper = self._make_keeper(kv_cache_config)
+        port = config.control_port + vllm_config.parallel_config.data_parallel_index
+        self.control = ControlServer(config.control_host, port, engine_id=engine_id, role=role,
+                                     keeper=self.keeper).start()
+
+    def _make_keeper(self, kv_cache_config: Any) -> RetentionKeeper | None:
+        cfg = self.kvturn_config
+        if cfg.retention_budget == 0:
+            log.info("kvturn: retention_budget is 0, so this decode retains nothing")
+            return None
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            log.warning("kvturn: this model has %d KV-cache groups; retention supports "
+                        "models with one (full attention), so it is off",
+                        len(kv_cache_config.kv_cache_groups))
+            return None
+        total = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+        return RetentionKeeper(
+            engine_id=self.engine_id, block_size=self.block_size,
+            block_bytes=total // max(kv_cache_config.num_blocks, 1),
+            budget=cfg.retention_budget, ttl=cfg.decoder_kv_blocks_ttl,
+            max_hold=cfg.retention_max_hold, max_pin=cfg.retention_max_pin,
+            publish=self._publish)
+
+    # Wiring done by the connector once the engine's cache manager exists.
+
+    def bind_block_pool(self, pool: Any) -> None:
+        if self.keeper is None:
+            return
+        self.keeper.bind(pool)
+        waker = EngineWaker.from_stack(self.keeper.service)
+        self.keeper.set_waker(waker.wake)
+        if waker.attached:
+            self._housekeeper = Housekeeper(self.keeper.due, waker).start()
+
+    def shutdown(self) -> None:
+        if self._housekeeper is not None:
+            self._housekeeper.stop()
+        if self.control is not None:
+            self.control.stop()
+        super().shutdown()
+
+    # vLLM hooks.
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        delay_free, params = super().request_finished(request, block_ids)
-        if delay_free and params is not None and params.get("do_remote_decode"):
-            # This is a decode keeping its blocks for the next turn's prefill.
-            num_tokens = int(params.get("remote_num_tokens") or 0)
-            tokens = list(request.all_token_ids)[:num_tokens]
-            params[KVTURN_FIELD] = {
-                # format: bumps when the fields below change meaning
-                "format": FORMAT,
-                # block_size: tokens per hashed block; the prefill must use the same
-                "block_size": self.block_size,
-                # block_hashes: hex chained hashes of each full retained block, in order
-                "block_hashes": [h.hex() for h in block_hashes(tokens, self.block_size)],
-            }
-        return delay_free, params
+        params = request.kv_transfer_params
+        delay_free, out = super().request_finished(request, block_ids)
+        if not isinstance(params, dict):
+            return delay_free, out
+        if params.get("do_remote_decode"):
+            record = self._reuse.pop(request.request_id, None)
+            if record is not None:
+                self._record_outcome(record)
+                if out is not None:
+                    out[KVTURN_FIELD] = {"reuse": record.report()}
+            return delay_free, out
+        info = params.get(KVTURN_FIELD)
+        key = info.get("conversation") if isinstance(info, dict) else None
+        if not isinstance(key, str) or not key:
+            return delay_free, out
+        return delay_free, self._retain(request, key, block_ids, out)
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_decode") and params.get("remote_block_ids"):
-            self._restrict_to_verified_blocks(request, num_computed_tokens, params)
+        if params and params.get("do_remote_decode"):
+            self._plan_reuse(request, num_computed_tokens, params)
+        elif self.keeper is not None:
+            # A waiting request is about to ask for blocks: retentions make way first.
+            bs = self.block_size
+            needed = -(-request.num_tokens // bs) - num_computed_tokens // bs + 1
+            self.keeper.make_room(needed)
         result: tuple[int | None, bool] = super().get_num_new_matched_tokens(
             request, num_computed_tokens)
         return result
 
+    def has_pending_block_frees(self) -> bool:
+        """vLLM asks before preempting a running request that could not get blocks."""
+        return self.keeper is not None and self.keeper.relieve()
+
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while a retention is pinned.
+
+        A prefill's read of retained blocks is one-sided, but UCX still needs this side's
+        worker to make progress (each engine step polls NIXL); an idle engine polls nothing
+        and the read would stall until its deadline. Pins bracket reads, so the engine steps
+        exactly while one may be in flight and idles otherwise.
+        """
+        return self.keeper is not None and self.keeper.has_pins()
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        if self.keeper is not None:
+            self.keeper.service()
+        return super().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            record = self._reuse.get(req_id)
+            if record is not None and record.reused_tokens:
+                record.read_failed = True
+
+    def take_stats(self) -> KVTurnStats | None:
+        """kvturn's stats since the last call (vLLM calls this every step)."""
+        stats = self._stats
+        if self.keeper is not None:
+            for event in self.keeper.take_events():
+                stats.record("kvturn_retention_events", event)
+            gauges = self.keeper.gauges()
+            if gauges != self._gauges:
+                self._gauges = gauges
+                for key, value in zip(("kvturn_retentions", "kvturn_retained_blocks",
+                                       "kvturn_retained_bytes"), gauges, strict=True):
+                    stats.record(key, value)
+        if stats.is_empty():
+            return None
+        self._stats = KVTurnStats()
+        return stats
+
+    # Prefill side.
+
+    def _plan_reuse(self, request: Any, num_computed_tokens: int,
+                    params: dict[str, Any]) -> None:
+        if params.get("_remote_blocks_processed"):
+            # vLLM's one transfer per request is used up: this is a retry after a failed
+            # read, or a re-admission after preemption. vLLM would wait for a read it never
+            # posts again, so nothing is loaded now; the prefill computes (or finds in its
+            # own cache) the rest.
+            params["remote_block_ids"] = [[]]
+            params["remote_num_tokens"] = 0
+            return
+        record = ReuseRecord(ReuseReason.MISS, 0, num_computed_tokens)
+        if params.get("remote_block_ids"):
+            record = self._restrict_to_verified_blocks(request, num_computed_tokens, params)
+        self._reuse[request.request_id] = record
+
     def _restrict_to_verified_blocks(self, request: Any, num_computed_tokens: int,
-                                     params: dict[str, Any]) -> None:
+                                     params: dict[str, Any]) -> ReuseRecord:
         """Rewrite the decode's params so that only verified blocks are read.
 
         Idempotent: vLLM may ask again in a later step, so the decode's original block list is
@@ -71,7 +235,8 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         retained = _parse(info, self.block_size, params) if isinstance(info, dict) else None
         if retained is None or not isinstance(info, dict):
             # No (or unusable) hashes: nothing can be verified, so nothing is read.
-            return
+            params["remote_block_ids"] = [[]]
+            return ReuseRecord(ReuseReason.UNVERIFIED, 0, num_computed_tokens)
         retained_ids, retained_hashes = retained
         bs = self.block_size
         prompt = list(request.prompt_token_ids or [])
@@ -83,12 +248,13 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                 retained_hashes=retained_hashes,
                 retained_block_ids=retained_ids[:len(retained_hashes)],
                 block_size=bs, threshold=self.kv_recompute_threshold,
-                expired=False, engine_known=True, enabled=True)
+                expired=False, engine_known=True,
+                enabled=bool(self.is_bidirectional_kv_xfer_enabled))
         except ValueError as exc:
             log.warning("request %s: unusable retention, recomputing: %s",
                         request.request_id, exc)
             params["remote_block_ids"] = [[]]
-            return
+            return ReuseRecord(ReuseReason.UNVERIFIED, 0, num_computed_tokens)
         info["decision"] = decision.reason.value
         params["remote_block_ids"] = [list(decision.remote_blocks)]
         if decision.num_tokens:
@@ -96,6 +262,76 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                 (decision.first_block + len(decision.remote_blocks)) * bs)
         log.debug("request %s: reuse %s, %d tokens from the decode", request.request_id,
                   decision.reason.value, decision.num_tokens)
+        return ReuseRecord(decision.reason, decision.num_tokens, num_computed_tokens)
+
+    def _record_outcome(self, record: ReuseRecord) -> None:
+        report = record.report()
+        self._stats.record("kvturn_reuse", report["reason"])
+        self._stats.record("kvturn_reused_tokens", report["reused_tokens"])
+        if record.read_failed:
+            self._stats.record("kvturn_fallbacks", "read-failed")
+        elif record.reason in _FALLBACKS:
+            self._stats.record("kvturn_fallbacks", record.reason.value)
+
+    # Decode side.
+
+    def _retain(self, request: Any, key: str, block_ids: Any,
+                out: dict[str, Any] | None) -> dict[str, Any] | None:
+        from vllm.v1.request import RequestStatus
+
+        keeper = self.keeper
+        finished_normally = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                               RequestStatus.FINISHED_STOPPED)
+        retention: Retention | None = None
+        if keeper is not None and keeper.bound and finished_normally and len(block_ids) == 1:
+            try:
+                retention = keeper.retain(key, request.request_id, block_ids[0],
+                                          request.all_token_ids, request.num_computed_tokens)
+            except ValueError as exc:
+                log.warning("request %s: not retained: %s", request.request_id, exc)
+        if retention is None:
+            result = dict(out or {})
+            result[KVTURN_FIELD] = {"conversation": key, "retained": False}
+            return result
+        view = keeper.describe(key) if keeper is not None else None
+        params = view["params"] if isinstance(view, dict) else self._publish(
+            retention, retention.expires_at)
+        params[KVTURN_FIELD]["retained"] = True
+        return params
+
+    def _publish(self, retention: Retention, deadline: float) -> dict[str, Any]:
+        """The ``kv_transfer_params`` a prefill leg needs to read ``retention``."""
+        parallel = self.vllm_config.parallel_config
+        return {
+            "do_remote_prefill": False,
+            "do_remote_decode": True,
+            # The readable (full, hashed) blocks, one KV-cache group.
+            "remote_block_ids": [list(retention.readable_block_ids)],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": READ_PREFIX + retention.request_id,
+            "remote_host": self.side_channel_host,
+            "remote_port": self.side_channel_port,
+            "tp_size": self.transfer_tp_size,
+            "dcp_size": parallel.decode_context_parallel_size,
+            "pp_size": parallel.pipeline_parallel_size,
+            "remote_num_tokens": retention.num_tokens,
+            # On this process's perf_counter; the prefill rebases it with the NIXL handshake's
+            # clock offset and declines a read that would end too close to it.
+            "remote_blocks_expiry_time": deadline,
+            "transfer_mode": self._TRANSFER_MODE,
+            KVTURN_FIELD: {
+                # format: bumps when the fields below change meaning
+                "format": FORMAT,
+                # block_size: tokens per hashed block; the prefill must use the same
+                "block_size": self.block_size,
+                # block_hashes: hex chained hashes of each retained block, in order
+                "block_hashes": [h.hex() for h in retention.block_hashes],
+                # conversation: the (tenant-scoped) key this retention is kept under
+                "conversation": retention.key,
+                # control: this decode's control endpoint (pin, keepalive, release)
+                "control": self.control.url if self.control is not None else None,
+            },
+        }
 
 
 def _parse(info: dict[str, Any], block_size: int,

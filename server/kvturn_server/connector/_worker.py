@@ -1,8 +1,10 @@
-"""Worker side: vLLM's NIXL pull worker plus a deadline on every read of remote blocks."""
+"""Worker side: vLLM's NIXL pull worker plus a deadline on every read of remote blocks, and
+recognition of reads of this decode's retentions."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
@@ -10,6 +12,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 )
 
 from kvturn_server.connector._config import ConnectorConfig
+from kvturn_server.connector._stats import KVTurnStats
+
+READ_NOTIF_PREFIX = b"kvturn-read/"
+"""Completion notifications of prefills that read a retention (see ``_scheduler.READ_PREFIX``).
+vLLM would treat them as "this request's blocks may be freed now" for a request it no longer
+knows; a retention outlives its request and is freed by its lease instead."""
 
 
 class KVTurnPullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
@@ -27,6 +35,12 @@ class KVTurnPullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self.kvturn_config = config
         self._read_deadlines: dict[str, float] = {}
         self._abandoned: set[str] = set()
+        self.xfer_stats = KVTurnStats()
+        self.nixl_wrapper.get_new_notifs = _drop_retention_reads(
+            self.nixl_wrapper.get_new_notifs, self._count_read_served)
+
+    def _count_read_served(self) -> None:
+        self.xfer_stats.record("kvturn_reads_served", 1)
 
     def _pop_done_transfers(
         self, transfers: dict[str, list[int]]
@@ -40,6 +54,7 @@ class KVTurnPullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 continue
             if req_id not in self._abandoned:
                 self._abandoned.add(req_id)
+                self.xfer_stats.record("kvturn_read_timeouts", 1)
                 self._log_failure(
                     failure_type="transfer_timeout", req_id=req_id,
                     msg=f"read still in flight after {self.kvturn_config.kv_read_timeout:g} s; "
@@ -57,3 +72,20 @@ class KVTurnPullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                 del self._read_deadlines[req_id]
                 self._abandoned.discard(req_id)
         return done, newly_failed | failed
+
+
+def _drop_retention_reads(
+    get_new_notifs: Callable[[], dict[str, list[bytes]]], on_read: Callable[[], None],
+) -> Callable[[], dict[str, list[bytes]]]:
+    """Wrap ``nixl_agent.get_new_notifs`` so vLLM never sees retention-read notifications."""
+
+    def filtered() -> dict[str, list[bytes]]:
+        notifs = get_new_notifs()
+        for agent, messages in notifs.items():
+            kept = [m for m in messages if not m.startswith(READ_NOTIF_PREFIX)]
+            for _ in range(len(messages) - len(kept)):
+                on_read()
+            notifs[agent] = kept
+        return notifs
+
+    return filtered

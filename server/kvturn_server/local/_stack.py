@@ -47,16 +47,21 @@ class StackConfig:
     decode_port: int = 8200
     prefill_side_channel_port: int = 5600
     decode_side_channel_port: int = 5700
+    prefill_control_port: int = 8101
+    decode_control_port: int = 8201
     served_model_name: str = "kvturn-tiny"
     kv_cache_gib: float = 1.0
     max_model_len: int = 8192
     kv_read_timeout: float = 20.0
-    bidirectional: bool = False
     prefill_prefix_caching: bool = True
     decoder_kv_blocks_ttl: float = 480.0
+    retention_max_hold: float = 3600.0
+    retention_budget: float = 0.5
     startup_timeout: float = 600.0
     with_reference: bool = False
     reference_port: int = 8300
+    with_router: bool = True
+    decode_num_blocks: int | None = None
     extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -82,14 +87,25 @@ class StackConfig:
     def reference_url(self) -> str:
         return self.url(self.reference_port)
 
+    @property
+    def prefill_control_url(self) -> str:
+        return self.url(self.prefill_control_port)
+
+    @property
+    def decode_control_url(self) -> str:
+        return self.url(self.decode_control_port)
+
     def ports(self) -> dict[str, int]:
         ports = {
-            "router": self.router_port,
             "prefill": self.prefill_port,
             "decode": self.decode_port,
             "prefill NIXL side channel": self.prefill_side_channel_port,
             "decode NIXL side channel": self.decode_side_channel_port,
+            "prefill control": self.prefill_control_port,
+            "decode control": self.decode_control_port,
         }
+        if self.with_router:
+            ports["router"] = self.router_port
         if self.with_reference:
             ports["reference"] = self.reference_port
         return ports
@@ -133,22 +149,24 @@ def _vllm_env(cfg: StackConfig, side_channel_port: int | None) -> dict[str, str]
 
 def kv_transfer_config(cfg: StackConfig, role: str) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of the prefill (``kv_producer``) or decode (``kv_consumer``)."""
-    config: dict[str, Any] = {
+    extra: dict[str, Any] = {
+        "kv_read_timeout": cfg.kv_read_timeout,
+        "control_port": cfg.prefill_control_port if role == "kv_producer"
+        else cfg.decode_control_port,
+    }
+    if role == "kv_consumer":
+        extra.update(decoder_kv_blocks_ttl=cfg.decoder_kv_blocks_ttl,
+                     retention_max_hold=cfg.retention_max_hold,
+                     retention_budget=cfg.retention_budget)
+    return {
         "kv_connector": "KVTurnConnector",
         "kv_connector_module_path": "kvturn_server.connector",
         "kv_role": role,
         "kv_buffer_device": "cpu",
         # A failed or abandoned read must recompute, never fail the user's request.
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"kv_read_timeout": cfg.kv_read_timeout},
+        "kv_connector_extra_config": extra,
     }
-    if cfg.bidirectional:
-        # The decode keeps each finished request's blocks (for decoder_kv_blocks_ttl) so that
-        # the next turn's prefill can read them back. Off by default: until the router passes
-        # them on, kept blocks only occupy the decode's cache.
-        config["kv_connector_extra_config"].update(
-            bidirectional_kv_xfer=True, decoder_kv_blocks_ttl=cfg.decoder_kv_blocks_ttl)
-    return config
 
 
 def _vllm_spec(cfg: StackConfig, name: str, port: int, role: str | None,
@@ -169,6 +187,9 @@ def _vllm_spec(cfg: StackConfig, name: str, port: int, role: str | None,
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(cfg, role))]
     if role == "kv_producer" and not cfg.prefill_prefix_caching:
         argv.append("--no-enable-prefix-caching")
+    if role == "kv_consumer" and cfg.decode_num_blocks is not None:
+        # A small decode cache makes retention budgets and memory pressure testable.
+        argv += ["--num-gpu-blocks-override", str(cfg.decode_num_blocks)]
     return ServerSpec(
         name=name, argv=argv, port=port, health_url=f"{cfg.url(port)}/health",
         log_path=cfg.state_dir / "logs" / f"{name}.log",
@@ -182,6 +203,8 @@ def server_specs(cfg: StackConfig) -> list[ServerSpec]:
     ]
     if cfg.with_reference:
         specs.append(_vllm_spec(cfg, "reference", cfg.reference_port, None, None))
+    if not cfg.with_router:
+        return specs
     router_argv = [
         sys.executable, "-m", "kvturn_server.cli", "router",
         "--host", cfg.host, "--port", str(cfg.router_port),
@@ -292,6 +315,16 @@ class Stack:
 
     def pid(self, name: str) -> int:
         return self._procs[name][1].pid
+
+    def restart(self, name: str, progress: Progress | None = None) -> float:
+        """Stop one server and start it again with the same command line; return the seconds
+        until it was healthy again. A restarted vLLM is a new engine (new engine id)."""
+        spec, proc = self._procs[name]
+        stop_group(proc.pid)
+        self._procs[name] = (spec, launch(spec, die_with_parent=self.die_with_parent))
+        self._record()
+        return wait_healthy({name: self._procs[name]}, timeout=self.config.startup_timeout,
+                            progress=progress)
 
     def stop(self) -> None:
         # Router first, so that no new request reaches a stopping vLLM.

@@ -1,0 +1,180 @@
+"""The connector's control endpoint: a small HTTP server in the engine process.
+
+Routes and bodies are the contract in docs/http-api.md, section C. The server runs on its own
+daemon threads; everything it does goes through :class:`RetentionKeeper`, which never touches
+vLLM state off the engine thread. It listens where ``control_host``/``control_port`` say
+(loopback by default) and answers only the routes below.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import unquote
+
+from kvturn_server.connector._keeper import Gone, RetentionKeeper
+
+log = logging.getLogger("kvturn.connector")
+
+PREFIX = "/kvturn/v1"
+MAX_BODY = 64 * 1024
+
+
+class ControlServer:
+    """Serve describe / pin / unpin / keepalive / release / stats for one instance.
+
+    ``keeper`` is None on a prefill (or a decode with retention off): then only ``/health``
+    and ``/kvturn/v1/stats`` answer, and retention routes say that nothing is retained here.
+    """
+
+    def __init__(self, host: str, port: int, *, engine_id: str, role: str,
+                 keeper: RetentionKeeper | None,
+                 extra_stats: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.engine_id = engine_id
+        self.role = role
+        self.keeper = keeper
+        self.extra_stats = extra_stats or dict
+        handler = type("Handler", (_Handler,), {"control": self})
+        try:
+            self._server = ThreadingHTTPServer((host, port), handler)
+        except OSError as exc:
+            raise OSError(
+                f"kvturn control endpoint cannot listen on {host}:{port}: {exc} (set "
+                "kv_connector_extra_config.control_port to a free port)") from exc
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        name="kvturn-control", daemon=True)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    @property
+    def url(self) -> str:
+        host, port = self.address
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def start(self) -> ControlServer:
+        self._thread.start()
+        log.info("kvturn control endpoint on %s (%s, engine %s)", self.url, self.role,
+                 self.engine_id)
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    # Routing: (method, path segments) -> (status, body).
+
+    def handle(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        parts = [unquote(p) for p in path.split("?", 1)[0].strip("/").split("/")]
+        if method == "GET" and parts == ["health"]:
+            return 200, {"engine_id": self.engine_id, "role": self.role}
+        if parts[:2] != ["kvturn", "v1"]:
+            return _not_found(f"no route {method} {path}")
+        route = parts[2:]
+        if method == "GET" and route == ["stats"]:
+            stats: dict[str, Any] = {"engine_id": self.engine_id, "role": self.role,
+                                     **self.extra_stats()}
+            if self.keeper is not None and self.keeper.bound:
+                stats["retention"] = self.keeper.stats()
+            return 200, stats
+        keeper = self.keeper
+        if keeper is None or not keeper.bound:
+            return 404, _error("this instance retains no KV (a prefill, or retention is off)",
+                               "not_found", "no_retention")
+        if len(route) == 2 and route[0] == "retentions" and method in ("GET", "DELETE"):
+            key = route[1]
+            if method == "GET":
+                return _answer(keeper.describe(key))
+            released = keeper.release(key)
+            if isinstance(released, Gone):
+                return _answer(released)
+            return 200, {"key": key, "released": True}
+        if len(route) == 3 and route[0] == "retentions" and method == "POST":
+            key, action = route[1], route[2]
+            if action == "keepalive":
+                return _answer(keeper.keepalive(key))
+            if action == "pin":
+                ttl = body.get("ttl", 30)
+                if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
+                    return 400, _error(f"ttl must be a positive number of seconds, got {ttl!r}",
+                                       "invalid_request_error", "bad_ttl")
+                return _answer(keeper.pin(key, float(ttl)))
+        if len(route) == 2 and route[0] == "pins" and method == "DELETE":
+            return 200, {"pin_id": route[1], "unpinned": keeper.unpin(route[1])}
+        return _not_found(f"no route {method} {path}")
+
+
+def _error(message: str, type_: str, code: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "code": code}}
+
+
+def _not_found(message: str) -> tuple[int, Any]:
+    return 404, _error(message, "not_found", "no_route")
+
+
+def _answer(result: dict[str, Any] | Gone) -> tuple[int, Any]:
+    if isinstance(result, Gone):
+        return 404, _error(f"no live retention for {result.key!r}: {result.reason.value}",
+                           "not_found", result.reason.value)
+    return 200, result
+
+
+class _Handler(BaseHTTPRequestHandler):
+    control: ControlServer
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def _dispatch(self, method: str) -> None:
+        try:
+            body = self._read_body()
+        except ValueError as exc:
+            self._send(400, _error(str(exc), "invalid_request_error", "bad_body"))
+            return
+        try:
+            status, payload = self.control.handle(method, self.path, body)
+        except Exception as exc:  # one bad request must not take the endpoint down
+            log.exception("control request %s %s failed", method, self.path)
+            status, payload = 500, _error(f"{type(exc).__name__}: {exc}", "server_error",
+                                          "internal")
+        self._send(status, payload)
+
+    def _read_body(self) -> dict[str, Any]:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY:
+            raise ValueError(f"body larger than {MAX_BODY} bytes")
+        if not length:
+            return {}
+        raw = self.rfile.read(length)
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"body is not JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ValueError("body must be a JSON object")
+        return body
+
+    def _send(self, status: int, payload: Any) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("control %s", format % args)

@@ -1,0 +1,326 @@
+"""The decode's retained KV, bound to vLLM's block pool: hold, free, make room, serve control.
+
+:class:`~kvturn_server.connector._retention.RetentionTable` decides; this class carries the
+decisions out on the block pool and makes them safe across threads:
+
+- **Holding** a retention takes one extra reference on each of its blocks
+  (``BlockPool.touch``), so vLLM can free the finished request as usual while the blocks stay
+  allocated (and stay in the prefix cache, so the conversation's next turn on this decode hits
+  them locally). **Freeing** drops that reference (``BlockPool.free_blocks``). Nothing else is
+  kept alive: the engine has no finished request waiting on the connector, so it idles (no
+  busy-stepping) while retentions are held.
+- The block pool belongs to the engine thread. Control requests (pin, keepalive, release, ...)
+  arrive on the control server's threads: they change only the table, under this class's lock,
+  and queue blocks to free; the engine thread frees them in :meth:`service`, which the scheduler
+  hooks call every step and the engine waker calls when the engine is idle.
+- Live requests come first. :meth:`make_room` (a waiting request needs blocks) and
+  :meth:`relieve` (a running request could not get blocks; vLLM asks before preempting) evict
+  least recently used unpinned retentions, so retention never causes a preemption.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvturn_server.connector._hashing import block_hashes
+from kvturn_server.connector._retention import GoneReason, Retention, RetentionTable
+
+RETENTION_EVENTS = ("created", "renewed", "released", "expired", "evicted", "replaced",
+                    "refused", "pinned")
+
+
+class BlockPool(Protocol):
+    """The slice of vLLM's ``BlockPool`` the keeper uses."""
+
+    num_gpu_blocks: int
+    blocks: Sequence[Any]
+
+    def touch(self, blocks: Sequence[Any]) -> None: ...
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None: ...
+
+    def get_num_free_blocks(self) -> int: ...
+
+
+Publisher = Callable[[Retention, float], dict[str, Any]]
+"""Builds the ``kv_transfer_params`` a prefill needs to read a retention, given the deadline
+(on this process's ``perf_counter``) to publish as ``remote_blocks_expiry_time``."""
+
+
+@dataclass(frozen=True)
+class Gone:
+    """A control answer for a key with no live retention."""
+
+    key: str
+    reason: GoneReason
+
+
+class RetentionKeeper:
+    """One decode's retentions: thread-safe front of a :class:`RetentionTable`."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        block_size: int,
+        block_bytes: int,
+        budget: float,
+        ttl: float,
+        max_hold: float,
+        max_pin: float,
+        publish: Publisher,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.block_bytes = block_bytes
+        self.budget = budget
+        self._ttl, self._max_hold, self._max_pin = ttl, max_hold, max_pin
+        self._publish = publish
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pool: BlockPool | None = None
+        self._table: RetentionTable | None = None
+        self._to_free: list[Retention] = []
+        self._wake: Callable[[], object] = lambda: None
+        self._counted = {name: 0 for name in RETENTION_EVENTS}
+        self.pending_events: list[str] = []
+
+    # Set-up (engine thread, at start).
+
+    def bind(self, pool: BlockPool) -> None:
+        """Attach the engine's block pool; the budget is a fraction of its usable blocks."""
+        usable = max(pool.num_gpu_blocks - 1, 0)  # block 0 is vLLM's null block
+        with self._lock:
+            self._pool = pool
+            self._table = RetentionTable(
+                budget_blocks=int(usable * self.budget), ttl=self._ttl,
+                max_hold=self._max_hold, max_pin=self._max_pin, clock=self._clock)
+
+    def set_waker(self, wake: Callable[[], object]) -> None:
+        """``wake`` makes the engine thread call :meth:`service` soon, even when idle."""
+        self._wake = wake
+
+    @property
+    def bound(self) -> bool:
+        return self._table is not None
+
+    # Engine thread.
+
+    def retain(self, key: str, request_id: str, block_ids: Sequence[int],
+               token_ids: Sequence[int], num_computed_tokens: int) -> Retention | None:
+        """Keep a finished request's full blocks under ``key``; None if nothing was kept.
+
+        Only full blocks are kept: a trailing partial block can never be read (it has no
+        hash), and the last sampled token never went through the model, hence
+        ``num_computed_tokens`` rather than the sequence length.
+        """
+        table, pool = self._table, self._pool
+        if table is None or pool is None or table.budget_blocks == 0:
+            return None
+        full = min(num_computed_tokens // self.block_size, len(block_ids))
+        if full == 0:
+            return None
+        ids = tuple(int(b) for b in block_ids[:full])
+        if any(not 0 < b < pool.num_gpu_blocks for b in ids):
+            raise ValueError(f"request {request_id}: block ids outside the pool: {ids}")
+        hashes = block_hashes(list(token_ids[:full * self.block_size]), self.block_size)
+        held = Retention(key, request_id, ids, (), 0, 0.0, 0.0, 0.0, 0.0)
+        pool.touch([pool.blocks[b] for b in ids])
+        try:
+            with self._lock:
+                before = self._snapshot(table)
+                freed = table.retain(key, request_id, ids, hashes, full * self.block_size)
+                kept = table.get(key)
+                self._count(table, before)
+        except BaseException:
+            self._free([held])  # undo the hold: the table never saw these blocks
+            raise
+        self._free(freed)
+        return kept if kept is not None and kept.request_id == request_id else None
+
+    def service(self) -> None:
+        """Free what control requests and expiries handed back. Cheap when there is nothing."""
+        table = self._table
+        if table is None:
+            return
+        with self._lock:
+            deadline = table.next_deadline()
+            if not self._to_free and (deadline is None or deadline > self._clock()):
+                return
+            before = self._snapshot(table)
+            freed = self._to_free + table.expire()
+            self._to_free = []
+            self._count(table, before)
+        self._free(freed)
+
+    def has_pins(self) -> bool:
+        table = self._table
+        return table is not None and table.num_pins > 0
+
+    def due(self) -> bool:
+        """Whether :meth:`service` has work now (for the idle-engine housekeeper)."""
+        with self._lock:
+            if self._to_free:
+                return True
+            deadline = self._table.next_deadline() if self._table is not None else None
+            return deadline is not None and deadline <= self._clock()
+
+    def make_room(self, blocks_needed: int) -> int:
+        """Evict retentions until the pool has ``blocks_needed`` free blocks (or nothing
+        unpinned is left); return how many retentions went."""
+        table, pool = self._table, self._pool
+        if table is None or pool is None or not len(table):
+            return 0
+        short = blocks_needed - pool.get_num_free_blocks()
+        if short <= 0:
+            return 0
+        with self._lock:
+            before = self._snapshot(table)
+            freed = table.evict_for(short)
+            self._count(table, before)
+        self._free(freed)
+        return len(freed)
+
+    def relieve(self) -> bool:
+        """A running request could not get blocks: evict the least recently used unpinned
+        retention. True when something was freed (vLLM then retries next step instead of
+        preempting a live request)."""
+        table = self._table
+        if table is None or not len(table):
+            return False
+        with self._lock:
+            before = self._snapshot(table)
+            freed = table.evict_for(1)
+            self._count(table, before)
+        self._free(freed)
+        return bool(freed)
+
+    # Any thread (control server).
+
+    def describe(self, key: str) -> dict[str, Any] | Gone:
+        with self._lock:
+            table = self._require()
+            retention = table.get(key)
+            if retention is None:
+                return Gone(key, table.gone_reason(key))
+            return self._view(retention, retention.expires_at)
+
+    def pin(self, key: str, ttl: float) -> dict[str, Any] | Gone:
+        with self._lock:
+            table = self._require()
+            before = self._snapshot(table)
+            pinned = table.pin(key, ttl)
+            self._count(table, before)
+            if pinned is None:
+                return Gone(key, table.gone_reason(key))
+            retention, pin = pinned
+            # The prefill declines a read close to this deadline (vLLM's expiry guard), and the
+            # pin is what keeps the blocks, so the pin's end is the deadline it must see.
+            view = self._view(retention, pin.expires_at)
+        view.update(pin_id=pin.pin_id, pin_expires_in=round(pin.expires_at - self._clock(), 3))
+        self._wake()  # the pin's expiry is a new deadline for service()
+        return view
+
+    def unpin(self, pin_id: str) -> bool:
+        with self._lock:
+            existed, freed = self._require().unpin(pin_id)
+            self._to_free.extend(freed)
+        if freed:
+            self._wake()
+        return existed
+
+    def keepalive(self, key: str) -> dict[str, Any] | Gone:
+        with self._lock:
+            table = self._require()
+            before = self._snapshot(table)
+            retention = table.keepalive(key)
+            self._count(table, before)
+            if retention is None:
+                return Gone(key, table.gone_reason(key))
+            return self._view(retention, retention.expires_at)
+
+    def release(self, key: str) -> bool | Gone:
+        with self._lock:
+            table = self._require()
+            before = self._snapshot(table)
+            existed, freed = table.release(key)
+            self._count(table, before)
+            if not existed:
+                return Gone(key, table.gone_reason(key))
+            self._to_free.extend(freed)
+        if freed:
+            self._wake()
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            table = self._require()
+            return {
+                "engine_id": self.engine_id,
+                "retentions": len(table),
+                "retained_blocks": table.retained_blocks,
+                "held_blocks": table.held_blocks,
+                "held_bytes": table.held_blocks * self.block_bytes,
+                "budget_blocks": table.budget_blocks,
+                "pins": table.num_pins,
+                "events": dict(self._counted),
+            }
+
+    def gauges(self) -> tuple[int, int, int]:
+        """(retentions, held blocks, held bytes), for metrics."""
+        with self._lock:
+            table = self._table
+            if table is None:
+                return 0, 0, 0
+            return len(table), table.held_blocks, table.held_blocks * self.block_bytes
+
+    def take_events(self) -> list[str]:
+        with self._lock:
+            events, self.pending_events = self.pending_events, []
+        return events
+
+    # Internals.
+
+    def _require(self) -> RetentionTable:
+        if self._table is None:
+            raise RuntimeError("the retention keeper is not bound to a block pool yet")
+        return self._table
+
+    def _view(self, retention: Retention, deadline: float) -> dict[str, Any]:
+        now = self._clock()
+        return {
+            "key": retention.key,
+            "engine_id": self.engine_id,
+            "params": self._publish(retention, deadline),
+            "num_tokens": retention.num_tokens,
+            "num_blocks": retention.num_blocks,
+            "expires_in": round(retention.expires_at - now, 3),
+            "hold_remaining": round(retention.hold_until - now, 3),
+            "created_ago": round(now - retention.created_at, 3),
+        }
+
+    def _free(self, retentions: Iterable[Retention]) -> None:
+        pool = self._pool
+        if pool is None:
+            return
+        for retention in retentions:
+            # Tail blocks first: they are the least likely to be shared with another sequence.
+            pool.free_blocks([pool.blocks[b] for b in reversed(retention.block_ids)])
+
+    @staticmethod
+    def _snapshot(table: RetentionTable) -> tuple[int, ...]:
+        s = table.stats
+        return (s.created, s.renewed, s.released, s.expired, s.evicted, s.replaced, s.refused,
+                s.pinned)
+
+    def _count(self, table: RetentionTable, before: tuple[int, ...]) -> None:
+        # Events are derived from the table's counters so that no code path can forget one.
+        for name, old, new in zip(RETENTION_EVENTS, before, self._snapshot(table), strict=True):
+            if new > old:
+                self._counted[name] += new - old
+                self.pending_events.extend([name] * (new - old))

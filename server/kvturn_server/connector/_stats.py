@@ -1,0 +1,120 @@
+"""kvturn's metrics, carried on vLLM's connector-stats path into each instance's ``/metrics``.
+
+vLLM collects a connector's stats from its workers and its scheduler side every step, ships
+the ``data`` dict to the API server process and hands it to the connector class's Prometheus
+object there. kvturn's stats extend NIXL's (same dict, more keys), so NIXL's transfer metrics
+keep working unchanged.
+
+Keys (all lists, one item per observation; aggregation concatenates):
+
+- ``kvturn_retention_events``: ``created``, ``renewed``, ``released``, ``expired``,
+  ``evicted``, ``replaced``, ``refused``, ``pinned`` (decode).
+- ``kvturn_retentions`` / ``kvturn_retained_blocks`` / ``kvturn_retained_bytes``: gauge samples,
+  the last one wins (decode).
+- ``kvturn_reuse``: the reuse outcome of each finished prefill (``X-KVTurn-Reuse`` values).
+- ``kvturn_reused_tokens``: prompt tokens read from a decode per finished prefill.
+- ``kvturn_fallbacks``: why a prefill recomputed what a retention offered (``expired``,
+  ``stale``, ``unverified``, ``below-threshold``, ``read-failed``).
+- ``kvturn_read_timeouts``: reads abandoned at ``kv_read_timeout`` (any instance).
+- ``kvturn_reads_served``: completed reads of this decode's retentions (decode).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
+    NixlKVConnectorStats,
+    NixlPromMetrics,
+)
+
+KVTURN_KEYS = ("kvturn_retention_events", "kvturn_retentions", "kvturn_retained_blocks",
+               "kvturn_retained_bytes", "kvturn_reuse", "kvturn_reused_tokens",
+               "kvturn_fallbacks", "kvturn_read_timeouts", "kvturn_reads_served")
+_NIXL_KEYS = frozenset(NixlKVConnectorStats().data)
+
+
+class KVTurnStats(NixlKVConnectorStats):  # type: ignore[misc]
+    """NIXL's transfer stats plus kvturn's keys."""
+
+    def reset(self) -> None:
+        super().reset()
+        for key in KVTURN_KEYS:
+            self.data[key] = []
+
+    def record(self, key: str, value: Any) -> None:
+        self.data.setdefault(key, []).append(value)
+
+    def is_empty(self) -> bool:
+        return bool(super().is_empty()) and not any(self.data.get(k) for k in KVTURN_KEYS)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        # Tolerates either side lacking keys (a plain NIXL stats object, or an older kvturn).
+        for key, values in other.data.items():
+            self.data.setdefault(key, []).extend(values)
+        return self
+
+
+class KVTurnPromMetrics(NixlPromMetrics):  # type: ignore[misc]
+    """NIXL's Prometheus metrics plus ``kvturn:*``."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter, gauge = self._counter_cls, self._gauge_cls
+        self._events = counter(
+            name="kvturn:retention_events", labelnames=[*labelnames, "event"],
+            documentation="Decode retentions by event: created, renewed (keepalive), released, "
+                          "expired, evicted (budget or live requests), replaced (next turn), "
+                          "refused (larger than the budget), pinned (for a read).")
+        self._reuse = counter(
+            name="kvturn:reuse_outcomes", labelnames=[*labelnames, "reason"],
+            documentation="Prefill requests by reuse outcome (the X-KVTurn-Reuse values).")
+        self._fallbacks = counter(
+            name="kvturn:fallbacks", labelnames=[*labelnames, "reason"],
+            documentation="Prefills that recomputed KV a retention offered, by reason.")
+        self._reused_tokens = counter(
+            name="kvturn:reused_tokens", labelnames=labelnames,
+            documentation="Prompt tokens a prefill read from a decode's retention.")
+        self._read_timeouts = counter(
+            name="kvturn:read_timeouts", labelnames=labelnames,
+            documentation="NIXL reads abandoned at kv_read_timeout (then recomputed).")
+        self._reads_served = counter(
+            name="kvturn:reads_served", labelnames=labelnames,
+            documentation="Completed reads of this decode's retentions by a prefill.")
+        self._gauges = {
+            "kvturn_retentions": gauge(
+                name="kvturn:retentions", labelnames=labelnames, multiprocess_mode="mostrecent",
+                documentation="Retentions this decode holds."),
+            "kvturn_retained_blocks": gauge(
+                name="kvturn:retained_blocks", labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+                documentation="KV blocks held by retentions (including draining ones)."),
+            "kvturn_retained_bytes": gauge(
+                name="kvturn:retained_bytes", labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+                documentation="Bytes of KV cache held by retentions."),
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        if transfer_stats_data.keys() >= _NIXL_KEYS:
+            super().observe(transfer_stats_data, engine_idx)
+        labels = self.per_engine_labelvalues[engine_idx]
+        data = transfer_stats_data
+        for event in data.get("kvturn_retention_events", ()):
+            self._events.labels(*labels, event).inc()
+        for reason in data.get("kvturn_reuse", ()):
+            self._reuse.labels(*labels, reason).inc()
+        for reason in data.get("kvturn_fallbacks", ()):
+            self._fallbacks.labels(*labels, reason).inc()
+        if tokens := sum(data.get("kvturn_reused_tokens", ())):
+            self._reused_tokens.labels(*labels).inc(tokens)
+        if n := len(data.get("kvturn_read_timeouts", ())):
+            self._read_timeouts.labels(*labels).inc(n)
+        if n := len(data.get("kvturn_reads_served", ())):
+            self._reads_served.labels(*labels).inc(n)
+        for key, gauge in self._gauges.items():
+            samples = data.get(key)
+            if samples:
+                gauge.labels(*labels).set(samples[-1])

@@ -60,3 +60,102 @@ def test_nixl_agent_config_progress_thread_switch() -> None:
     import nixl._api as nixl_api
 
     assert "enable_prog_thread" in inspect.signature(nixl_api.nixl_agent_config).parameters
+
+
+# Retention on the decode: holds and frees through the block pool, room for live requests,
+# engine wake-ups while idle. Each source check names the seam kvturn relies on.
+
+
+def _source(obj: object) -> str:
+    return inspect.getsource(obj)  # type: ignore[arg-type]
+
+
+def test_the_scheduler_binds_its_cache_manager_to_the_connector() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert "self.connector.bind_kv_cache_manager(self.kv_cache_manager)" in _source(
+        Scheduler.__init__)
+    # KVTurnConnector overrides bind_gpu_block_pool, which the base's bind_kv_cache_manager
+    # calls with the manager's pool.
+    assert "self.bind_gpu_block_pool(kv_cache_manager.block_pool)" in _source(
+        KVConnectorBase_V1.bind_kv_cache_manager)
+
+
+def test_block_pool_refcount_api() -> None:
+    from vllm.v1.core.block_pool import BlockPool
+
+    assert list(inspect.signature(BlockPool.touch).parameters) == ["self", "blocks"]
+    assert list(inspect.signature(BlockPool.free_blocks).parameters) == [
+        "self", "ordered_blocks"]
+    assert "get_num_free_blocks" in dir(BlockPool)
+    init = _source(BlockPool.__init__)
+    assert "self.num_gpu_blocks = num_gpu_blocks" in init and "self.blocks:" in init
+    # touch() takes a held block out of the free queue only at refcount 0, and free_blocks()
+    # returns it there only at 0: an extra reference keeps a block allocated.
+    assert "block.ref_cnt += 1" in _source(BlockPool.touch)
+    assert "block.ref_cnt -= 1" in _source(BlockPool.free_blocks)
+
+
+def test_vllm_asks_the_connector_before_preempting_and_keeps_stepping_for_it() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    schedule = _source(Scheduler.schedule)
+    assert "self.connector.has_pending_block_frees()" in schedule
+    assert schedule.index("has_pending_block_frees") < schedule.index("_preempt_request")
+    assert "self.connector.has_pending_push_work()" in _source(Scheduler.has_requests)
+    assert "self.connector_scheduler.has_pending_push_work()" in _source(
+        NixlBaseConnector.has_pending_push_work)
+    # A waiting request asks the connector (where retentions make room) before allocating.
+    assert "self.connector.get_num_new_matched_tokens(" in schedule
+
+
+def test_idle_engine_wake_up_seam() -> None:
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.core import EngineCore, EngineCoreProc
+
+    assert "self._idle_state_callbacks" in _source(EngineCore.__init__)
+    assert "Scheduler(" in _source(EngineCore.__init__)  # the connector is built under it
+    assert "self.input_queue = queue.Queue" in _source(EngineCoreProc.__init__)
+    assert "self._notify_idle_state_callbacks()" in _source(EngineCoreProc._process_input_queue)
+    assert "callback(self)" in _source(EngineCoreProc._notify_idle_state_callbacks)
+    assert EngineCoreRequestType.WAKEUP.value == b"\x05"
+    handle = _source(EngineCoreProc._handle_client_request)
+    assert "EngineCoreRequestType.WAKEUP" in handle
+
+
+def test_prefill_read_bookkeeping() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+        NixlPullConnectorScheduler,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+        NixlPullConnectorWorker,
+    )
+    from vllm.v1.outputs import KVConnectorOutput
+
+    # One transfer per request: kvturn must not ask for another after a failed read.
+    assert 'params["_remote_blocks_processed"] = True' in _source(
+        NixlPullConnectorScheduler.update_state_after_alloc)
+    assert 'params.get("remote_num_tokens")' in _source(
+        NixlPullConnectorScheduler.get_num_new_matched_tokens)
+    assert "failed_recving" in KVConnectorOutput.__dataclass_fields__
+    # The read-done notification carries the remote_request_id kvturn publishes.
+    assert 'f"{remote_request_id}:{expected_consumers}"' in _source(
+        NixlPullConnectorWorker._read_blocks)
+    assert "self.nixl_wrapper.get_new_notifs()" in _source(NixlPullConnectorWorker._get_new_notifs)
+    # The expiry guard reads the deadline kvturn sets to the pin's end.
+    assert "blocks_expiry_time" in _source(NixlPullConnectorWorker._is_turn2_read_expired)
+
+
+def test_worker_stats_object_and_prom_metrics_constructor() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
+        NixlBaseConnectorWorker,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlPromMetrics
+
+    init = _source(NixlBaseConnectorWorker.__init__)
+    assert "self.xfer_stats = NixlKVConnectorStats()" in init
+    assert "self.nixl_wrapper = nixl_wrapper_cls(" in init
+    assert list(inspect.signature(NixlPromMetrics.__init__).parameters) == [
+        "self", "vllm_config", "metric_types", "labelnames", "per_engine_labelvalues"]

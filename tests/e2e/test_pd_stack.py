@@ -46,7 +46,7 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def _chat(base_url: str, model: str, case: dict[str, Any], max_tokens: int = 24,
+def _chat(base_url: str, model: str, case: dict[str, Any], max_tokens: int = 64,
           **extra: Any) -> dict[str, Any]:
     return post(f"{base_url}/v1/chat/completions",
                 {"model": model, "temperature": 0, "max_tokens": max_tokens, **case, **extra})

@@ -5,9 +5,15 @@ trained on generated text (``_corpus``) and a ChatML/hermes chat template. Every
 from data we control with sorted keys, so building twice gives the same bytes.
 
 Random weights make gibberish, but deterministic gibberish: greedy output is a function of the
-exact prompt KV, which is what reuse tests compare. The LM head is untied and attention weights
-are scaled up so that the next token depends on the whole context rather than echoing the last
-token (with tied embeddings a random 2-layer model mostly repeats its input token).
+exact prompt KV, which is what reuse tests compare. The ``tiny`` model is float32: in bfloat16 a
+disaggregated decode (which computes the last prompt token with the decode attention kernel)
+and a single instance (which computes it inside the prefill) round differently, and greedy
+output of a random model parts on near-ties (measured: 12 of 18 turns of 300 tokens differed,
+first at token 31-296; in float32, 0 of 18). ``bench`` stays bfloat16, as served in production.
+
+The LM head is untied and attention weights are scaled up so that the next token depends on the
+whole context rather than echoing the last token (with tied embeddings a random 2-layer model
+mostly repeats its input token).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class ModelSize:
     num_heads: int
     num_kv_heads: int
     max_positions: int
+    dtype: str
 
     @property
     def head_dim(self) -> int:
@@ -49,10 +56,12 @@ class ModelSize:
 
 
 SIZES: dict[str, ModelSize] = {
-    "tiny": ModelSize("tiny", 2048, 256, 512, 2, 4, 2, 8192),
-    "bench": ModelSize("bench", 4096, 512, 1536, 6, 8, 2, 32768),
+    "tiny": ModelSize("tiny", 2048, 256, 512, 2, 4, 2, 8192, "float32"),
+    "bench": ModelSize("bench", 4096, 512, 1536, 6, 8, 2, 32768, "bfloat16"),
 }
 SEED = 0
+FORMAT = 2
+"""Bumps when a build's bytes change, so that older builds on disk are rebuilt."""
 
 
 def build_model(size: str, out_dir: Path) -> Path:
@@ -68,7 +77,7 @@ def build_model(size: str, out_dir: Path) -> Path:
     _write_weights(spec, out_dir / "model.safetensors")
     (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     # Written last: its presence marks a complete build (see ``is_built``).
-    _write_json(out_dir / "kvturn-model.json", {"size": size, "seed": SEED, "format": 1})
+    _write_json(out_dir / "kvturn-model.json", {"size": size, "seed": SEED, "format": FORMAT})
     return out_dir
 
 
@@ -78,7 +87,8 @@ def is_built(out_dir: Path, size: str) -> bool:
     if not marker.is_file() or not all((out_dir / f).is_file() for f in FILES):
         return False
     try:
-        return bool(json.loads(marker.read_text())["size"] == size)
+        data = json.loads(marker.read_text())
+        return bool(data["size"] == size and data.get("format") == FORMAT)
     except (ValueError, KeyError):
         return False
 
@@ -109,8 +119,8 @@ def _config(spec: ModelSize) -> dict[str, Any]:
         "bos_token_id": 0,
         "eos_token_id": 2,
         "pad_token_id": 0,
-        "dtype": "bfloat16",
-        "torch_dtype": "bfloat16",
+        "dtype": spec.dtype,
+        "torch_dtype": spec.dtype,
     }
 
 
@@ -151,15 +161,18 @@ def _write_weights(spec: ModelSize, path: Path) -> None:
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(SEED)
+    dtype = getattr(torch, spec.dtype)
 
     def normal(*shape: int, std: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+        # Drawn in float32 and rounded to bfloat16 first for every size, so the sizes share one
+        # weight distribution; float32 models just keep the rounded values exactly.
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16).to(dtype)
 
     h, kv = spec.hidden_size, spec.num_kv_heads * spec.head_dim
     tensors: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": normal(spec.vocab_size, h, std=1.0),
         "lm_head.weight": normal(spec.vocab_size, h, std=h**-0.5),
-        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+        "model.norm.weight": torch.ones(h, dtype=dtype),
     }
     # Large q/k scales give peaked attention, so output depends on specific earlier tokens.
     for i in range(spec.num_layers):
@@ -172,6 +185,6 @@ def _write_weights(spec: ModelSize, path: Path) -> None:
         tensors[p + "mlp.up_proj.weight"] = normal(spec.intermediate_size, h, std=h**-0.5)
         tensors[p + "mlp.down_proj.weight"] = normal(
             h, spec.intermediate_size, std=spec.intermediate_size**-0.5)
-        tensors[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        tensors[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        tensors[p + "input_layernorm.weight"] = torch.ones(h, dtype=dtype)
+        tensors[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype)
     save_file(tensors, str(path), metadata={"format": "pt"})

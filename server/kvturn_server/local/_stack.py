@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvturn_server.local._model import build_model, is_built
+from kvturn_server.local._model import SIZES, build_model, is_built
 from kvturn_server.local._process import (
     ServerSpec,
     StackError,
@@ -176,6 +176,9 @@ def _vllm_spec(cfg: StackConfig, name: str, port: int, role: str | None,
         "--host", cfg.host, "--port", str(port),
         "--served-model-name", cfg.served_model_name,
         "--seed", "0",
+        # vLLM's "auto" downcasts float32 checkpoints to bfloat16 on CPU; the tiny model must run
+        # in float32 for greedy output to match a plain run token for token (_model.py).
+        "--dtype", SIZES[cfg.model_size].dtype,
         # Eager mode boots in ~40 s instead of 50-85 s; the tiny model gains nothing from compile.
         "--enforce-eager",
         "--max-model-len", str(cfg.max_model_len),

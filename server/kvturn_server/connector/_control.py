@@ -24,6 +24,12 @@ PREFIX = "/kvturn/v1"
 MAX_BODY = 64 * 1024
 
 
+class _Server(ThreadingHTTPServer):
+    # Listen backlog. socketserver's default of 5 drops a burst of new connections (the
+    # router's pins for many turns at once), and each dropped one waits out a 1 s SYN retry.
+    request_queue_size = 128
+
+
 class ControlServer:
     """Serve describe / pin / unpin / keepalive / release / stats for one instance.
 
@@ -40,7 +46,7 @@ class ControlServer:
         self.extra_stats = extra_stats or dict
         handler = type("Handler", (_Handler,), {"control": self})
         try:
-            self._server = ThreadingHTTPServer((host, port), handler)
+            self._server = _Server((host, port), handler)
         except OSError as exc:
             raise OSError(
                 f"kvturn control endpoint cannot listen on {host}:{port}: {exc} (set "
@@ -143,7 +149,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = self._read_body()
         except ValueError as exc:
-            self._send(400, _error(str(exc), "invalid_request_error", "bad_body"))
+            # The body may be unread: what is left of it must not be parsed as a request.
+            self._send(400, _error(str(exc), "invalid_request_error", "bad_body"), close=True)
             return
         try:
             status, payload = self.control.handle(method, self.path, body)
@@ -154,8 +161,17 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, payload)
 
     def _read_body(self) -> dict[str, Any]:
+        if self.headers.get("Transfer-Encoding"):
+            raise ValueError("send the body with a Content-Length (no Transfer-Encoding)")
         length = int(self.headers.get("Content-Length") or 0)
+        if length < 0:
+            raise ValueError(f"negative Content-Length {length}")
         if length > MAX_BODY:
+            # Read (a bounded amount of) it anyway: closing with it unread would reset the
+            # connection, and the client could lose this 400.
+            left = min(length, 16 * MAX_BODY)
+            while left > 0 and (chunk := self.rfile.read(min(left, MAX_BODY))):
+                left -= len(chunk)
             raise ValueError(f"body larger than {MAX_BODY} bytes")
         if not length:
             return {}
@@ -168,11 +184,13 @@ class _Handler(BaseHTTPRequestHandler):
             raise ValueError("body must be a JSON object")
         return body
 
-    def _send(self, status: int, payload: Any) -> None:
+    def _send(self, status: int, payload: Any, *, close: bool = False) -> None:
         data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if close:
+            self.send_header("Connection", "close")  # also ends this connection's loop
         self.end_headers()
         self.wfile.write(data)
 

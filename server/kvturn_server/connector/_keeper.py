@@ -174,17 +174,21 @@ class RetentionKeeper:
         """Evict retentions until the pool has ``blocks_needed`` free blocks (or nothing
         unpinned is left); return how many retentions went."""
         table, pool = self._table, self._pool
-        if table is None or pool is None or not len(table):
+        if table is None or pool is None:
             return 0
-        short = blocks_needed - pool.get_num_free_blocks()
-        if short <= 0:
-            return 0
-        with self._lock:
-            before = self._snapshot(table)
-            freed = table.evict_for(short)
-            self._count(table, before)
-        self._free(freed)
-        return len(freed)
+        evicted = 0
+        # A retention's blocks shared with a live request (its conversation's next turn hit
+        # them in the prefix cache) stay allocated when it goes, so check the pool again.
+        while len(table) and (short := blocks_needed - pool.get_num_free_blocks()) > 0:
+            with self._lock:
+                before = self._snapshot(table)
+                freed = table.evict_for(short)
+                self._count(table, before)
+            if not freed:
+                break
+            self._free(freed)
+            evicted += len(freed)
+        return evicted
 
     def relieve(self) -> bool:
         """A running request could not get blocks: evict the least recently used unpinned

@@ -294,9 +294,15 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             result[KVTURN_FIELD] = {"conversation": key, "retained": False}
             return result
         view = keeper.describe(key) if keeper is not None else None
-        params = view["params"] if isinstance(view, dict) else self._publish(
-            retention, retention.expires_at)
-        params[KVTURN_FIELD]["retained"] = True
+        if not isinstance(view, dict):  # expired at once (a TTL shorter than a step)
+            result = dict(out or {})
+            result[KVTURN_FIELD] = {"conversation": key, "retained": False}
+            return result
+        params: dict[str, Any] = view["params"]
+        # What the router records without asking the control endpoint (non-streaming turns).
+        params[KVTURN_FIELD].update(retained=True, engine_id=self.engine_id,
+                                    num_tokens=retention.num_tokens,
+                                    expires_in=view["expires_in"])
         return params
 
     def _publish(self, retention: Retention, deadline: float) -> dict[str, Any]:

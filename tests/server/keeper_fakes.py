@@ -1,0 +1,144 @@
+"""A fake of vLLM's block pool and a manual clock, for the retention keeper and what sits on it.
+
+``FakeBlockPool`` keeps vLLM's reference-count rules (``vllm/v1/core/block_pool.py``): block 0
+is the null block and never free; ``touch`` takes a reference (a block at 0 leaves the free
+queue); ``free_blocks`` drops one (a block reaching 0 joins it). It is stricter than vLLM in
+two ways that catch keeper bugs: a reference count going below zero raises, and, when
+``owner`` is set, so does any call from a thread other than that one (the pool belongs to the
+engine thread).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvturn_server.connector._keeper import RetentionKeeper
+from kvturn_server.connector._retention import Retention
+
+BS = 4
+
+
+@dataclass
+class FakeBlock:
+    block_id: int
+    ref_cnt: int = 0
+
+
+class FakeBlockPool:
+    def __init__(self, num_gpu_blocks: int) -> None:
+        self.num_gpu_blocks = num_gpu_blocks
+        self.blocks: Sequence[FakeBlock] = [FakeBlock(i) for i in range(num_gpu_blocks)]
+        self._free = set(range(1, num_gpu_blocks))
+        self.freed: list[list[int]] = []  # block ids of each free_blocks call, in call order
+        self.owner: int | None = None
+
+    def _check_thread(self) -> None:
+        if self.owner is not None and threading.get_ident() != self.owner:
+            raise AssertionError("block pool used off the engine thread")
+
+    def touch(self, blocks: Sequence[FakeBlock]) -> None:
+        self._check_thread()
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self._free.discard(block.block_id)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[FakeBlock]) -> None:
+        self._check_thread()
+        ids = []
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise AssertionError(f"block {block.block_id} freed more often than taken")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and block.block_id != 0:
+                self._free.add(block.block_id)
+            ids.append(block.block_id)
+        self.freed.append(ids)
+
+    def get_num_free_blocks(self) -> int:
+        return len(self._free)
+
+    # What a live request does with the pool.
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free blocks (lowest ids first) for a request: one reference each."""
+        ids = sorted(self._free)[:n]
+        if len(ids) < n:
+            raise AssertionError(f"pool has {len(ids)} free blocks, asked for {n}")
+        self.touch([self.blocks[b] for b in ids])
+        return ids
+
+    def share(self, ids: Sequence[int]) -> None:
+        """A request hits these blocks in the prefix cache (one more reference each)."""
+        self.touch([self.blocks[b] for b in ids])
+
+    def release(self, ids: Sequence[int]) -> None:
+        """The request is done with these blocks (vLLM frees a finished request's blocks)."""
+        self.free_blocks([self.blocks[b] for b in ids])
+
+    def refs(self, ids: Iterable[int] | None = None) -> list[int]:
+        ids = range(1, self.num_gpu_blocks) if ids is None else ids
+        return [self.blocks[b].ref_cnt for b in ids]
+
+    @property
+    def usable(self) -> int:
+        return self.num_gpu_blocks - 1
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+
+def publish(retention: Retention, deadline: float) -> dict[str, Any]:
+    """A stand-in for the scheduler's publisher: enough to see what was published."""
+    return {"remote_block_ids": [list(retention.readable_block_ids)],
+            "remote_request_id": "kvturn-read/" + retention.request_id,
+            "remote_blocks_expiry_time": deadline}
+
+
+def make_keeper(pool: FakeBlockPool | None, clock: Callable[[], float], *,
+                budget: float = 1.0, ttl: float = 60.0, max_hold: float = 600.0,
+                max_pin: float = 30.0, block_bytes: int = 1024,
+                engine_id: str = "decode-engine") -> RetentionKeeper:
+    keeper = RetentionKeeper(engine_id=engine_id, block_size=BS, block_bytes=block_bytes,
+                             budget=budget, ttl=ttl, max_hold=max_hold, max_pin=max_pin,
+                             publish=publish, clock=clock)
+    if pool is not None:
+        keeper.bind(pool)
+    return keeper
+
+
+def tokens(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+def finish(pool: FakeBlockPool, keeper: RetentionKeeper, key: str, request_id: str,
+           n_blocks: int, *, shared: Sequence[int] = (), num_tokens: int | None = None,
+           token_ids: Sequence[int] | None = None) -> tuple[list[int], Retention | None]:
+    """Run one request through the pool the way vLLM does on a decode, retaining it.
+
+    The request hits ``shared`` in the prefix cache, allocates ``n_blocks`` more, finishes
+    (the connector retains it), and then vLLM frees the request's own references. Returns the
+    request's block ids and what ``retain`` returned.
+    """
+    pool.share(shared)
+    ids = [*shared, *pool.allocate(n_blocks)]
+    num_tokens = len(ids) * BS if num_tokens is None else num_tokens
+    token_ids = tokens(num_tokens + 1) if token_ids is None else token_ids
+    try:
+        kept = keeper.retain(key, request_id, ids, token_ids, num_tokens)
+    finally:
+        pool.release(ids)
+    return ids, kept

@@ -1,0 +1,340 @@
+"""The decode side of the scheduler: retain finished turns, publish them, make room for live ones.
+
+The scheduler is built with ``__new__`` and the attributes these paths read; its keeper is the
+real one (built by ``_make_keeper``) over :class:`~tests.server.keeper_fakes.FakeBlockPool`.
+vLLM's own decode-side ``request_finished`` runs for real (with retention it returns at once);
+its other hooks are stubbed where they would need a whole engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+    NixlPullConnectorScheduler,
+)
+from vllm.v1.request import RequestStatus
+
+from kvturn_server.connector._config import ConnectorConfig
+from kvturn_server.connector._hashing import block_hashes
+from kvturn_server.connector._keeper import RetentionKeeper
+from kvturn_server.connector._reuse import ReuseReason
+from kvturn_server.connector._scheduler import (
+    FORMAT,
+    KVTURN_FIELD,
+    READ_PREFIX,
+    KVTurnPullScheduler,
+    ReuseRecord,
+)
+from kvturn_server.connector._stats import KVTurnStats
+from tests.server.keeper_fakes import BS, FakeBlockPool, tokens
+
+KEY = "3f2a9c0d1e4b5a67/conv:42"
+CONTROL_URL = "http://127.0.0.1:8201"
+
+
+def kv_cache_config(groups: int = 1, num_blocks: int = 33) -> Any:
+    return SimpleNamespace(kv_cache_groups=[object()] * groups, num_blocks=num_blocks,
+                           kv_cache_tensors=[SimpleNamespace(size=num_blocks * 2048)] * 2)
+
+
+def base_scheduler(**config: Any) -> KVTurnPullScheduler:
+    sched = KVTurnPullScheduler.__new__(KVTurnPullScheduler)
+    sched.block_size = BS
+    sched.engine_id = "decode-engine"
+    sched.kvturn_config = ConnectorConfig(**config)
+    sched.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
+        decode_context_parallel_size=1, pipeline_parallel_size=1))
+    sched.side_channel_host = "10.0.0.7"
+    sched.side_channel_port = 5600
+    sched.transfer_tp_size = 1
+    sched.control = cast(Any, SimpleNamespace(url=CONTROL_URL))
+    sched.is_bidirectional_kv_xfer_enabled = False  # kvturn keeps it off on decodes
+    sched.kv_recompute_threshold = 0
+    sched._heartbeat_req_engine = {}
+    sched._heartbeat_by_engine = {}
+    sched._reuse = {}
+    sched._stats = KVTurnStats()
+    sched._gauges = (0, 0, 0)
+    sched.keeper = None
+    sched._housekeeper = None
+    return sched
+
+
+def decode_scheduler(pool: FakeBlockPool | None, **config: Any) -> KVTurnPullScheduler:
+    sched = base_scheduler(**config)
+    sched.keeper = sched._make_keeper(kv_cache_config())
+    if pool is not None:
+        sched.bind_block_pool(pool)
+    return sched
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None
+    status: RequestStatus = RequestStatus.FINISHED_STOPPED
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+def decode_leg(key: str | None = KEY) -> dict[str, Any]:
+    """A decode leg's params once vLLM consumed the P->D transfer."""
+    params: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False,
+                              "remote_engine_id": "prefill-engine",
+                              "_remote_blocks_processed": True}
+    if key is not None:
+        params[KVTURN_FIELD] = {"conversation": key}
+    return params
+
+
+def finish(sched: KVTurnPullScheduler, pool: FakeBlockPool, *, n_blocks: int = 4,
+           computed: int = 14, request_id: str = "req-7", groups: int = 1,
+           status: RequestStatus = RequestStatus.FINISHED_STOPPED,
+           params: dict[str, Any] | None = None) -> tuple[list[int], Any]:
+    ids = pool.allocate(n_blocks)
+    request = FakeRequest(request_id, tokens(computed + 1), computed,
+                          decode_leg() if params is None else params, status)
+    block_ids = tuple([list(ids)] * groups)
+    try:
+        delay, out = sched.request_finished(request, block_ids)
+    finally:
+        pool.release(ids)
+    assert delay is False  # the decode never delays vLLM's free: the keeper holds instead
+    return ids, out
+
+
+@pytest.fixture
+def pool() -> FakeBlockPool:
+    return FakeBlockPool(33)
+
+
+@pytest.fixture
+def sched(pool: FakeBlockPool) -> KVTurnPullScheduler:
+    return decode_scheduler(pool)
+
+
+# Building the keeper.
+
+
+def test_the_keeper_gets_the_blocks_size_in_bytes_and_the_configured_leases() -> None:
+    sched = base_scheduler(retention_budget=0.25, decoder_kv_blocks_ttl=30.0,
+                           retention_max_hold=90.0, retention_max_pin=7.0)
+    keeper = sched._make_keeper(kv_cache_config(num_blocks=33))
+    assert isinstance(keeper, RetentionKeeper)
+    assert keeper.block_bytes == 2 * 2048
+    assert keeper.budget == 0.25
+    assert (keeper._ttl, keeper._max_hold, keeper._max_pin) == (30.0, 90.0, 7.0)
+    keeper.bind(FakeBlockPool(33))
+    assert keeper.stats()["budget_blocks"] == 8
+
+
+def test_no_keeper_with_a_zero_budget_or_several_kv_cache_groups(
+        caplog: pytest.LogCaptureFixture) -> None:
+    assert base_scheduler(retention_budget=0.0)._make_keeper(kv_cache_config()) is None
+    with caplog.at_level(logging.WARNING, logger="kvturn.connector"):
+        assert base_scheduler()._make_keeper(kv_cache_config(groups=2)) is None
+    assert "2 KV-cache groups" in caplog.text
+
+
+def test_binding_without_an_engine_on_the_stack_starts_no_housekeeper(
+        pool: FakeBlockPool) -> None:
+    sched = decode_scheduler(pool)
+    assert sched.keeper is not None and sched.keeper.bound
+    assert sched._housekeeper is None
+
+
+# Retaining a finished turn.
+
+
+def test_a_finished_turn_is_retained_and_answers_with_the_params_to_read_it(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
+    ids, out = finish(sched, pool, n_blocks=4, computed=14)
+    assert pool.refs(ids) == [1, 1, 1, 0]  # three full blocks kept, the partial one freed
+    assert out is not None
+    assert out["remote_block_ids"] == [ids[:3]]
+    assert out["remote_request_id"] == READ_PREFIX + "req-7"
+    assert out["remote_num_tokens"] == 12
+    assert out[KVTURN_FIELD]["retained"] is True
+    assert out[KVTURN_FIELD]["conversation"] == KEY
+    assert out[KVTURN_FIELD]["block_hashes"] == [
+        h.hex() for h in block_hashes(tokens(12), BS)]
+
+
+@pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED,
+                                    RequestStatus.FINISHED_ERROR,
+                                    RequestStatus.FINISHED_IGNORED])
+def test_a_turn_that_did_not_finish_normally_is_not_retained(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool, status: RequestStatus) -> None:
+    ids, out = finish(sched, pool, status=status)
+    assert out == {KVTURN_FIELD: {"conversation": KEY, "retained": False}}
+    assert pool.refs(ids) == [0] * 4
+
+
+def test_a_model_with_several_kv_cache_groups_is_not_retained(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
+    ids, out = finish(sched, pool, groups=2)
+    assert out == {KVTURN_FIELD: {"conversation": KEY, "retained": False}}
+    assert pool.refs(ids) == [0] * 4
+
+
+def test_without_retention_a_conversation_turn_says_not_retained(pool: FakeBlockPool) -> None:
+    for sched in (base_scheduler(), decode_scheduler(None)):  # no keeper; keeper not bound
+        _, out = finish(sched, pool)
+        assert out == {KVTURN_FIELD: {"conversation": KEY, "retained": False}}
+    assert pool.refs() == [0] * pool.usable
+
+
+def test_block_ids_the_keeper_refuses_are_logged_and_not_retained(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool,
+        caplog: pytest.LogCaptureFixture) -> None:
+    request = FakeRequest("req-9", tokens(13), 12, decode_leg())
+    with caplog.at_level(logging.WARNING, logger="kvturn.connector"):
+        _, out = sched.request_finished(request, ([0, 1, 2],))  # block 0 is the null block
+    assert out == {KVTURN_FIELD: {"conversation": KEY, "retained": False}}
+    assert "not retained" in caplog.text
+    assert pool.refs() == [0] * pool.usable
+
+
+@pytest.mark.parametrize("params", [decode_leg(None), {**decode_leg(None), KVTURN_FIELD: {}},
+                                    {**decode_leg(None), KVTURN_FIELD: {"conversation": ""}},
+                                    {**decode_leg(None), KVTURN_FIELD: "t/k"}],
+                         ids=["no field", "no key", "empty key", "not an object"])
+def test_a_turn_without_a_conversation_is_left_to_vllm(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool, params: dict[str, Any]) -> None:
+    ids, out = finish(sched, pool, params=params)
+    assert out is None
+    assert pool.refs(ids) == [0] * 4
+
+
+# What a prefill needs to read a retention.
+
+
+def test_publish_gives_exactly_the_fields_a_prefill_leg_needs(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
+    assert sched.keeper is not None
+    ids = pool.allocate(3)
+    retention = sched.keeper.retain(KEY, "req-7", ids, tokens(12), 11)  # 2 full blocks
+    assert retention is not None
+    assert sched._publish(retention, 1234.5) == {
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "remote_block_ids": [ids[:2]],
+        "remote_engine_id": "decode-engine",
+        "remote_request_id": "kvturn-read/req-7",
+        "remote_host": "10.0.0.7",
+        "remote_port": 5600,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": 8,
+        "remote_blocks_expiry_time": 1234.5,
+        "transfer_mode": "pull",
+        KVTURN_FIELD: {
+            "format": FORMAT,
+            "block_size": BS,
+            "block_hashes": [h.hex() for h in block_hashes(tokens(8), BS)],
+            "conversation": KEY,
+            "control": CONTROL_URL,
+        },
+    }
+
+
+def test_published_params_read_back_on_a_prefill_as_verified_blocks(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
+    ids, _ = finish(sched, pool, n_blocks=4, computed=15)
+    assert sched.keeper is not None
+    view = sched.keeper.pin(KEY, 10)  # what the router does before the prefill leg
+    assert isinstance(view, dict)
+    params = view["params"]
+    assert params["remote_blocks_expiry_time"] == pytest.approx(time.perf_counter() + 10,
+                                                                abs=5)
+    prefill = base_scheduler()
+    prefill.is_bidirectional_kv_xfer_enabled = True
+    prompt = [*tokens(16), 555, 556, 557]  # the next turn extends the retained sequence
+    prefill._plan_reuse(FakeRequest("p-1", [], 0, params, prompt_token_ids=prompt), 0, params)
+    assert prefill._reuse["p-1"] == ReuseRecord(ReuseReason.PARTIAL, 12, 0)
+    assert params["remote_block_ids"] == [ids[:3]]
+
+
+# Hooks vLLM calls on the decode.
+
+
+def test_a_waiting_request_makes_room_before_vllm_allocates(
+        pool: FakeBlockPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    sched = decode_scheduler(pool, retention_budget=1.0)
+    monkeypatch.setattr(NixlPullConnectorScheduler, "get_num_new_matched_tokens",
+                        lambda self, request, num_computed: (0, False))
+    for i in range(3):
+        finish(sched, pool, n_blocks=9, computed=36, request_id=f"r{i}",
+               params=decode_leg(f"t/k{i}"))
+    assert pool.get_num_free_blocks() == 5
+    waiting = FakeRequest("w", tokens(30), 0, None)  # 8 blocks, and 1 to grow into
+    assert sched.get_num_new_matched_tokens(waiting, 0) == (0, False)
+    assert sched.keeper is not None
+    assert sched.keeper.stats()["retentions"] == 2
+    assert pool.get_num_free_blocks() >= 9
+
+
+def test_vllm_asks_before_preempting_and_a_retention_goes_instead(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
+    assert sched.has_pending_block_frees() is False
+    finish(sched, pool)
+    assert sched.has_pending_block_frees() is True
+    assert sched.has_pending_block_frees() is False
+    assert pool.refs() == [0] * pool.usable
+
+
+def test_the_engine_keeps_stepping_exactly_while_a_retention_is_pinned(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
+    finish(sched, pool)
+    assert sched.keeper is not None
+    assert sched.has_pending_push_work() is False
+    view = sched.keeper.pin(KEY, 10)
+    assert isinstance(view, dict)
+    assert sched.has_pending_push_work() is True
+    sched.keeper.unpin(view["pin_id"])
+    assert sched.has_pending_push_work() is False
+    assert base_scheduler().has_pending_push_work() is False
+
+
+def test_each_step_frees_what_control_requests_released(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(NixlPullConnectorScheduler, "build_connector_meta",
+                        lambda self, scheduler_output: "meta")
+    ids, _ = finish(sched, pool)
+    assert sched.keeper is not None
+    sched.keeper.release(KEY)
+    assert pool.refs(ids[:3]) == [1, 1, 1]
+    assert sched.build_connector_meta(object()) == "meta"
+    assert pool.refs() == [0] * pool.usable
+
+
+def test_take_stats_reports_events_and_gauges_only_when_they_change(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
+    finish(sched, pool, n_blocks=4, computed=14)
+    stats = sched.take_stats()
+    assert stats is not None
+    assert stats.data["kvturn_retention_events"] == ["created"]
+    assert stats.data["kvturn_retentions"] == [1]
+    assert stats.data["kvturn_retained_blocks"] == [3]
+    assert stats.data["kvturn_retained_bytes"] == [3 * 4096]
+    assert sched.take_stats() is None  # nothing changed since
+    assert sched.keeper is not None
+    sched.keeper.release(KEY)
+    sched.keeper.service()
+    stats = sched.take_stats()
+    assert stats is not None
+    assert stats.data["kvturn_retention_events"] == ["released"]
+    assert stats.data["kvturn_retentions"] == [0]

@@ -22,6 +22,34 @@ if [ -z "$PYTHON" ]; then
   exit 1
 fi
 
+# redis-server: the router's state-store tests run against a real one (tests/server/conftest.py
+# starts a private instance). Checked before the stamp: a machine can lack it while .venv is
+# intact. Idempotent: nothing happens when it is already on PATH.
+if ! command -v redis-server >/dev/null 2>&1; then
+  printf '\n==> %s\n' "installing redis-server (router state-store tests)"
+  sudo=()
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then
+    sudo=(sudo -n)
+  fi
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "bootstrap: redis-server is missing and there is no apt-get here; install redis-server" \
+         "so that it is on PATH, then run this again" >&2
+    exit 1
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  if ! "${sudo[@]}" apt-get install -y -qq redis-server >/dev/null 2>&1; then
+    if ! { "${sudo[@]}" apt-get update -qq >/dev/null 2>&1 &&
+           "${sudo[@]}" apt-get install -y -qq redis-server >/dev/null 2>&1; }; then
+      echo "bootstrap: could not install redis-server with apt-get (needs root or" \
+           "passwordless sudo, and a reachable package mirror); install it so that" \
+           "redis-server is on PATH, then run this again" >&2
+      exit 1
+    fi
+  fi
+  command -v redis-server >/dev/null 2>&1 || {
+    echo "bootstrap: apt-get installed redis-server but it is not on PATH" >&2; exit 1; }
+fi
+
 stamp="$VENV/.kvturn-bootstrap"
 want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] &&

@@ -9,6 +9,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvturn_server.bench._router import add_router_bench_parser
+from kvturn_server.bench._sdk import add_sdk_bench_parser
 from kvturn_server.local import (
     SIZES,
     Stack,
@@ -18,6 +20,7 @@ from kvturn_server.local import (
     read_running,
     stop_running,
 )
+from kvturn_server.router import add_router_args
 
 
 def _add_stack_args(p: argparse.ArgumentParser) -> None:
@@ -62,7 +65,7 @@ class ProgressLine:
 
     def __call__(self, elapsed: float, ready: list[str], waiting: list[str]) -> None:
         if not waiting:
-            msg = f"all servers healthy after {elapsed:.0f} s"
+            msg = f"{', '.join(ready)} healthy after {elapsed:.0f} s"
             print(("\r" if self.tty else "") + msg + " " * 20, file=sys.stderr, flush=True)
             return
         msg = (f"starting: {elapsed:4.0f} s, waiting for {', '.join(waiting)}"
@@ -138,11 +141,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from kvturn_server.router import RouterConfig, serve
+    from kvturn_server.router import RouterConfigError, router_config_from_args, serve
 
-    serve(RouterConfig(prefill=tuple(args.prefill), decode=tuple(args.decode), host=args.host,
-                       port=args.port, prefill_timeout=args.prefill_timeout,
-                       connect_timeout=args.connect_timeout, decode_timeout=args.decode_timeout))
+    try:
+        serve(router_config_from_args(args))
+    except RouterConfigError as exc:
+        print(f"kvturn router: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -216,21 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     router = sub.add_parser(
         "router", help="run the router in the foreground",
-        description="OpenAI-compatible router: each request runs a prefill leg (max_tokens=1) "
-                    "and a decode leg that reads the prefill's KV over NIXL.")
-    router.add_argument("--prefill", action="append", required=True, metavar="URL",
-                        help="prefill vLLM base URL (repeatable)")
-    router.add_argument("--decode", action="append", required=True, metavar="URL",
-                        help="decode vLLM base URL (repeatable)")
-    router.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
-    router.add_argument("--port", type=int, default=8000, help="default: %(default)s")
-    router.add_argument("--prefill-timeout", type=float, default=60.0,
-                        help="seconds for the prefill leg before the decode computes the prompt "
-                             "itself (default: %(default)s)")
-    router.add_argument("--connect-timeout", type=float, default=5.0,
-                        help="seconds to connect to a backend (default: %(default)s)")
-    router.add_argument("--decode-timeout", type=float, default=300.0,
-                        help="seconds the decode may stay silent (default: %(default)s)")
+        description="OpenAI-compatible, conversation-aware router: each turn pins the "
+                    "conversation's retained KV on its decode, runs a prefill leg "
+                    "(max_tokens=1) that reads the verified part of it, then a decode leg that "
+                    "reads the prefill's KV and retains the new turn. See docs/http-api.md.")
+    add_router_args(router)
     router.set_defaults(func=cmd_router)
 
     demo = sub.add_parser(
@@ -262,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     reuse.add_argument("--state-dir", type=Path, default=Path(".kvturn/bench"),
                        help="model, logs and state of the benchmark stack (default: %(default)s)")
     reuse.set_defaults(func=cmd_bench_reuse)
+    add_router_bench_parser(bench_sub)
+    add_sdk_bench_parser(bench_sub)
     return parser
 
 

@@ -7,5 +7,13 @@ from kvturn_server.bench._reuse import (
     write_json,
     write_plot,
 )
+from kvturn_server.bench._router import (
+    RouterBenchSettings,
+    add_router_bench_parser,
+    run_router_bench,
+)
+from kvturn_server.bench._sdk import add_sdk_bench_parser, run_sdk_bench
 
-__all__ = ["SizeResult", "bench_config", "run_reuse_bench", "write_json", "write_plot"]
+__all__ = ["RouterBenchSettings", "SizeResult", "add_router_bench_parser", "add_sdk_bench_parser",
+           "bench_config", "run_reuse_bench", "run_router_bench", "run_sdk_bench", "write_json",
+           "write_plot"]

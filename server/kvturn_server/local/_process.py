@@ -104,11 +104,13 @@ def wait_healthy(
     timeout: float,
     progress: Callable[[float, list[str], list[str]], None] | None = None,
     interval: float = 0.5,
+    elapsed_offset: float = 0.0,
 ) -> float:
     """Wait until every server answers its health URL; return the seconds it took.
 
     Raises StackError as soon as one server exits, or when ``timeout`` passes, with the tail
-    of the culprit's log so that the reason is visible without opening files.
+    of the culprit's log so that the reason is visible without opening files. ``progress``
+    sees the elapsed time plus ``elapsed_offset`` (a wait that continues an earlier one).
     """
     start = time.monotonic()
     ready: set[str] = set()
@@ -126,7 +128,7 @@ def wait_healthy(
                 ready.add(name)
         waiting = [n for n in procs if n not in ready]
         if progress is not None:
-            progress(elapsed, sorted(ready), waiting)
+            progress(elapsed + elapsed_offset, sorted(ready), waiting)
         if not waiting:
             return elapsed
         if elapsed > timeout:

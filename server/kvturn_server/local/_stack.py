@@ -211,7 +211,9 @@ def server_specs(cfg: StackConfig) -> list[ServerSpec]:
     router_argv = [
         sys.executable, "-m", "kvturn_server.cli", "router",
         "--host", cfg.host, "--port", str(cfg.router_port),
-        "--prefill", cfg.prefill_url, "--decode", cfg.decode_url,
+        "--prefill", cfg.prefill_url,
+        "--decode", f"{cfg.decode_url},control={cfg.decode_control_url}",
+        "--retention-ttl", f"{cfg.decoder_kv_blocks_ttl:g}",
     ]
     specs.append(ServerSpec(
         name="router", argv=router_argv, port=cfg.router_port,
@@ -297,12 +299,21 @@ class Stack:
         if not is_built(cfg.model_path, cfg.model_size):
             build_model(cfg.model_size, cfg.model_path)
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        specs = server_specs(cfg)
+        # vLLM first, the router once they answer: a router started beside them would see its
+        # backends fail their first health checks and eject them until they are re-admitted.
+        waves = [[s for s in specs if s.name != "router"], [s for s in specs if s.name == "router"]]
         try:
-            for spec in server_specs(cfg):
-                self._procs[spec.name] = (spec, launch(spec, die_with_parent=self.die_with_parent))
-            self._record()
-            self.startup_seconds = wait_healthy(
-                self._procs, timeout=cfg.startup_timeout, progress=progress)
+            for wave in waves:
+                for spec in wave:
+                    self._procs[spec.name] = (spec, launch(spec,
+                                                           die_with_parent=self.die_with_parent))
+                self._record()
+                wait_healthy({s.name: self._procs[s.name] for s in wave},
+                             timeout=cfg.startup_timeout - (time.monotonic() - started),
+                             progress=progress, elapsed_offset=time.monotonic() - started)
+            self.startup_seconds = time.monotonic() - started
         except BaseException:
             self.stop()
             raise

@@ -1,169 +1,308 @@
-"""The router's HTTP app: OpenAI-compatible endpoints over prefill and decode legs."""
+"""The router: wiring (pools, backend client, control client, state, metrics) and its HTTP app.
+
+Endpoints (docs/http-api.md, section A): ``POST /v1/chat/completions``, ``POST
+/v1/completions`` (``_turn.py``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
+``POST /kvturn/v1/conversations/{id}/keepalive`` and ``DELETE /kvturn/v1/conversations/{id}``
+(``_conversations.py``).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import itertools
-import json
 import logging
+import math
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import httpx2
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
-from kvturn_server.router._backend import Backend, BackendError
-from kvturn_server.router._config import RouterConfig
+from kvturn_server.router import _json
+from kvturn_server.router._backend import BackendClient, BackendError
+from kvturn_server.router._config import RouterConfig, RouterConfigError
+from kvturn_server.router._control import ControlClient
+from kvturn_server.router._conversations import conversation_endpoint
 from kvturn_server.router._errors import error_response
-from kvturn_server.router._legs import client_body, decode_body, prefill_body
+from kvturn_server.router._log import event, setup_logging
+from kvturn_server.router._metrics import RouterMetrics
+from kvturn_server.router._pool import Backend, HealthChecker, Pool
+from kvturn_server.router._state import ConversationStore, StoreError, open_store
+from kvturn_server.router._transport import PooledTransport
+from kvturn_server.router._turn import completion
 
 log = logging.getLogger("kvturn.router")
 
 
 class Router:
-    """Turns each request into a prefill leg and a decode leg."""
+    """Everything one router process holds. ``start`` before serving, ``aclose`` after.
 
-    def __init__(self, config: RouterConfig, client: httpx2.AsyncClient | None = None) -> None:
+    Args:
+        config: the settings.
+        transport: the httpx2 transport for every backend call (default: the pooled one, or
+            httpx2's own with ``http_client = "httpx"``); tests pass a ``MockTransport``.
+        store: the conversation store (default: opened from ``config.state`` at start).
+        clock: wall-clock seconds for leases and the store (tests inject a fake).
+    """
+
+    def __init__(self, config: RouterConfig, *, transport: httpx2.AsyncBaseTransport | None = None,
+                 store: ConversationStore | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
-        self.client = client or httpx2.AsyncClient(
-            limits=httpx2.Limits(max_connections=1000, max_keepalive_connections=100))
-        self.prefills = [Backend(url, self.client) for url in config.prefill]
-        self.decodes = [Backend(url, self.client) for url in config.decode]
-        self._next_prefill = itertools.cycle(self.prefills)
-        self._next_decode = itertools.cycle(self.decodes)
-        self.prefill_timeout = httpx2.Timeout(config.prefill_timeout,
-                                              connect=config.connect_timeout)
-        self.decode_timeout = httpx2.Timeout(config.decode_timeout,
-                                             connect=config.connect_timeout)
+        self.clock = clock
+        self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+        if transport is None:
+            if config.http_client == "pooled":
+                transport = PooledTransport(connect_timeout=config.connect_timeout)
+            else:
+                transport = httpx2.AsyncHTTPTransport(limits=httpx2.Limits(
+                    max_connections=None, max_keepalive_connections=512))
+        self.client = BackendClient(transport, connect_timeout=config.connect_timeout,
+                                    api_key=config.backend_api_key)
+        self.control = ControlClient(self.client, timeout=config.control_timeout)
+        self.prefills = Pool("prefill", [Backend("prefill", url) for url in config.prefill],
+                             eject_after=config.eject_after, readmit_after=config.readmit_after)
+        self.decodes = Pool("decode", [Backend("decode", d.url, d.control)
+                                       for d in config.decode],
+                            eject_after=config.eject_after, readmit_after=config.readmit_after)
+        self.metrics = RouterMetrics([self.prefills, self.decodes])
+        self.health = HealthChecker(self.client, [self.prefills, self.decodes],
+                                    interval=config.health_interval,
+                                    timeout=config.health_timeout,
+                                    on_engine_change=self._engine_changed, also=self._purge)
+        self._store = store
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.started = False
+
+    @property
+    def store(self) -> ConversationStore:
+        if self._store is None:
+            raise RuntimeError("Router.start() was not called")
+        return self._store
+
+    async def start(self, *, health_checks: bool = True) -> None:
+        """Open the store and start health checks (tests may drive checks themselves)."""
+        if self.started:
+            return
+        c = self.config
+        if self._store is None:
+            self._store = await open_store(c.state, max_entries=c.max_conversations,
+                                           remember_expired=c.remember_expired,
+                                           prefix=c.state_prefix, timeout=c.control_timeout,
+                                           clock=self.clock)
+        if health_checks:
+            self.health.start()
+        self.started = True
+        event(log, logging.INFO, "router_started", prefill=len(c.prefill),
+              decode=len(c.decode), state=self.store.kind)
 
     async def aclose(self) -> None:
+        """Stop health checks, let background calls (unpins, releases) finish, close."""
+        await self.health.stop()
+        with contextlib.suppress(TimeoutError):
+            await self.wait_idle(self.config.drain_timeout)
+        for task in list(self._tasks):
+            task.cancel()
         await self.client.aclose()
+        if self._store is not None:
+            await self._store.aclose()
+        self.started = False
 
-    async def completion(self, request: Request) -> Response:
-        path = request.url.path
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            return error_response(400, "request body is not valid JSON")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object")
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        body = client_body(body)
-        started = time.perf_counter()
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` off the request path; shutdown waits for it."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
 
-        params, early = await self._prefill(path, body, request_id)
-        if early is not None:
-            return early
-        prefill_ms = (time.perf_counter() - started) * 1000
-        leg = decode_body(body, params)
-        decode = next(self._next_decode)
-        headers = {"x-request-id": request_id}
-        if body.get("stream"):
-            log.info("request_id=%s path=%s prefill_ms=%.1f streaming from %s", request_id,
-                     path, prefill_ms, decode.base_url)
-            return await self._stream(decode, path, leg, headers, prefill_ms)
-        try:
-            status, payload = await decode.post_json(path, leg, self.decode_timeout)
-        except BackendError as exc:
-            log.warning("decode failed request_id=%s: %s", request_id, exc)
-            return error_response(502, f"decode backend failed: {exc}", type_="server_error",
-                                  retry_after=1)
-        log.info("request_id=%s path=%s prefill_ms=%.1f total_ms=%.1f status=%d", request_id,
-                 path, prefill_ms, (time.perf_counter() - started) * 1000, status)
-        return JSONResponse(payload, status_code=status, headers=headers)
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
 
-    async def _prefill(self, path: str, body: dict[str, Any],
-                       request_id: str) -> tuple[dict[str, Any] | None, Response | None]:
-        """Run the prefill leg: (transfer params or None, or an error to return as is)."""
-        prefill = next(self._next_prefill)
-        try:
-            status, payload = await prefill.post_json(path, prefill_body(body),
-                                                      self.prefill_timeout)
-        except BackendError as exc:
-            log.warning("prefill failed, decode will compute the prompt request_id=%s: %s",
-                        request_id, exc)
-            return None, None
-        if 400 <= status < 500:
-            # The request itself is wrong (unknown model, bad parameter): the decode would
-            # refuse it the same way, so the client gets the error now.
-            return None, JSONResponse(payload, status_code=status)
-        params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
-        if status != 200 or not isinstance(params, dict):
-            log.warning("prefill answered %d without transfer params request_id=%s; decode "
-                        "will compute the prompt", status, request_id)
-            return None, None
-        return params, None
+    async def wait_idle(self, timeout: float = 10.0) -> None:
+        """Wait until no background call is pending (tests use this instead of sleeping)."""
+        async with asyncio.timeout(timeout):
+            while self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    async def _stream(self, decode: Backend, path: str, leg: dict[str, Any],
-                      headers: dict[str, str], prefill_ms: float) -> Response:
+    def _engine_changed(self, backend: Backend, old: str | None, new: str) -> None:
+        if old is not None:
+            # Handles to the old engine's retentions are now stale; each is dropped (and
+            # counted) when its conversation next comes by.
+            event(log, logging.WARNING, "decode_restarted", backend=backend.url,
+                  old_engine_id=old, engine_id=new)
+
+    async def _purge(self) -> None:
         try:
-            resp = await decode.open_stream(path, leg, self.decode_timeout)
-        except BackendError as exc:
-            return error_response(502, f"decode backend failed: {exc}", type_="server_error",
-                                  retry_after=1)
-        if resp.status_code != 200:
-            raw = await resp.aread()
-            await resp.aclose()
-            return Response(raw, status_code=resp.status_code,
-                            media_type=resp.headers.get("content-type"))
-        headers["x-kvturn-prefill-ms"] = f"{prefill_ms:.1f}"
-        return StreamingResponse(_relay(resp), status_code=200, headers=headers,
-                                 media_type=resp.headers.get("content-type", "text/event-stream"),
-                                 background=BackgroundTask(resp.aclose))
+            await self.store.purge()
+            self.metrics.conversations.set(await self.store.size())
+        except StoreError as exc:
+            self.metrics.state_errors.inc()
+            event(log, logging.WARNING, "state_store_failed", op="purge", error=str(exc))
+
+    # Endpoints other than completions and conversations.
 
     async def models(self, request: Request) -> Response:
-        decode = next(self._next_decode)
+        exclude: Backend | None = None
+        for _ in range(2):
+            decode = self.decodes.pick(exclude=exclude)
+            if decode is None:
+                break
+            try:
+                reply = await self.client.call("GET", decode.url + "/v1/models",
+                                               timeout=self.config.decode_timeout)
+            except BackendError as exc:
+                self.decodes.leg_failed(decode, f"models: {exc}")
+                exclude = decode
+                continue
+            return Response(reply.body, status_code=reply.status,
+                            media_type=reply.content_type)
+        return error_response(503, "no decode backend answered", type_="server_error",
+                              code="backend_unavailable", retry_after=self.config.retry_after)
+
+    async def health_endpoint(self, request: Request) -> Response:
+        prefill = len(self.prefills.healthy)
+        decode = len(self.decodes.healthy)
+        body = {"status": "ok" if prefill and decode else "degraded",
+                "prefill": {"healthy": prefill, "total": len(self.prefills.members)},
+                "decode": {"healthy": decode, "total": len(self.decodes.members)},
+                "state": self.store.kind}
+        return Response(_json.dumps(body), media_type="application/json")
+
+    async def metrics_endpoint(self, request: Request) -> Response:
         try:
-            status, payload = await decode.get("/v1/models", self.decode_timeout)
-        except BackendError as exc:
-            return error_response(502, f"decode backend failed: {exc}", type_="server_error",
-                                  retry_after=1)
-        return JSONResponse(payload, status_code=status)
-
-    async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+            self.metrics.conversations.set(await self.store.size())
+        except StoreError:
+            self.metrics.state_errors.inc()
+        return Response(generate_latest(self.metrics.registry),
+                        headers={"content-type": CONTENT_TYPE_LATEST})
 
 
-async def _relay(resp: httpx2.Response) -> AsyncIterator[bytes]:
-    """Pass the decode's SSE bytes through unchanged, chunk by chunk (no buffering)."""
-    async for chunk in resp.aiter_raw():
-        yield chunk
+class RouterApp:
+    """The router's ASGI app: completions go straight to the turn code, everything else
+    (and the lifespan) through a Starlette app.
+
+    Completions bypass Starlette's middleware because a stream sends one ASGI message per
+    token and each middleware layer wraps every one of them; the router answers its own
+    errors anyway. ``state.router`` is the ``Router``.
+    """
+
+    _HOT = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+    def __init__(self, router: Router, app: Starlette) -> None:
+        self.router = router
+        self.app = app
+        self.state = app.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self._HOT:
+            try:
+                response = await completion(self.router, Request(scope, receive))
+            except Exception:  # a bug must still give the client an OpenAI-shaped answer
+                log.exception("completion request failed")
+                response = error_response(500, "the router failed on this request",
+                                          type_="server_error", code="router_error",
+                                          retry_after=self.router.config.retry_after)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
-def create_app(config: RouterConfig, client: httpx2.AsyncClient | None = None) -> Starlette:
-    """The router as an ASGI app; ``client`` lets tests inject a mock transport."""
-    router = Router(config, client)
+def create_app(config: RouterConfig, transport: httpx2.AsyncBaseTransport | None = None, *,
+               store: ConversationStore | None = None,
+               clock: Callable[[], float] = time.time) -> RouterApp:
+    """The router as an ASGI app (``app.state.router``); its lifespan starts and stops it."""
+    router = Router(config, transport=transport, store=store, clock=clock)
+
+    async def conversations(request: Request) -> Response:
+        return await conversation_endpoint(router, request)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
-        await router.aclose()
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.aclose()
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return error_response(exc.status_code, f"{exc.detail}: {request.method} "
+                                               f"{request.url.path}",
+                              type_="not_found_error" if exc.status_code == 404
+                              else "invalid_request_error", code="no_route")
+
+    async def completions(request: Request) -> Response:  # reached only by odd paths/methods
+        return await completion(router, request)
 
     app = Starlette(
+        exception_handlers={HTTPException: http_error},
         routes=[
-            Route("/v1/chat/completions", router.completion, methods=["POST"]),
-            Route("/v1/completions", router.completion, methods=["POST"]),
+            Route("/v1/chat/completions", completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", router.models, methods=["GET"]),
-            Route("/health", router.health, methods=["GET"]),
+            Route("/health", router.health_endpoint, methods=["GET"]),
+            Route("/metrics", router.metrics_endpoint, methods=["GET"]),
+            Route("/kvturn/v1/conversations/{rest:path}", conversations,
+                  methods=["POST", "DELETE"]),
         ],
         lifespan=lifespan,
     )
     app.state.router = router
-    return app
+    return RouterApp(router, app)
+
+
+def _uvicorn_options() -> dict[str, str]:
+    options = {}
+    with contextlib.suppress(ImportError):
+        import uvloop  # noqa: F401
+
+        options["loop"] = "uvloop"
+    with contextlib.suppress(ImportError):
+        import httptools  # noqa: F401
+
+        options["http"] = "httptools"
+    return options
+
+
+def _check_state(config: RouterConfig) -> None:
+    """Fail at start, in one line, when the Redis state store cannot be reached."""
+    if config.state == "memory":
+        return
+    try:
+        import redis
+    except ImportError as exc:
+        raise RouterConfigError(
+            "--state redis://... needs the redis package (pip install 'kvturn[redis]')") from exc
+    client = redis.Redis.from_url(config.state, socket_timeout=config.control_timeout,
+                                  socket_connect_timeout=config.control_timeout)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        shown = config.summary()["state"]
+        raise RouterConfigError(f"cannot reach the Redis state store at {shown}: {exc}") \
+            from exc
+    finally:
+        client.close()
 
 
 def serve(config: RouterConfig) -> None:
-    """Run the router until interrupted (``kvturn router``)."""
+    """Run the router until SIGINT/SIGTERM (``kvturn router``); in-flight requests and streams
+    get ``drain_timeout`` seconds to finish. RouterConfigError (one line) when it cannot start:
+    an unreachable Redis state store."""
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    # One line per backend call is noise at INFO; the router logs each request itself.
-    logging.getLogger("httpx2").setLevel(logging.WARNING)
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning")
+    _check_state(config)
+    setup_logging(config.log_level, config.log_format)
+    event(log, logging.INFO, "router_config", **config.summary())
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning",
+                access_log=False, proxy_headers=False, server_header=False,
+                timeout_graceful_shutdown=math.ceil(config.drain_timeout),
+                **_uvicorn_options())  # type: ignore[arg-type]

@@ -1,8 +1,86 @@
-"""Router settings: one dataclass, built from flags in ``kvturn router``."""
+"""Router settings: one dataclass, built from flags and/or a config file in one place.
+
+``kvturn router --config router.toml --decode http://d2:8200`` reads the file first, then lets
+flags override it. The file (TOML, or JSON when it ends in ``.json``) uses the field names
+below; backends are lists:
+
+.. code-block:: toml
+
+    prefill = ["http://p0:8100", "http://p1:8100"]
+    decode = ["http://d0:8200", {url = "http://d1:8200", control = "http://d1:9201"}]
+    state = "redis://redis:6379/0"
+    health_interval = 2.0
+
+A decode's control URL (its connector's control endpoint) defaults to the decode's scheme and
+host on its port + 1.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import json
+import math
+import tomllib
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+
+class RouterConfigError(ValueError):
+    """A setting the router cannot run with; the message says which and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSpec:
+    """A decode vLLM instance: its OpenAI base URL and its connector's control URL."""
+
+    url: str
+    control: str
+
+    @classmethod
+    def parse(cls, text: str) -> DecodeSpec:
+        """``URL`` or ``URL,control=URL``; the control URL defaults to port + 1."""
+        url, *options = (part.strip() for part in text.split(","))
+        url = _base_url(url, "decode")
+        control: str | None = None
+        for option in options:
+            name, sep, value = option.partition("=")
+            if name != "control" or not sep:
+                raise RouterConfigError(
+                    f"decode {text!r}: unknown option {option!r} (the form is "
+                    "URL[,control=URL])")
+            control = _base_url(value, "decode control")
+        return cls(url, control or default_control_url(url))
+
+
+def default_control_url(url: str) -> str:
+    """Same scheme and host, port + 1 (the local stack's convention)."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{parts.scheme}://{host}:{port + 1}"
+
+
+def _base_url(url: str, what: str) -> str:
+    url = url.strip().rstrip("/")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise RouterConfigError(f"{what} URL {url!r}: {exc}") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname \
+            or parts.netloc.endswith(":"):
+        raise RouterConfigError(
+            f"{what} URL must look like http://host:port (or https://), got {url!r}")
+    if parts.query or parts.fragment:
+        raise RouterConfigError(f"{what} URL {url!r} must not have a query or fragment")
+    return url
+
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
@@ -11,25 +89,288 @@ class RouterConfig:
 
     Attributes:
         prefill: base URLs of prefill vLLM instances (``http://host:port``).
-        decode: base URLs of decode vLLM instances.
-        prefill_timeout: seconds for the whole prefill leg; past it the decode computes the
-            prompt itself.
+        decode: decode instances; plain URLs are accepted and get the default control URL.
+        host, port: where the router listens.
+        prefill_timeout: seconds for a whole prefill leg; a leg past it is retried once on
+            another prefill, then the decode computes the prompt itself.
         connect_timeout: seconds to open a connection to any backend.
-        decode_timeout: seconds the decode may stay silent (between stream chunks, or for a
-            whole non-streaming reply).
+        decode_timeout: seconds the decode may stay silent: for the reply head and between
+            stream chunks, or for a whole non-streaming reply.
+        control_timeout: seconds for a control-endpoint call (pin, unpin, describe, keepalive,
+            release). Past it there is no reuse for that turn; the turn itself goes on.
+        pin_ttl: seconds a pin holds a retention's blocks; must cover the prefill leg
+            (default: prefill_timeout + 10).
+        health_interval: seconds between active health checks of every backend.
+        health_timeout: seconds a health check may take.
+        eject_after: consecutive failures (checks or legs) that eject a backend.
+        readmit_after: consecutive successful checks that re-admit an ejected backend.
+        state: ``memory`` (default, per process) or ``redis://host:port/db`` (shared by
+            router replicas and kept across restarts; also ``rediss://``, ``unix://``).
+        state_prefix: prefix of every Redis key the router writes.
+        max_conversations: table cap; past it the least recently used conversation goes.
+        retention_ttl: lease seconds assumed when a decode reports a retention without
+            ``expires_in``.
+        remember_expired: seconds a conversation stays in the table after its lease ran out,
+            so that its next turn reports ``expired`` rather than ``miss``.
+        retry_after: seconds clients are told to wait on transient errors (``Retry-After``).
+        drain_timeout: seconds a shutdown waits for in-flight requests and streams.
+        max_body_bytes: largest request body accepted (413 past it).
+        backend_api_key: sent as ``Authorization: Bearer`` to every backend, if set.
+        http_client: ``pooled`` (the router's lean keep-alive transport) or ``httpx``
+            (httpx2's default transport; slower, for comparison or odd networks).
+        capture_attempts: how often the router asks a decode for a just-finished stream's
+            retention before taking the answer it has (the decode retains at finish, which
+            can trail the stream's last byte by a scheduler step).
+        capture_retry_delay: seconds between those attempts.
+        log_level, log_format: ``debug``..``error``; ``text`` or ``json`` lines.
     """
 
     prefill: tuple[str, ...]
-    decode: tuple[str, ...]
+    decode: tuple[DecodeSpec, ...]
     host: str = "127.0.0.1"
     port: int = 8000
     prefill_timeout: float = 60.0
     connect_timeout: float = 5.0
     decode_timeout: float = 300.0
+    control_timeout: float = 2.0
+    pin_ttl: float | None = None
+    health_interval: float = 5.0
+    health_timeout: float = 2.0
+    eject_after: int = 3
+    readmit_after: int = 2
+    state: str = "memory"
+    state_prefix: str = "kvturn:"
+    max_conversations: int = 100_000
+    retention_ttl: float = 480.0
+    remember_expired: float = 600.0
+    retry_after: float = 1.0
+    drain_timeout: float = 30.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    backend_api_key: str | None = field(default=None, repr=False)
+    http_client: str = "pooled"
+    capture_attempts: int = 3
+    capture_retry_delay: float = 0.05
+    log_level: str = "info"
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
-        if not self.prefill or not self.decode:
-            raise ValueError("the router needs at least one prefill and one decode backend")
-        for url in (*self.prefill, *self.decode):
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"backend URL must start with http:// or https://: {url!r}")
+        if isinstance(self.prefill, str) or isinstance(self.decode, str):
+            raise RouterConfigError("prefill and decode are lists of URLs, not one string")
+        prefill = tuple(_base_url(u, "prefill") for u in self.prefill)
+        decode = tuple(d if isinstance(d, DecodeSpec) else DecodeSpec.parse(d)
+                       for d in self.decode)
+        if not prefill or not decode:
+            raise RouterConfigError(
+                "the router needs at least one prefill and one decode backend (--prefill URL "
+                "--decode URL, or prefill/decode in the config file)")
+        for role, urls in (("prefill", prefill), ("decode", [d.url for d in decode])):
+            dupes = sorted({u for u in urls if urls.count(u) > 1})
+            if dupes:
+                raise RouterConfigError(f"{role} backend listed twice: {', '.join(dupes)}")
+        object.__setattr__(self, "prefill", prefill)
+        object.__setattr__(self, "decode", decode)
+        for name in ("prefill_timeout", "connect_timeout", "decode_timeout", "control_timeout",
+                     "health_interval", "health_timeout", "retention_ttl", "retry_after",
+                     "drain_timeout"):
+            _positive(name, getattr(self, name))
+        for name in ("remember_expired", "capture_retry_delay"):
+            _positive(name, getattr(self, name), allow_zero=True)
+        if self.pin_ttl is not None:
+            _positive("pin_ttl", self.pin_ttl)
+        for name in ("eject_after", "readmit_after", "max_conversations", "capture_attempts",
+                     "max_body_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RouterConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise RouterConfigError(f"port must be 0-65535, got {self.port!r}")
+        if self.state != "memory" and not self.state.startswith(("redis://", "rediss://",
+                                                                 "unix://")):
+            raise RouterConfigError(
+                f"state must be 'memory' or a Redis URL (redis://host:port/db), got "
+                f"{self.state!r}")
+        if self.http_client not in ("pooled", "httpx"):
+            raise RouterConfigError(
+                f"http_client must be 'pooled' or 'httpx', got {self.http_client!r}")
+        if self.log_level not in _LOG_LEVELS:
+            raise RouterConfigError(
+                f"log_level must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")
+        if self.log_format not in ("text", "json"):
+            raise RouterConfigError(f"log_format must be 'text' or 'json', got "
+                                    f"{self.log_format!r}")
+
+    @property
+    def effective_pin_ttl(self) -> float:
+        return self.pin_ttl if self.pin_ttl is not None else self.prefill_timeout + 10.0
+
+    def summary(self) -> dict[str, Any]:
+        """Every setting, for the start-up log (secrets masked)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "backend_api_key":
+                value = "***" if value else None
+            elif f.name == "decode":
+                value = ",".join(f"{d.url}(control={d.control})" for d in value)
+            elif f.name == "prefill":
+                value = ",".join(value)
+            elif f.name == "state" and "@" in str(value):
+                value = _mask_password(str(value))
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_file(cls, path: Path, **overrides: Any) -> RouterConfig:
+        """Settings from a TOML (or ``.json``) file; ``overrides`` win over the file."""
+        return cls.from_mapping({**load_config_file(path), **overrides})
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any]) -> RouterConfig:
+        values = {k.replace("-", "_"): v for k, v in values.items()}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise RouterConfigError(
+                f"unknown router setting(s) {', '.join(unknown)}; known: "
+                f"{', '.join(sorted(known))}")
+        missing = [f.name for f in fields(cls) if f.default is MISSING
+                   and f.default_factory is MISSING and f.name not in values]
+        if missing:
+            raise RouterConfigError(
+                "the router needs at least one prefill and one decode backend (--prefill URL "
+                "--decode URL, or prefill/decode in the config file)")
+        decode = values.get("decode")
+        if isinstance(decode, list | tuple):
+            values["decode"] = tuple(_decode_entry(d) for d in decode)
+        if isinstance(values.get("prefill"), list):
+            values["prefill"] = tuple(values["prefill"])
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise RouterConfigError(f"bad router settings: {exc}") from exc
+
+
+def _decode_entry(entry: Any) -> DecodeSpec:
+    if isinstance(entry, DecodeSpec):
+        return entry
+    if isinstance(entry, str):
+        return DecodeSpec.parse(entry)
+    if isinstance(entry, dict) and isinstance(entry.get("url"), str) \
+            and set(entry) <= {"url", "control"}:
+        url = _base_url(entry["url"], "decode")
+        control = entry.get("control")
+        return DecodeSpec(url, _base_url(control, "decode control") if control
+                          else default_control_url(url))
+    raise RouterConfigError(
+        f"a decode entry is 'URL[,control=URL]' or {{url = URL, control = URL}}, got {entry!r}")
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise RouterConfigError(f"cannot read router config {path}: {exc}") from exc
+    try:
+        data: Any = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise RouterConfigError(f"router config {path} is not valid "
+                                f"{'JSON' if path.suffix == '.json' else 'TOML'}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise RouterConfigError(f"router config {path} must be a table/object of settings")
+    return data
+
+
+def _positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        raise RouterConfigError(
+            f"{name} must be a {'non-negative' if allow_zero else 'positive'} number of "
+            f"seconds, got {value!r}")
+
+
+def _mask_password(url: str) -> str:
+    scheme, _, rest = url.partition("://")
+    creds, _, host = rest.rpartition("@")
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}"
+
+
+# Command-line flags. Every flag defaults to None so that a config file can supply the value
+# and flags given explicitly override it; the dataclass holds the real defaults.
+
+_D = RouterConfig.__dataclass_fields__
+
+_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("prefill_timeout", float, "seconds for a whole prefill leg; then it is retried once on "
+                               "another prefill, then the decode computes the prompt itself"),
+    ("connect_timeout", float, "seconds to connect to a backend"),
+    ("decode_timeout", float, "seconds the decode may stay silent (reply head, between "
+                              "stream chunks, or a whole non-streaming reply)"),
+    ("control_timeout", float, "seconds for a control-endpoint call (pin, unpin, describe, "
+                               "keepalive, release)"),
+    ("pin_ttl", float, "seconds a pin holds the retention being read (default: "
+                       "prefill-timeout + 10)"),
+    ("health_interval", float, "seconds between active health checks"),
+    ("health_timeout", float, "seconds a health check may take"),
+    ("eject_after", int, "consecutive failures that eject a backend"),
+    ("readmit_after", int, "consecutive good health checks that re-admit it"),
+    ("state_prefix", str, "prefix of the router's Redis keys"),
+    ("max_conversations", int, "conversation table cap (least recently used go first)"),
+    ("retention_ttl", float, "lease seconds assumed when a decode reports none"),
+    ("remember_expired", float, "seconds an expired conversation is remembered (so its next "
+                                "turn reports 'expired', not 'miss')"),
+    ("retry_after", float, "Retry-After seconds on transient errors"),
+    ("drain_timeout", float, "seconds shutdown waits for in-flight requests and streams"),
+    ("max_body_bytes", int, "largest request body accepted"),
+    ("backend_api_key", str, "API key sent to the backends (vLLM --api-key)"),
+)
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    """The ``kvturn router`` flags; build the config with :func:`router_config_from_args`."""
+    parser.add_argument(
+        "--config", type=Path, default=None, metavar="PATH",
+        help="TOML (or .json) file of router settings, by field name (prefill, decode, state, "
+             "health_interval, ...); flags override it")
+    parser.add_argument("--prefill", action="append", default=None, metavar="URL",
+                        help="prefill vLLM base URL (repeatable)")
+    parser.add_argument(
+        "--decode", action="append", default=None, metavar="URL[,control=URL]",
+        help="decode vLLM base URL (repeatable). Its connector's control endpoint defaults to "
+             "the same scheme and host on the next port (http://h:8200 -> http://h:8201); "
+             "give another with ,control=URL")
+    parser.add_argument("--host", default=None, help=f"default: {_D['host'].default}")
+    parser.add_argument("--port", type=int, default=None, metavar="N",
+                        help=f"default: {_D['port'].default}")
+    parser.add_argument(
+        "--state", default=None, metavar="memory|redis://HOST:PORT/DB",
+        help="where conversations live: in this process (default), or in Redis, shared by "
+             "replicas and kept across restarts")
+    for name, type_, text in _FLAGS:
+        default = _D[name].default
+        shown = "" if name in ("pin_ttl", "backend_api_key") else f" (default: {default})"
+        metavar = {float: "SECONDS", int: "N"}.get(type_, name.rsplit("_", 1)[-1].upper())
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type_, default=None,
+                            metavar=metavar, help=text + shown)
+    parser.add_argument("--http-client", choices=("pooled", "httpx"), default=None,
+                        help="backend HTTP transport (default: pooled)")
+    parser.add_argument("--log-level", choices=_LOG_LEVELS, default=None,
+                        help="default: info (one line per request at debug)")
+    parser.add_argument("--log-format", choices=("text", "json"), default=None,
+                        help="default: text (key=value)")
+
+
+def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The config from ``add_router_args`` flags (and ``--config``); RouterConfigError with a
+    one-line reason when it is not usable."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None) is not None:
+        values.update({k.replace("-", "_"): v
+                       for k, v in load_config_file(args.config).items()})
+    names = {"prefill", "decode", "host", "port", "state", "http_client", "log_level",
+             "log_format", *(name for name, _, _ in _FLAGS)}
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None:
+            values[name] = tuple(value) if name in ("prefill", "decode") else value
+    return RouterConfig.from_mapping(values)

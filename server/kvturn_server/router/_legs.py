@@ -1,23 +1,50 @@
-"""Request bodies of the two legs of a disaggregated turn (pure functions, no I/O)."""
+"""Request bodies of a turn's legs and what their replies report (pure functions, no I/O).
+
+Field names follow vLLM's NIXL connector for the P->D hand-off; everything of kvturn's own lives
+in one namespaced object, ``kv_transfer_params["kvturn"]``. docs/http-api.md, section B.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-# Fields only the router may set: a client must not steer the KV connectors.
-ROUTER_ONLY_FIELDS = ("kv_transfer_params", "kvturn")
+KVTURN_FIELD = "kvturn"
+
+# X-KVTurn-Reuse values (docs/http-api.md, section A).
+REUSE_REASONS = frozenset({"hit", "partial", "miss", "expired", "stale", "below-threshold",
+                           "unverified", "disabled"})
+
+# The prefill leg when there is no retention to read: compute the prompt, keep its blocks for
+# the decode to read (do_remote_decode) and answer with their coordinates.
+NO_RETENTION_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def client_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The client's request with the router-only fields removed."""
-    return {k: v for k, v in body.items() if k not in ROUTER_ONLY_FIELDS}
+    """The client's request without the fields only the router may set.
+
+    ``conversation_id`` is the router's (vLLM would reject an unknown field), transfer params
+    must never come from a client (they would steer the connectors to arbitrary blocks or
+    hosts), and ``kvturn*`` is kvturn's namespace. ``session_id`` is vLLM's and passes on.
+    """
+    return {k: v for k, v in body.items()
+            if k != "conversation_id" and k != "kv_transfer_params"
+            and not k.startswith(KVTURN_FIELD)}
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], retention_params: dict[str, Any] | None) -> dict[str, Any]:
     """The prefill leg: compute the prompt's KV and stop after one token, non-streaming.
 
-    ``do_remote_decode`` tells the prefill's connector to keep the blocks for the decode to read
-    and to answer with their coordinates in ``kv_transfer_params``.
+    ``retention_params`` are the params of a retention the router has just pinned (never older
+    ones): the prefill's connector verifies their block hashes against its prompt and reads the
+    verified blocks from the decode. Without them the prefill computes everything.
     """
     leg = dict(body)
     leg["stream"] = False
@@ -25,26 +52,99 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     leg["max_tokens"] = 1
     if "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
-    # One completion is enough to produce the prompt's KV.
+    # min_tokens > 1 would contradict max_tokens=1; one completion is enough for the KV.
+    leg.pop("min_tokens", None)
+    leg.pop("best_of", None)
     leg["n"] = 1
-    leg["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    if retention_params is None:
+        leg["kv_transfer_params"] = dict(NO_RETENTION_PARAMS)
+    else:
+        leg["kv_transfer_params"] = {**retention_params, "do_remote_decode": True,
+                                     "do_remote_prefill": False}
     return leg
 
 
-def decode_body(body: dict[str, Any], transfer_params: dict[str, Any] | None) -> dict[str, Any]:
-    """The decode leg: the client's request plus the prefill's transfer params, if any.
+def decode_body(body: dict[str, Any], prefill_params: dict[str, Any] | None,
+                key: str | None) -> dict[str, Any]:
+    """The decode leg: the client's request plus the prefill's transfer params.
 
-    Without params (the prefill failed or timed out) the decode computes the prompt itself:
-    slower, same output.
+    The prefill's ``kvturn`` object (its reuse report) is replaced by ``{"conversation": key}``,
+    which tells the decode to retain the finished sequence under ``key``. Without prefill params
+    (both prefill attempts failed) the decode computes the prompt itself and, given a key, still
+    retains: ``do_remote_prefill: false`` means there is nothing to read.
     """
     leg = dict(body)
-    if transfer_params:
-        leg["kv_transfer_params"] = transfer_params
+    if prefill_params is not None:
+        params = {k: v for k, v in prefill_params.items() if k != KVTURN_FIELD}
+    elif key is not None:
+        params = {"do_remote_prefill": False}
+    else:
+        return leg
+    if key is not None:
+        params[KVTURN_FIELD] = {"conversation": key}
+    leg["kv_transfer_params"] = params
     return leg
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseReport:
+    """What the prefill says it reused: ``reason`` is an X-KVTurn-Reuse value."""
+
+    reason: str
+    reused_tokens: int = 0
+    local_tokens: int = 0
+
+
+def reuse_report(prefill_params: dict[str, Any]) -> ReuseReport | None:
+    """The prefill's ``kvturn.reuse`` report, or None when it sent none (or nonsense)."""
+    info = prefill_params.get(KVTURN_FIELD)
+    reuse = info.get("reuse") if isinstance(info, dict) else None
+    if not isinstance(reuse, dict) or reuse.get("reason") not in REUSE_REASONS:
+        return None
+    return ReuseReport(str(reuse["reason"]), _count(reuse.get("reused_tokens")),
+                       _count(reuse.get("local_tokens")))
+
+
+@dataclass(frozen=True, slots=True)
+class RetainedReport:
+    """What a non-streaming decode reply says about the retention it made."""
+
+    retained: bool
+    engine_id: str | None = None
+    num_tokens: int | None = None
+    expires_in: float | None = None
+
+
+def retained_report(response: Any) -> RetainedReport | None:
+    """Read ``kv_transfer_params.kvturn`` of a decode reply; None when the reply has none.
+
+    ``engine_id``/``num_tokens`` fall back to vLLM's own ``remote_engine_id``/
+    ``remote_num_tokens`` (the decode's coordinates for a later read).
+    """
+    if not isinstance(response, dict):
+        return None
+    params = response.get("kv_transfer_params")
+    info = params.get(KVTURN_FIELD) if isinstance(params, dict) else None
+    if not isinstance(info, dict) or "retained" not in info:
+        return None
+    assert isinstance(params, dict)
+    engine_id = info.get("engine_id", params.get("remote_engine_id"))
+    num_tokens = info.get("num_tokens", params.get("remote_num_tokens"))
+    expires_in = info.get("expires_in")
+    return RetainedReport(
+        retained=info.get("retained") is True,
+        engine_id=str(engine_id) if isinstance(engine_id, str | int) else None,
+        num_tokens=_count(num_tokens) if num_tokens is not None else None,
+        expires_in=_seconds(expires_in))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if _is_number(value) else None
+
+
+def _count(value: Any) -> int:
+    return int(value) if _is_number(value) and value >= 0 else 0

@@ -1,0 +1,41 @@
+"""Wire names and defaults of the router API (docs/http-api.md, section A)."""
+
+from __future__ import annotations
+
+# Request: the conversation id travels in the body and in a header, because GETs carry no body
+# and a proxy in front of the router may only look at headers.
+BODY_CONVERSATION_ID = "conversation_id"
+HEADER_CONVERSATION_ID = "X-Conversation-ID"
+HEADER_NO_REUSE = "X-KVTurn-No-Reuse"
+
+# Response: the router's report of what this turn reused.
+HEADER_REUSE = "X-KVTurn-Reuse"
+HEADER_REUSED_TOKENS = "X-KVTurn-Reused-Tokens"
+HEADER_CONVERSATION_ECHO = "X-KVTurn-Conversation"
+HEADER_REQUEST_ID = "x-request-id"
+
+# openai's own header for the attempt number; kvturn owns retries, so it sets it itself.
+HEADER_RETRY_COUNT = "x-stainless-retry-count"
+
+CONVERSATIONS_PATH = "kvturn/v1/conversations/"
+
+# The two endpoints that carry a conversation's turns.
+CHAT_PATH = "/chat/completions"
+COMPLETIONS_PATH = "/completions"
+
+# Every value the router documents for X-KVTurn-Reuse; the SDK passes unknown values through.
+REUSE_OUTCOMES = ("hit", "partial", "miss", "expired", "stale", "below-threshold",
+                  "unverified", "disabled")
+REUSED_OUTCOMES = frozenset({"hit", "partial"})
+# Key used in the statistics for a response without X-KVTurn-Reuse (e.g. a plain vLLM server).
+UNREPORTED = "unreported"
+
+ID_MAX_LENGTH = 256
+GENERATED_ID_PREFIX = "kvt-"
+
+# The connector's default lease is 480 s; renewing every 60 s leaves several chances to get
+# through a slow router before the lease runs out.
+DEFAULT_KEEPALIVE_INTERVAL = 60.0
+# Keepalive and release are best effort (a missed one only lets a lease expire), so they get a
+# short timeout and no retries of their own: the next heartbeat is the retry.
+CONTROL_TIMEOUT = 10.0

@@ -1,0 +1,80 @@
+"""Seeing the reply of a turn, whatever form openai returned it in, without buffering a stream.
+
+* parsed ``ChatCompletion`` / ``Completion``: the reply is recorded at once;
+* ``Stream`` / ``AsyncStream``: openai hands every chunk's JSON to the client's
+  ``_process_response_data`` as the caller iterates; kvturn's override feeds it to a small
+  assembler registered for that response, and the reply is recorded as soon as every choice
+  has its ``finish_reason``. Nothing is held back from the caller, no extra iterator layer is
+  added, and a stream abandoned or cut before the end leaves the reply unknown;
+* ``with_raw_response`` (``LegacyAPIResponse``): parsed now (openai caches the result, so the
+  caller's ``parse()`` returns the same object), then as above;
+* ``with_streaming_response`` (``APIResponse``): the body is the caller's to read, so the reply
+  stays unknown and the next turn gets a prefix-only check.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx2
+from openai import AsyncStream, Stream
+
+from kvturn._compat import APIResponse, AsyncAPIResponse, LegacyAPIResponse
+from kvturn._continuity import (
+    ChatReplyAssembler,
+    CompletionReplyAssembler,
+    CompletionTurn,
+    chat_replies,
+    completion_replies,
+    strip_echo,
+)
+from kvturn._state import ConversationState, TurnPlan
+
+log = logging.getLogger("kvturn")
+
+
+def observe_reply(state: ConversationState, plan: TurnPlan, result: Any) -> None:
+    """Arrange for ``state`` to learn the reply carried by ``result``."""
+    if isinstance(result, LegacyAPIResponse):
+        try:
+            result = result.parse()
+        except Exception:  # the caller's own parse() will raise the same error
+            return
+    if isinstance(result, Stream | AsyncStream):
+        _follow_stream(state, plan, result)
+    elif isinstance(result, APIResponse | AsyncAPIResponse):
+        return
+    elif plan.api == "chat":
+        state.finished(plan, chat_replies(result))
+    elif isinstance(plan.turn, CompletionTurn):
+        state.finished(plan, completion_replies(result, plan.turn, plan.echo))
+
+
+def _follow_stream(state: ConversationState, plan: TurnPlan,
+                   stream: Stream[Any] | AsyncStream[Any]) -> None:
+    turn = plan.turn
+    if turn is None or (isinstance(turn, CompletionTurn) and not isinstance(turn.prompt, str)):
+        return  # untracked, or token ids (streamed chunks carry none): the reply stays unknown
+    assembler: ChatReplyAssembler | CompletionReplyAssembler = (
+        ChatReplyAssembler(plan.choices) if plan.api == "chat"
+        else CompletionReplyAssembler(plan.choices))
+
+    # The response is an argument, not captured: the followers map holds this function
+    # strongly and the response weakly, and a captured response would never be let go.
+    def follow(data: Any, response: httpx2.Response) -> None:
+        try:
+            assembler.add(data)
+            if not assembler.complete:
+                return
+            state.followers.pop(response, None)  # whole: later chunks (usage) are not needed
+            replies: Any = assembler.replies()
+            if isinstance(turn, CompletionTurn) and plan.echo:
+                replies = strip_echo(replies, str(turn.prompt))
+            state.finished(plan, replies)
+        except Exception:  # bookkeeping must never break the caller's iteration
+            state.followers.pop(response, None)
+            log.debug("kvturn: cannot follow the stream of conversation %s; reply left "
+                      "unknown", state.id, exc_info=True)
+
+    state.followers[stream.response] = follow

@@ -1,0 +1,215 @@
+"""One conversation's state, shared by every client view of it (``with_options`` copies)."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any, Literal, TypeVar, cast
+
+import httpx2
+from openai import NotGiven
+
+from kvturn._compat import FinalRequestOptions
+from kvturn._constants import (
+    BODY_CONVERSATION_ID,
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    HEADER_CONVERSATION_ID,
+    HEADER_NO_REUSE,
+)
+from kvturn._continuity import TurnRecord, check, describe_chat, describe_completion
+from kvturn._errors import ConversationClosedError, InvalidConversationIdError
+from kvturn._identity import child_id
+from kvturn._turns import StatsCounter, TurnInfo, TurnReport
+
+_H = TypeVar("_H")
+
+Api = Literal["chat", "completions"]
+_TURN_APIS: dict[str, Api] = {CHAT_PATH: "chat", COMPLETIONS_PATH: "completions"}
+
+
+class TurnPlan:
+    """What the SDK decided for one turn before sending it."""
+
+    __slots__ = ("api", "choices", "echo", "no_reuse", "seq", "turn")
+
+    def __init__(self, api: Api, turn: TurnRecord | None, no_reuse: str | None,
+                 echo: bool = False, choices: int = 1) -> None:
+        self.api = api
+        self.turn = turn
+        self.no_reuse = no_reuse
+        self.echo = echo
+        self.choices = choices  # the request's n
+        self.seq = 0
+
+
+def _as_dict(value: Any) -> Mapping[str, Any] | None:
+    """``value`` if it is a mapping; a plain ``dict`` (the usual case) skips the ABC check."""
+    if type(value) is dict or (not isinstance(value, NotGiven) and isinstance(value, Mapping)):
+        return cast(Mapping[str, Any], value)
+    return None
+
+
+def _pop_header(headers: MutableMapping[str, Any], name: str) -> Any:
+    """Remove every case variant of ``name`` and return the last value (headers are
+    case-insensitive; two spellings would be sent as a repeated header)."""
+    lowered = name.lower()
+    value = None
+    for key in [key for key in headers if key.lower() == lowered]:
+        value = headers.pop(key)
+    return value
+
+
+class ConversationState:
+    """Identity, continuity record, reuse counters and lifecycle of one conversation.
+
+    The continuity record changes only when the router has answered a turn (a failed or retried
+    attempt leaves it untouched): ``started`` records the request as soon as the response
+    starts, with the reply still unknown; ``finished`` adds the reply once it is complete (at
+    once for a plain response, at the end of a stream).
+    """
+
+    def __init__(self, conversation_id: str, *, keepalive_interval: float) -> None:
+        self.id = conversation_id
+        self.keepalive_interval = keepalive_interval
+        self.stats = StatsCounter()
+        self._last: TurnReport | None = None
+        self.closed = False
+        self.children: dict[str, ConversationState] = {}
+        # Created by the first pause() (it needs the client that sends the keepalives).
+        self.heartbeat: Any = None
+        # Streams of this conversation whose reply is being assembled, by their response
+        # (weak: a stream the caller drops takes its entry with it).
+        self.followers: weakref.WeakKeyDictionary[
+            httpx2.Response, Callable[[Any, httpx2.Response], None]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self._record: TurnRecord | None = None
+        self._seq = 0
+
+    # --- structure and lifecycle -------------------------------------------------------------
+
+    def child(self, name: str) -> ConversationState:
+        """The open branch called ``name``, created on first use."""
+        with self._lock:
+            child = self.children.get(name)
+            if child is None or child.closed:
+                child = ConversationState(child_id(self.id, name),
+                                          keepalive_interval=self.keepalive_interval)
+                self.children[name] = child
+            return child
+
+    def open_tree(self) -> list[ConversationState]:
+        """This conversation and its open branches, branches first (released before it)."""
+        with self._lock:
+            children = list(self.children.values())
+        found = [state for child in children for state in child.open_tree()]
+        if not self.closed:
+            found.append(self)
+        return found
+
+    def ensure_heartbeat(self, create: Callable[[], _H]) -> _H:
+        """The conversation's one heartbeat, created by the first pause (under the lock, so
+        two threads pausing at once still share one loop)."""
+        with self._lock:
+            if self.heartbeat is None:
+                self.heartbeat = create()
+            heartbeat: _H = self.heartbeat
+            return heartbeat
+
+    def close(self) -> bool:
+        """Mark closed; True the first time (the caller then releases the retention)."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.closed = True
+            return True
+
+    # --- before sending ---------------------------------------------------------------------
+
+    def prepare(self, options: FinalRequestOptions, update: dict[str, Any]) -> TurnPlan | None:
+        """Decide how ``options`` must change to carry this conversation: the id in a header
+        and (when there is a JSON body) in the body, plus the reuse hint for a turn. Changes
+        go into ``update`` (applied by the caller's copy); returns the turn's plan, or None
+        for requests that are not turns."""
+        headers = _as_dict(options.headers)
+        headers = {} if headers is None else dict(headers)
+        body = _as_dict(options.json_data)
+        extra = options.extra_json
+        if headers:
+            self._check_scope(_pop_header(headers, HEADER_CONVERSATION_ID), "header")
+        if body is not None:
+            self._check_scope(body.get(BODY_CONVERSATION_ID), "body")
+        if extra:
+            self._check_scope(extra.get(BODY_CONVERSATION_ID), "body")
+
+        plan = None
+        api = _TURN_APIS.get(options.url) if options.method.lower() == "post" else None
+        if api is not None and body is not None:
+            if self.closed:
+                raise ConversationClosedError(
+                    f"conversation {self.id!r} is closed (its retention was released); "
+                    "start a new one with client.conversation(...)")
+            merged = {**body, **extra} if extra else body
+            requested = _pop_header(headers, HEADER_NO_REUSE) if headers else None
+            plan = self._plan(api, merged, requested if isinstance(requested, str) else None)
+            if plan.no_reuse is not None:
+                headers[HEADER_NO_REUSE] = plan.no_reuse
+
+        headers[HEADER_CONVERSATION_ID] = self.id
+        update["headers"] = headers
+        if body is not None:
+            update["extra_json"] = {**(extra or {}), BODY_CONVERSATION_ID: self.id}
+        return plan
+
+    def _check_scope(self, value: Any, where: str) -> None:
+        if value is not None and value != self.id:
+            raise InvalidConversationIdError(
+                f"this client is scoped to conversation {self.id!r} but the request's {where} "
+                f"names {value!r}; use client.conversation({value!r}) for that one")
+
+    def _plan(self, api: Api, body: Mapping[str, Any], requested: str | None) -> TurnPlan:
+        turn = (describe_chat(body) if api == "chat" else describe_completion(body))
+        with self._lock:
+            previous = self._record
+        # The caller's own X-KVTurn-No-Reuse wins: it knows something the SDK cannot see.
+        reason = requested
+        if reason is None and turn is not None:
+            reason = check(previous, turn)
+        n = body.get("n")
+        return TurnPlan(api, turn, reason, echo=bool(body.get("echo")),
+                        choices=n if type(n) is int else 1)
+
+    # --- after the router answered -----------------------------------------------------------
+
+    def started(self, plan: TurnPlan, response: httpx2.Response, *, attempts: int,
+                streamed: bool) -> None:
+        report = TurnReport(response.headers, conversation_id=self.id, api=plan.api,
+                            no_reuse_reason=plan.no_reuse, attempts=attempts, streamed=streamed)
+        with self._lock:
+            self._seq += 1
+            plan.seq = self._seq
+            # This turn is now what the router retains (or tried to): the next one is compared
+            # with it even if its reply is never seen (prefix-only check then).
+            self._record = plan.turn
+            self._last = report
+        self.stats.turn(report)
+
+    @property
+    def last_turn(self) -> TurnInfo | None:
+        last = self._last
+        return None if last is None else last.info()
+
+    def finished(self, plan: TurnPlan, replies: Any) -> None:
+        """Attach the complete reply to the record, unless a later turn has started since."""
+        if plan.turn is None or replies is None:
+            return
+        with self._lock:
+            if plan.seq == self._seq:
+                plan.turn.set_replies(replies)
+
+    def forget(self) -> None:
+        """Drop the continuity record (after a release there is nothing to extend)."""
+        with self._lock:
+            self._record = None
+            self._seq += 1

@@ -1,0 +1,556 @@
+"""``kvturn bench router``: what the router adds to a turn, against fast fake backends.
+
+Three processes on loopback: fake backends (one uvicorn serving a prefill, a decode and the
+decode's control endpoint, each answering from precomputed bytes), the router (``python -m
+kvturn_server.router``, as deployed), and this process as the client (raw keep-alive HTTP/1.1
+with prebuilt requests, so the client itself costs as little as possible).
+
+- **Added latency**: one request at a time, alternating between the router and the same two
+  legs called directly (prefill, then decode with the prefill's transfer params). Every router
+  request continues a conversation, so each one pins a retention before its prefill leg, unpins
+  after it and (streaming) captures the retention after the stream: the full per-turn work.
+  Reported: p50/p99 of each path and their differences; for streams both the time to the first
+  byte (TTFT) and to the end.
+- **Throughput**: ``--concurrency`` clients (default 64) sending back to back for
+  ``--duration`` seconds, through the router and, for reference, directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+try:
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - orjson is in the [router] extra
+    _orjson = None  # type: ignore[assignment]
+
+
+def _dumps(obj: Any) -> bytes:
+    # Not the router's _json: importing the router package here would slow every `kvturn`.
+    if _orjson is not None:
+        return _orjson.dumps(obj)
+    return json.dumps(obj, separators=(",", ":")).encode()  # pragma: no cover
+
+
+def _loads(data: bytes) -> Any:
+    return _orjson.loads(data) if _orjson is not None else json.loads(data)
+
+
+TARGET_ADDED_P50_MS = 1.5
+TARGET_ADDED_P99_MS = 5.0
+
+# What the fakes answer (shapes as in docs/http-api.md; sizes as a small real turn).
+_PROMPT = "You are a helpful agent. " * 40
+
+
+def _fake_replies(stream_chunks: int) -> dict[str, Any]:
+    prefill = _dumps({
+        "id": "cmpl-p", "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
+                     "finish_reason": "length"}],
+        "kv_transfer_params": {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": "prefill-engine", "remote_block_ids": [list(range(64))],
+            "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": "p-1",
+            "kvturn": {"reuse": {"reason": "hit", "reused_tokens": 960, "local_tokens": 0}}}})
+    decode = _dumps({
+        "id": "cmpl-d", "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello " * 16},
+                     "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1000, "completion_tokens": 16, "total_tokens": 1016},
+        "kv_transfer_params": {"do_remote_decode": True, "remote_engine_id": "decode-engine",
+                               "kvturn": {"retained": True, "engine_id": "decode-engine",
+                                          "num_tokens": 1016, "expires_in": 480.0}}})
+    events = [b"data: " + _dumps({
+        "id": "cmpl-d", "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}]})
+        + b"\n\n" for i in range(stream_chunks)] + [b"data: [DONE]\n\n"]
+    view = {"key": "k", "engine_id": "decode-engine",
+            "params": {"remote_engine_id": "decode-engine", "remote_block_ids": [list(range(64))],
+                       "remote_host": "127.0.0.1", "remote_port": 5700,
+                       "kvturn": {"format": 1, "block_size": 16,
+                                  "block_hashes": ["ab" * 16] * 63}},
+            "num_tokens": 1016, "num_blocks": 64, "expires_in": 480.0,
+            "hold_remaining": 3000.0, "created_ago": 0.0}
+    return {"prefill": prefill, "decode": decode, "events": events,
+            "retention": _dumps(view),
+            "pin": _dumps({**view, "pin_id": "pin-1", "pin_expires_in": 70.0}),
+            "unpin": b'{"pin_id":"pin-1","unpinned":true}',
+            "health": b'{"engine_id":"decode-engine","role":"decode"}'}
+
+
+def _fake_backends_app(roles: dict[int, str], stream_chunks: int) -> Any:
+    """A raw ASGI app: the role is the port the request came in on."""
+    replies = _fake_replies(stream_chunks)
+    json_headers = [(b"content-type", b"application/json")]
+    sse_headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        role = roles[scope["server"][1]]
+        path = scope["path"]
+        reply: bytes
+        if role == "control":
+            if path == "/health":
+                reply = replies["health"]
+            elif path.endswith("/pin"):
+                reply = replies["pin"]
+            elif path.startswith("/kvturn/v1/pins/"):
+                reply = replies["unpin"]
+            else:
+                reply = replies["retention"]
+        elif path == "/health":
+            reply = b""
+        elif role == "prefill":
+            reply = replies["prefill"]
+        elif b'"stream":true' in body:
+            await send({"type": "http.response.start", "status": 200, "headers": sse_headers})
+            for event in replies["events"]:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        else:
+            reply = replies["decode"]
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*json_headers, (b"content-length", str(len(reply)).encode())]})
+        await send({"type": "http.response.body", "body": reply})
+
+    return app
+
+
+def serve_fake_backends(stream_chunks: int) -> None:
+    """Bind prefill, decode and control sockets, print their ports, serve forever."""
+    import uvicorn
+
+    socks = []
+    for _ in range(3):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen(2048)  # connections queue from now on, even before uvicorn accepts
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    roles = dict(zip(ports, ("prefill", "decode", "control"), strict=True))
+    options: dict[str, Any] = {}
+    with contextlib.suppress(ImportError):
+        import httptools  # noqa: F401
+
+        options["http"] = "httptools"
+    config = uvicorn.Config(_fake_backends_app(roles, stream_chunks), lifespan="off",
+                            log_level="warning", access_log=False, **options)
+    server = uvicorn.Server(config)
+    print(json.dumps({"prefill": ports[0], "decode": ports[1],  # noqa: T201
+                      "control": ports[2]}), flush=True)
+    runner: Callable[[Awaitable[None]], None] = asyncio.run  # type: ignore[assignment]
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        runner = uvloop.run  # type: ignore[assignment]
+    runner(server.serve(sockets=socks))
+
+
+# The client: one keep-alive connection per simulated client, prebuilt requests.
+
+class _Conn:
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+
+    def request(self, path: str, body: bytes) -> bytes:
+        return (f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
+                f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+                ).encode() + body
+
+    async def send(self, raw: bytes, *, first_byte: list[float] | None = None) -> bytes:
+        """Send a prebuilt request, return the whole body; ``first_byte`` gets the time the
+        first body byte arrived."""
+        assert self.reader is not None and self.writer is not None
+        reader = self.reader
+        self.writer.write(raw)
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        if status != 200:
+            raise RuntimeError(f"bench request answered {status}: {head[:200]!r}")
+        lower = head.lower()
+        if b"transfer-encoding: chunked" in lower:
+            parts: list[bytes] = []
+            while True:
+                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                if size == 0:
+                    await reader.readuntil(b"\r\n")
+                    break
+                data = await reader.readexactly(size + 2)
+                if first_byte is not None and not parts:
+                    first_byte.append(time.perf_counter())
+                parts.append(data[:-2])
+            return b"".join(parts)
+        start = lower.index(b"content-length:") + 15
+        length = int(lower[start:lower.index(b"\r\n", start)])
+        body = await reader.readexactly(length)
+        if first_byte is not None:
+            first_byte.append(time.perf_counter())
+        return body
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+@dataclass
+class _Endpoints:
+    router: int
+    prefill: int
+    decode: int
+
+
+class _Client:
+    """Issues one turn either through the router or directly to the two legs."""
+
+    def __init__(self, ports: _Endpoints, conversations: int, index: int) -> None:
+        self.router = _Conn("127.0.0.1", ports.router)
+        self.prefill = _Conn("127.0.0.1", ports.prefill)
+        self.decode = _Conn("127.0.0.1", ports.decode)
+        self.conversations = conversations
+        self.index = index
+        self.turn = 0
+        base = {"model": "m", "messages": [{"role": "system", "content": _PROMPT},
+                                           {"role": "user", "content": "next step?"}],
+                "max_tokens": 16, "temperature": 0}
+        self._router_requests = {
+            stream: [self.router.request("/v1/chat/completions", _dumps(
+                {**base, "stream": stream, "conversation_id": f"bench-{index}-{c}"}))
+                for c in range(conversations)] for stream in (False, True)}
+        self._prefill_request = self.prefill.request("/v1/chat/completions", _dumps(
+            {**base, "stream": False, "max_tokens": 1, "n": 1,
+             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                    "remote_engine_id": None, "remote_block_ids": None,
+                                    "remote_host": None, "remote_port": None}}))
+        self._base = base
+
+    async def open(self) -> None:
+        for conn in (self.router, self.prefill, self.decode):
+            await conn.open()
+
+    def close(self) -> None:
+        for conn in (self.router, self.prefill, self.decode):
+            conn.close()
+
+    async def via_router(self, stream: bool) -> tuple[float, float]:
+        """(seconds to first byte, seconds to the end)."""
+        raw = self._router_requests[stream][self.turn % self.conversations]
+        self.turn += 1
+        first: list[float] = []
+        t0 = time.perf_counter()
+        await self.router.send(raw, first_byte=first)
+        return first[0] - t0, time.perf_counter() - t0
+
+    async def direct(self, stream: bool) -> tuple[float, float]:
+        """The same turn as a client calling the legs itself would run it."""
+        first: list[float] = []
+        t0 = time.perf_counter()
+        reply = _loads(await self.prefill.send(self._prefill_request))
+        params = reply["kv_transfer_params"]
+        params.pop("kvturn", None)
+        body = _dumps({**self._base, "stream": stream, "kv_transfer_params": params})
+        await self.decode.send(self.decode.request("/v1/chat/completions", body),
+                               first_byte=first)
+        return first[0] - t0, time.perf_counter() - t0
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _summary(direct: list[float], router: list[float]) -> dict[str, Any]:
+    """Percentiles of each path; ``added_*`` are their differences, ``paired_added_*`` the
+    percentiles of the per-pair differences (steadier on a busy machine)."""
+    ms = 1000.0
+    d50, d99 = _pct(direct, 0.5) * ms, _pct(direct, 0.99) * ms
+    r50, r99 = _pct(router, 0.5) * ms, _pct(router, 0.99) * ms
+    pairs = [r - d for r, d in zip(router, direct, strict=True)]
+    return {"direct_p50_ms": round(d50, 3), "direct_p99_ms": round(d99, 3),
+            "router_p50_ms": round(r50, 3), "router_p99_ms": round(r99, 3),
+            "added_p50_ms": round(r50 - d50, 3), "added_p99_ms": round(r99 - d99, 3),
+            "paired_added_p50_ms": round(_pct(pairs, 0.5) * ms, 3),
+            "paired_added_p99_ms": round(_pct(pairs, 0.99) * ms, 3),
+            "samples": len(router)}
+
+
+async def _latency(ports: _Endpoints, requests: int, warmup: int) -> dict[str, Any]:
+    client = _Client(ports, conversations=16, index=0)
+    await client.open()
+    results: dict[str, Any] = {}
+    try:
+        for stream in (False, True):
+            for _ in range(warmup):
+                await client.via_router(stream)
+                await client.direct(stream)
+            direct: list[tuple[float, float]] = []
+            router: list[tuple[float, float]] = []
+            for i in range(requests):
+                # Alternate the order so that neither path always follows the other.
+                if i % 2:
+                    router.append(await client.via_router(stream))
+                    direct.append(await client.direct(stream))
+                else:
+                    direct.append(await client.direct(stream))
+                    router.append(await client.via_router(stream))
+            if stream:
+                results["stream_ttft"] = _summary([d[0] for d in direct],
+                                                  [r[0] for r in router])
+                results["stream_total"] = _summary([d[1] for d in direct],
+                                                   [r[1] for r in router])
+            else:
+                results["non_stream"] = _summary([d[1] for d in direct],
+                                                 [r[1] for r in router])
+    finally:
+        client.close()
+    return results
+
+
+async def _throughput(ports: _Endpoints, concurrency: int, duration: float, stream: bool,
+                      via_router: bool) -> float:
+    clients = [_Client(ports, conversations=4, index=i) for i in range(concurrency)]
+    for c in clients:
+        await c.open()
+    done = 0
+    stop = time.perf_counter() + duration
+
+    async def run(client: _Client) -> None:
+        nonlocal done
+        call = client.via_router if via_router else client.direct
+        while time.perf_counter() < stop:
+            await call(stream)
+            done += 1
+
+    started = time.perf_counter()
+    try:
+        await asyncio.gather(*(run(c) for c in clients))
+    finally:
+        for c in clients:
+            c.close()
+    return done / (time.perf_counter() - started)
+
+
+async def _router_counters(port: int) -> dict[str, float]:
+    """What the router says it did (proof that the turns pinned and captured)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    text = (await reader.read()).decode()
+    writer.close()
+    wanted = {'kvturn_router_leg_seconds_count{leg="pin"}': "pins",
+              'kvturn_router_leg_seconds_count{leg="capture"}': "stream_captures",
+              'kvturn_router_reuse_total{outcome="hit"}': "reuse_hit",
+              'kvturn_router_captures_total{outcome="recorded"}': "captures_recorded",
+              "kvturn_router_conversations": "conversations"}
+    counters = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in wanted:
+            counters[wanted[name]] = float(value)
+    return counters
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the router exited at start-up (code {proc.returncode})")
+        with contextlib.suppress(OSError):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            head = await reader.readuntil(b"\r\n\r\n")
+            writer.close()
+            if head.startswith(b"HTTP/1.1 200"):
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the router did not become healthy within {timeout} s")
+        await asyncio.sleep(0.05)
+
+
+@dataclass
+class RouterBenchSettings:
+    requests: int = 2000
+    warmup: int = 200
+    concurrency: int = 64
+    duration: float = 5.0
+    stream_chunks: int = 16
+    router_args: tuple[str, ...] = ()
+
+
+def run_router_bench(settings: RouterBenchSettings) -> dict[str, Any]:
+    """Start the fakes and the router, measure, stop them; returns the results."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    fakes = subprocess.Popen(
+        [sys.executable, "-c", "from kvturn_server.bench._router import serve_fake_backends; "
+         f"serve_fake_backends({int(settings.stream_chunks)})"], stdout=subprocess.PIPE, env=env)
+    router: subprocess.Popen[bytes] | None = None
+    try:
+        assert fakes.stdout is not None
+        line = fakes.stdout.readline()
+        if not line:
+            raise RuntimeError("the fake backends did not start")
+        fake_ports = json.loads(line)
+        router_port = _free_port()
+        router = subprocess.Popen(
+            [sys.executable, "-m", "kvturn_server.router", "--port", str(router_port),
+             "--prefill", f"http://127.0.0.1:{fake_ports['prefill']}",
+             "--decode", f"http://127.0.0.1:{fake_ports['decode']},"
+                         f"control=http://127.0.0.1:{fake_ports['control']}",
+             "--log-level", "warning", *settings.router_args], env=env)
+        ports = _Endpoints(router_port, fake_ports["prefill"], fake_ports["decode"])
+        runner: Callable[[Any], Any] = asyncio.run
+        with contextlib.suppress(ImportError):
+            import uvloop
+
+            runner = uvloop.run
+
+        async def measure() -> dict[str, Any]:
+            assert router is not None
+            await _wait_healthy(router_port, router, 30.0)
+            latency = await _latency(ports, settings.requests, settings.warmup)
+            throughput = {}
+            for stream in (False, True):
+                name = "stream" if stream else "non_stream"
+                throughput[name] = {
+                    "router_rps": round(await _throughput(
+                        ports, settings.concurrency, settings.duration, stream, True), 1),
+                    "direct_rps": round(await _throughput(
+                        ports, settings.concurrency, settings.duration, stream, False), 1)}
+            return {"latency_ms": latency, "throughput": throughput,
+                    "router_counters": await _router_counters(router_port)}
+
+        measured: dict[str, Any] = runner(measure())
+    finally:
+        for proc in (router, fakes):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    latency = measured["latency_ms"]
+    worst50 = max(latency[k]["added_p50_ms"] for k in ("non_stream", "stream_ttft"))
+    worst99 = max(latency[k]["added_p99_ms"] for k in ("non_stream", "stream_ttft"))
+    return {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "platform": platform.platform()},
+        "settings": {"requests": settings.requests, "warmup": settings.warmup,
+                     "concurrency": settings.concurrency, "duration_s": settings.duration,
+                     "stream_chunks": settings.stream_chunks,
+                     "router_args": list(settings.router_args),
+                     "router_requests": "every request continues a conversation: pin, "
+                                        "prefill, unpin, decode, capture"},
+        **measured,
+        "targets": {"added_p50_ms": TARGET_ADDED_P50_MS, "added_p99_ms": TARGET_ADDED_P99_MS,
+                    "met": worst50 <= TARGET_ADDED_P50_MS and worst99 <= TARGET_ADDED_P99_MS},
+    }
+
+
+def _print(results: dict[str, Any]) -> None:
+    lat = results["latency_ms"]
+    rows = [("non-streaming", lat["non_stream"]), ("streaming TTFT", lat["stream_ttft"]),
+            ("streaming total", lat["stream_total"])]
+    print(f"{'':18}{'direct p50':>11}{'router p50':>11}{'added p50':>10}"  # noqa: T201
+          f"{'direct p99':>11}{'router p99':>11}{'added p99':>10}  (ms)")
+    for name, r in rows:
+        print(f"{name:18}{r['direct_p50_ms']:>11.3f}{r['router_p50_ms']:>11.3f}"  # noqa: T201
+              f"{r['added_p50_ms']:>10.3f}{r['direct_p99_ms']:>11.3f}"
+              f"{r['router_p99_ms']:>11.3f}{r['added_p99_ms']:>10.3f}")
+    print("median / p99 of paired differences (ms): " + ", ".join(  # noqa: T201
+        f"{name} {r['paired_added_p50_ms']:.3f} / {r['paired_added_p99_ms']:.3f}"
+        for name, r in rows))
+    for name, t in results["throughput"].items():
+        print(f"{name} at {results['settings']['concurrency']} clients: "  # noqa: T201
+              f"{t['router_rps']:.0f} req/s through the router, {t['direct_rps']:.0f} direct")
+    targets = results["targets"]
+    print(f"targets (added p50 <= {targets['added_p50_ms']} ms, p99 <= "  # noqa: T201
+          f"{targets['added_p99_ms']} ms): {'met' if targets['met'] else 'NOT met'}")
+
+
+def cmd_bench_router(args: argparse.Namespace) -> int:
+    settings = RouterBenchSettings(requests=args.requests, warmup=args.warmup,
+                                   concurrency=args.concurrency, duration=args.duration,
+                                   stream_chunks=args.stream_chunks,
+                                   router_args=tuple(args.router_arg or ()))
+    results = run_router_bench(settings)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2) + "\n")
+    _print(results)
+    print(f"wrote {args.json}")  # noqa: T201
+    return 0
+
+
+def add_router_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``router`` to ``kvturn bench``'s subcommands (sets ``func``)."""
+    d = RouterBenchSettings()
+    p: argparse.ArgumentParser = bench_subparsers.add_parser(
+        "router", help="router overhead: added latency and proxied requests per second",
+        description="Start fast fake backends and the router on loopback; measure the "
+                    "latency the router adds to a turn (p50/p99, streaming and not) against "
+                    "calling the two legs directly, and requests per second at N concurrent "
+                    "clients. About a minute.")
+    p.add_argument("--json", type=Path, required=True, help="where to write the results")
+    p.add_argument("--requests", type=int, default=d.requests,
+                   help="latency samples per path and mode (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="default: %(default)s")
+    p.add_argument("--concurrency", type=int, default=d.concurrency,
+                   help="clients for the throughput runs (default: %(default)s)")
+    p.add_argument("--duration", type=float, default=d.duration,
+                   help="seconds per throughput run (default: %(default)s)")
+    p.add_argument("--stream-chunks", type=int, default=d.stream_chunks,
+                   help="events per streamed reply (default: %(default)s)")
+    p.add_argument("--router-arg", action="append", metavar="ARG",
+                   help="extra flag for the router, repeatable (e.g. "
+                        "--router-arg=--state=redis://127.0.0.1:6379/0, "
+                        "--router-arg=--http-client=httpx)")
+    p.set_defaults(func=cmd_bench_router)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--serve-fakes"]:
+        serve_fake_backends(int(args[1]) if len(args) > 1 else 16)
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m kvturn_server.bench._router")
+    sub = parser.add_subparsers(dest="bench", required=True)
+    add_router_bench_parser(sub)
+    parsed = parser.parse_args(["router", *args])
+    return int(parsed.func(parsed))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""``kvturn bench sdk``: what the kvturn SDK adds to a call, against the plain openai client.
+
+Both clients talk to the same in-process router stand-in (``httpx2.MockTransport`` answering
+with canned bytes), so the difference is the SDK alone: id stamping, the continuity check,
+retry bookkeeping, reuse headers, reply observation and, for streams, the per-chunk reassembly.
+Each measured call is a turn of a 5-turn conversation that extends the previous one exactly
+(the common, fully checked path), sync and async, non-streaming and streaming (the stream is
+read to the end).
+
+Calls of the two clients alternate and the reported overhead is the median of the paired
+differences, which cancels most of the drift of a busy machine. ``own_us`` is measured more
+directly: the time spent in kvturn's ``request`` outside openai's own ``request``; it excludes
+the per-chunk cost of streams, which only the paired difference includes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import openai
+from openai._base_client import AsyncAPIClient, SyncAPIClient
+
+import kvturn
+
+TARGET_US = 50.0
+TURNS = 5
+MODEL = "kvturn-bench"
+_BASE_URL = "http://router.bench/v1"
+_REPLY_TEXT = "Sure, here is a short answer to that."
+_HEADERS = {"content-type": "application/json", "x-request-id": "bench",
+            "X-KVTurn-Reuse": "hit", "X-KVTurn-Reused-Tokens": "4096"}
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    """Medians in microseconds per call for one (client kind, streaming) combination."""
+
+    mode: str
+    stream: bool
+    plain_us: float
+    kvturn_us: float
+    overhead_us: float
+    own_us: float
+
+
+def _chat_body() -> bytes:
+    return json.dumps({
+        "id": "chatcmpl-bench", "object": "chat.completion", "created": 1, "model": MODEL,
+        "choices": [{"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": _REPLY_TEXT}}],
+        "usage": {"prompt_tokens": 100, "completion_tokens": 9, "total_tokens": 109}}).encode()
+
+
+def _stream_body() -> bytes:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        return "data: " + json.dumps({
+            "id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1,
+            "model": MODEL, "choices": [{"index": 0, "delta": delta,
+                                         "finish_reason": finish}]}) + "\n\n"
+
+    words = _REPLY_TEXT.split(" ")
+    events = [chunk({"role": "assistant", "content": ""})]
+    events += [chunk({"content": word + (" " if i < len(words) - 1 else "")})
+               for i, word in enumerate(words)]
+    events += [chunk({}, "stop"), "data: [DONE]\n\n"]
+    return "".join(events).encode()
+
+
+def _router() -> Callable[[httpx2.Request], httpx2.Response]:
+    chat, stream = _chat_body(), _stream_body()
+    stream_headers = {**_HEADERS, "content-type": "text/event-stream"}
+
+    def handle(request: httpx2.Request) -> httpx2.Response:
+        if b'"stream":true' in request.content or b'"stream": true' in request.content:
+            return httpx2.Response(200, headers=stream_headers, content=stream)
+        return httpx2.Response(200, headers=_HEADERS, content=chat)
+
+    return handle
+
+
+def _turns() -> Iterator[list[dict[str, Any]]]:
+    """The message lists of one conversation, each extending the previous turn exactly."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a concise assistant for a travel agency."}]
+    for turn in range(TURNS):
+        messages.append({"role": "user", "content": f"Question {turn}: what should I pack?"})
+        yield messages
+        messages.append({"role": "assistant", "content": _REPLY_TEXT})
+
+
+class _HookTimer:
+    """Times kvturn's ``request`` and openai's ``request`` inside it, while installed.
+
+    The difference for a turn is the time kvturn's own code took around openai's call.
+    """
+
+    def __init__(self) -> None:
+        self.outer: list[int] = []
+        self.inner: list[int] = []
+
+    @contextmanager
+    def installed(self, outer_cls: Any, inner_cls: Any, is_async: bool) -> Iterator[None]:
+        originals = (outer_cls.request, inner_cls.request)
+        outer_cls.request = self._wrap(originals[0], self.outer, is_async)
+        inner_cls.request = self._wrap(originals[1], self.inner, is_async)
+        try:
+            yield
+        finally:
+            outer_cls.request, inner_cls.request = originals
+
+    @staticmethod
+    def _wrap(original: Any, sink: list[int], is_async: bool) -> Any:
+        def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter_ns()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                sink.append(time.perf_counter_ns() - started)
+
+        async def atimed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter_ns()
+            try:
+                return await original(self, *args, **kwargs)
+            finally:
+                sink.append(time.perf_counter_ns() - started)
+
+        return atimed if is_async else timed
+
+    def last_own(self) -> int:
+        return self.outer[-1] - self.inner[-1]
+
+
+class _Samples:
+    def __init__(self, calls: int) -> None:
+        self.warmup = max(calls // 5, 20)
+        self.total = calls + self.warmup
+        self.seen = 0
+        self.plain: list[int] = []
+        self.kvturn: list[int] = []
+        self.own: list[int] = []
+
+    def add(self, plain: int, kvturn_: int, own: int) -> None:
+        if self.seen >= self.warmup:
+            self.plain.append(plain)
+            self.kvturn.append(kvturn_)
+            self.own.append(own)
+        self.seen += 1
+
+    def result(self, mode: str, stream: bool) -> ModeResult:
+        paired = [k - p for k, p in zip(self.kvturn, self.plain, strict=True)]
+        return ModeResult(mode=mode, stream=stream, plain_us=_median_us(self.plain),
+                          kvturn_us=_median_us(self.kvturn), overhead_us=_median_us(paired),
+                          own_us=_median_us(self.own))
+
+
+def _median_us(values: list[int]) -> float:
+    return round(statistics.median(values) / 1000, 1) if values else 0.0
+
+
+def _bench_sync(calls: int, stream: bool) -> ModeResult:
+    transport = httpx2.MockTransport(_router())
+    plain = openai.OpenAI(base_url=_BASE_URL, api_key="bench", max_retries=0,
+                          http_client=httpx2.Client(transport=transport))
+    client = kvturn.OpenAI(base_url=_BASE_URL, api_key="bench", max_retries=0,
+                           http_client=httpx2.Client(transport=transport))
+
+    def call(target: openai.OpenAI, messages: Any) -> int:
+        started = time.perf_counter_ns()
+        if stream:
+            for _ in target.chat.completions.create(model=MODEL, messages=messages,
+                                                    stream=True):
+                pass
+        else:
+            target.chat.completions.create(model=MODEL, messages=messages)
+        return time.perf_counter_ns() - started
+
+    samples, timer = _Samples(calls), _HookTimer()
+    try:
+        with timer.installed(kvturn.OpenAI, SyncAPIClient, is_async=False):
+            while samples.seen < samples.total:
+                with client.conversation() as conversation:
+                    for messages in _turns():
+                        plain_ns = call(plain, messages)
+                        kvturn_ns = call(conversation, messages)
+                        samples.add(plain_ns, kvturn_ns, timer.last_own())
+    finally:
+        client.close()
+        plain.close()
+    return samples.result("sync", stream)
+
+
+async def _bench_async(calls: int, stream: bool) -> ModeResult:
+    transport = httpx2.MockTransport(_router())
+    plain = openai.AsyncOpenAI(base_url=_BASE_URL, api_key="bench", max_retries=0,
+                               http_client=httpx2.AsyncClient(transport=transport))
+    client = kvturn.AsyncOpenAI(base_url=_BASE_URL, api_key="bench", max_retries=0,
+                                http_client=httpx2.AsyncClient(transport=transport))
+
+    async def call(target: openai.AsyncOpenAI, messages: Any) -> int:
+        started = time.perf_counter_ns()
+        if stream:
+            async for _ in await target.chat.completions.create(model=MODEL, messages=messages,
+                                                                stream=True):
+                pass
+        else:
+            await target.chat.completions.create(model=MODEL, messages=messages)
+        return time.perf_counter_ns() - started
+
+    samples, timer = _Samples(calls), _HookTimer()
+    try:
+        with timer.installed(kvturn.AsyncOpenAI, AsyncAPIClient, is_async=True):
+            while samples.seen < samples.total:
+                async with client.conversation() as conversation:
+                    for messages in _turns():
+                        plain_ns = await call(plain, messages)
+                        kvturn_ns = await call(conversation, messages)
+                        samples.add(plain_ns, kvturn_ns, timer.last_own())
+    finally:
+        await client.close()
+        await plain.close()
+    return samples.result("async", stream)
+
+
+def run_sdk_bench(calls: int, json_path: Path,
+                  say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure ``calls`` turns per mode, print a table, write ``json_path``; return the data."""
+    if calls < 1:
+        raise ValueError(f"calls must be at least 1, got {calls}")
+    # Both clients run the same openai code, so a busy machine inflates the difference too;
+    # the load is recorded next to the numbers.
+    load_before = os.getloadavg()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # a collection inside one client's call would land on one side of a pair
+    try:
+        results = [_bench_sync(calls, False), _bench_sync(calls, True),
+                   asyncio.run(_bench_async(calls, False)),
+                   asyncio.run(_bench_async(calls, True))]
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    worst = max(r.overhead_us for r in results)
+    data: dict[str, Any] = {
+        "calls_per_mode": calls, "turns_per_conversation": TURNS, "target_us": TARGET_US,
+        "python": platform.python_version(), "openai": openai.__version__,
+        "kvturn": kvturn.__version__,
+        "machine": {"cpus": os.cpu_count(), "load_average_before": list(load_before),
+                    "load_average_after": list(os.getloadavg())},
+        "modes": [asdict(r) for r in results],
+        "max_overhead_us": worst, "within_target": worst <= TARGET_US}
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(data, indent=2) + "\n")
+    say(_table(results))
+    say(f"max overhead {worst:.1f} us per call (target <= {TARGET_US:.0f} us); "
+        f"wrote {json_path}")
+    return data
+
+
+def _table(results: list[ModeResult]) -> str:
+    header = (f"{'client':<7} {'stream':<7} {'openai us':>10} {'kvturn us':>10} "
+              f"{'overhead us':>12} {'own us':>8}")
+    rows = [f"{r.mode:<7} {'yes' if r.stream else 'no':<7} {r.plain_us:>10.1f} "
+            f"{r.kvturn_us:>10.1f} {r.overhead_us:>12.1f} {r.own_us:>8.1f}" for r in results]
+    return "\n".join([header, *rows])
+
+
+def _cmd_sdk_bench(args: argparse.Namespace) -> int:
+    run_sdk_bench(args.calls, args.json)
+    return 0
+
+
+def add_sdk_bench_parser(subparsers: Any) -> None:
+    """Register ``sdk`` on the ``kvturn bench`` subparsers (``func`` runs it, returns 0)."""
+    sdk = subparsers.add_parser(
+        "sdk", help="per-call overhead of the kvturn SDK vs the plain openai client",
+        description="Times chat turns through a scoped kvturn client and through the plain "
+                    "openai client over the same in-process mock transport (sync and async, "
+                    "streaming and not) and reports the per-call overhead (median of paired "
+                    f"differences; target <= {TARGET_US:.0f} us). No servers, no network.")
+    sdk.add_argument("--calls", type=int, default=3000,
+                     help="measured calls per client and mode (default: %(default)s)")
+    sdk.add_argument("--json", type=Path, default=Path(".kvturn/bench/sdk.json"),
+                     help="where to write the results (default: %(default)s)")
+    sdk.set_defaults(func=_cmd_sdk_bench)

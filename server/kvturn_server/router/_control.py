@@ -1,0 +1,151 @@
+"""Client of the decode connectors' control API (docs/http-api.md, section C).
+
+Every call is bounded by the control timeout. Answers come back typed: a ``Retention``, a
+``Gone`` (the decode says there is nothing under that key, and why), or a ``ControlError``
+(unreachable, timed out, or an answer that is not the contract's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from kvturn_server.router._backend import BackendClient, BackendError, Reply
+
+PREFIX = "/kvturn/v1"
+
+
+class ControlError(Exception):
+    """The control endpoint could not be used; ``kind`` as BackendError's, or ``bad_reply``."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """A decode's answer about a retention (describe, pin, keepalive)."""
+
+    key: str
+    engine_id: str | None
+    params: dict[str, Any]
+    num_tokens: int
+    expires_in: float
+    hold_remaining: float | None = None
+    created_ago: float | None = None
+    pin_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Gone:
+    """``404 Gone``: ``code`` is ``no_retention``, ``expired``, ``released``, ``evicted`` or
+    ``replaced`` (or whatever a newer connector says)."""
+
+    code: str
+    message: str
+
+
+class ControlClient:
+    def __init__(self, client: BackendClient, *, timeout: float) -> None:
+        self.client = client
+        self.timeout = timeout
+
+    async def pin(self, control_url: str, key: str, ttl: float) -> Retention | Gone:
+        """Hold the retention's blocks for ``ttl`` seconds; its params are safe to read until
+        then (or until unpinned)."""
+        reply = await self._call("POST", f"{control_url}{PREFIX}/retentions/{_q(key)}/pin",
+                                 b'{"ttl":%s}' % repr(float(ttl)).encode())
+        result = _retention_or_gone(reply)
+        if isinstance(result, Retention) and not result.pin_id:
+            raise ControlError("bad_reply", f"{control_url}: pin answer without a pin_id")
+        return result
+
+    async def unpin(self, control_url: str, pin_id: str) -> bool:
+        reply = await self._call("DELETE", f"{control_url}{PREFIX}/pins/{_q(pin_id)}")
+        data = _json_object(reply) if reply.status == 200 else None
+        return bool(data and data.get("unpinned"))
+
+    async def describe(self, control_url: str, key: str) -> Retention | Gone:
+        reply = await self._call("GET", f"{control_url}{PREFIX}/retentions/{_q(key)}")
+        return _retention_or_gone(reply)
+
+    async def keepalive(self, control_url: str, key: str) -> Retention | Gone:
+        reply = await self._call(
+            "POST", f"{control_url}{PREFIX}/retentions/{_q(key)}/keepalive", b"{}")
+        return _retention_or_gone(reply)
+
+    async def release(self, control_url: str, key: str) -> bool | Gone:
+        """True when released, Gone when there was nothing to release."""
+        reply = await self._call("DELETE", f"{control_url}{PREFIX}/retentions/{_q(key)}")
+        if reply.status == 404:
+            return _gone(reply)
+        if reply.status != 200:
+            raise ControlError("bad_reply", f"{control_url}: release answered {reply.status}")
+        return True
+
+    async def _call(self, method: str, url: str, body: bytes | None = None) -> Reply:
+        try:
+            return await self.client.call(method, url, body, timeout=self.timeout)
+        except BackendError as exc:
+            raise ControlError(exc.kind, str(exc)) from exc
+
+
+def _q(part: str) -> str:
+    return quote(part, safe="")
+
+
+def _json_object(reply: Reply) -> dict[str, Any] | None:
+    try:
+        data = reply.json()
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _gone(reply: Reply) -> Gone:
+    data = _json_object(reply) or {}
+    error = data.get("error")
+    if isinstance(error, dict):
+        code = error.get("code")
+        message = error.get("message")
+        return Gone(code if isinstance(code, str) else "no_retention",
+                    message if isinstance(message, str) else "")
+    return Gone("no_retention", "")
+
+
+def _retention_or_gone(reply: Reply) -> Retention | Gone:
+    if reply.status == 404:
+        return _gone(reply)
+    if reply.status != 200:
+        raise ControlError("bad_reply", f"control endpoint answered {reply.status}")
+    data = _json_object(reply)
+    if data is None:
+        raise ControlError("bad_reply", "control endpoint answer is not a JSON object")
+    params = data.get("params")
+    if not isinstance(params, dict):
+        raise ControlError("bad_reply", "retention without params")
+    engine_id = data.get("engine_id")
+    pin_id = data.get("pin_id")
+    return Retention(
+        key=str(data.get("key", "")),
+        engine_id=str(engine_id) if engine_id is not None else None,
+        params=params,
+        num_tokens=_int(data.get("num_tokens")),
+        expires_in=_float(data.get("expires_in")) or 0.0,
+        hold_remaining=_float(data.get("hold_remaining")),
+        created_ago=_float(data.get("created_ago")),
+        pin_id=str(pin_id) if pin_id is not None else None)
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return 0

@@ -1,0 +1,150 @@
+"""``POST /kvturn/v1/conversations/{id}/keepalive`` and ``DELETE /kvturn/v1/conversations/{id}``.
+
+Both find the decode holding the conversation (same tenant scoping as completions) and forward
+to its control endpoint. ``{id}`` is percent-encoded; ids may contain ``/``, so the id is
+everything between the prefix and the ``/keepalive`` suffix of the raw path.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvturn_server.router import _json
+from kvturn_server.router._control import ControlError, Gone
+from kvturn_server.router._errors import ApiError
+from kvturn_server.router._identity import conversation_key, validate_id
+from kvturn_server.router._log import event
+from kvturn_server.router._state import Placement, StoreError
+from kvturn_server.router._turn import request_id_of
+
+if TYPE_CHECKING:
+    from kvturn_server.router._app import Router
+
+log = logging.getLogger("kvturn.router")
+
+PREFIX = "/kvturn/v1/conversations/"
+KEEPALIVE = "/keepalive"
+
+
+def _ok(data: dict[str, Any], request_id: str) -> Response:
+    return Response(_json.dumps(data), status_code=200, media_type="application/json",
+                    headers={"x-request-id": request_id})
+
+
+async def conversation_endpoint(router: Router, request: Request) -> Response:
+    request_id = request_id_of(request.headers.get("x-request-id"))
+    raw = request.scope.get("raw_path") or request.scope["path"].encode()
+    path = raw.split(b"?", 1)[0].decode("latin-1")
+    rest = path[len(PREFIX):]
+    method = request.method
+    endpoint = "keepalive" if method == "POST" else "release"
+    try:
+        if method == "POST":
+            if not rest.endswith(KEEPALIVE):
+                raise ApiError(404, f"no route POST {path}", type_="not_found_error",
+                               code="no_route")
+            rest = rest[:-len(KEEPALIVE)]
+        conversation_id = validate_id(unquote(rest), "conversation_id")
+        key = conversation_key(conversation_id, request.headers.get("authorization"))
+        handler = _keepalive if method == "POST" else _release
+        response = await handler(router, conversation_id, key, request_id)
+    except ApiError as exc:
+        router.metrics.request(endpoint, "invalid" if exc.status == 400 else
+                               "backend_error" if exc.status >= 500 else "client_error")
+        return exc.response({"x-request-id": request_id})
+    router.metrics.request(endpoint, "ok")
+    return response
+
+
+def _unavailable(router: Router, what: str) -> ApiError:
+    return ApiError(503, what, type_="server_error", code="backend_unavailable",
+                    retry_after=router.config.retry_after)
+
+
+def _no_retention(code: str, why: str) -> ApiError:
+    return ApiError(404, f"no live retention for this conversation: {why}",
+                    type_="not_found_error", param="conversation_id", code=code)
+
+
+async def _placement(router: Router, key: str) -> Placement | None:
+    try:
+        return await router.store.get(key)
+    except StoreError as exc:
+        router.metrics.state_errors.inc()
+        raise _unavailable(router, "the router's state store is unavailable") from exc
+
+
+async def _forget(router: Router, key: str, placement: Placement, why: str | None) -> None:
+    if why is not None:
+        router.metrics.stale(why)
+    try:
+        await router.store.delete(key, turn=placement.turn)
+    except StoreError:
+        router.metrics.state_errors.inc()
+
+
+async def _keepalive(router: Router, conversation_id: str, key: str,
+                     request_id: str) -> Response:
+    placement = await _placement(router, key)
+    if placement is None:
+        raise _no_retention("no_retention", "the router knows none")
+    decode = router.decodes.by_url(placement.decode)
+    if decode is None or decode.control_url is None:
+        await _forget(router, key, placement, "unknown_decode")
+        raise _no_retention("stale", "its decode is no longer configured")
+    if decode.engine_id is not None and placement.engine_id is not None \
+            and decode.engine_id != placement.engine_id:
+        await _forget(router, key, placement, "engine_changed")
+        raise _no_retention("stale", "its decode restarted")
+    try:
+        result = await router.control.keepalive(decode.control_url, key)
+    except ControlError as exc:
+        event(log, logging.WARNING, "control_call_failed", request_id=request_id,
+              conversation=key, backend=decode.url, call="keepalive", kind=exc.kind,
+              error=str(exc))
+        raise _unavailable(router, "the decode holding this conversation did not answer") \
+            from exc
+    if isinstance(result, Gone):
+        await _forget(router, key, placement, result.code)
+        raise _no_retention(result.code, result.code.replace("_", " "))
+    if placement.engine_id is not None and result.engine_id is not None \
+            and result.engine_id != placement.engine_id:
+        await _forget(router, key, placement, "engine_changed")
+        raise _no_retention("stale", "its decode restarted")
+    renewed = Placement(decode=placement.decode,
+                        engine_id=result.engine_id or placement.engine_id,
+                        num_tokens=result.num_tokens or placement.num_tokens,
+                        expires_at=router.clock() + result.expires_in, turn=placement.turn)
+    try:
+        await router.store.put(key, renewed)
+    except StoreError:
+        router.metrics.state_errors.inc()
+    return _ok({"conversation_id": conversation_id, "retained": True,
+                "expires_in": result.expires_in, "hold_remaining": result.hold_remaining,
+                "num_tokens": result.num_tokens}, request_id)
+
+
+async def _release(router: Router, conversation_id: str, key: str,
+                   request_id: str) -> Response:
+    placement = await _placement(router, key)
+    released = False
+    if placement is not None:
+        decode = router.decodes.by_url(placement.decode)
+        if decode is not None and decode.control_url is not None:
+            try:
+                result = await router.control.release(decode.control_url, key)
+            except ControlError as exc:
+                event(log, logging.WARNING, "control_call_failed", request_id=request_id,
+                      conversation=key, backend=decode.url, call="release", kind=exc.kind,
+                      error=str(exc))
+                raise _unavailable(router, "the decode holding this conversation did not "
+                                           "answer; retry to release it") from exc
+            released = result is True
+        await _forget(router, key, placement, None)
+    return _ok({"conversation_id": conversation_id, "released": released}, request_id)
+

@@ -1,0 +1,92 @@
+"""Conversation identity: which conversation a request continues, scoped by tenant.
+
+The id is the first present of body ``conversation_id``, header ``X-Conversation-ID``, header
+``X-Session-ID``, body ``session_id`` (vLLM's field). An id is 1-256 printable ASCII characters
+(0x21-0x7E). Anything else is a 400 naming the field; nothing is changed before the check.
+
+The key the router stores (and the decode retains under) is ``tenant + "/" + id``, where the
+tenant is the first 16 hex digits of the SHA-256 of the ``Authorization`` header, or ``-`` when
+there is none (``-`` is not a hex digit, so it never collides with a hashed credential). Two
+tenants using the same id never share a retention. See docs/http-api.md, section A.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvturn_server.router._errors import ApiError
+
+MAX_ID_LENGTH = 256
+_VALID_ID = re.compile(r"[\x21-\x7e]{1,256}")
+ANONYMOUS_TENANT = "-"
+
+# (where, name) in resolution order: body fields by their JSON name, headers lower-cased.
+_SOURCES = (("body", "conversation_id"), ("header", "x-conversation-id"),
+            ("header", "x-session-id"), ("body", "session_id"))
+_PARAM_NAMES = {"x-conversation-id": "X-Conversation-ID", "x-session-id": "X-Session-ID"}
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """The conversation a request belongs to.
+
+    Attributes:
+        conversation_id: the client's id, echoed in ``X-KVTurn-Conversation``.
+        key: ``tenant/id``, what the state store and the decode's retention use.
+        source: the body field or header it came from.
+    """
+
+    conversation_id: str
+    key: str
+    source: str
+
+
+def tenant_of(authorization: str | None) -> str:
+    """The tenant scope of a credential (the credential itself is never stored or logged)."""
+    if authorization is None:
+        return ANONYMOUS_TENANT
+    return hashlib.sha256(authorization.encode("latin-1")).hexdigest()[:16]
+
+
+def conversation_key(conversation_id: str, authorization: str | None) -> str:
+    return f"{tenant_of(authorization)}/{conversation_id}"
+
+
+def validate_id(value: Any, param: str) -> str:
+    """``value`` if it is a valid conversation id, else an ApiError(400) naming ``param``."""
+    if not isinstance(value, str):
+        raise ApiError(400, f"{param} must be a string conversation id, got "
+                            f"{type(value).__name__}", param=param,
+                       code="invalid_conversation_id")
+    if _VALID_ID.fullmatch(value) is None:
+        if not value:
+            why = "it is empty"
+        elif len(value) > MAX_ID_LENGTH:
+            why = f"it has {len(value)} characters"
+        else:
+            bad = next(c for c in value if not "\x21" <= c <= "\x7e")
+            why = f"it contains {bad!r} at position {value.index(bad)}"
+        raise ApiError(400, f"{param} must be 1-{MAX_ID_LENGTH} printable ASCII characters "
+                            f"(no spaces or control characters); {why}", param=param,
+                       code="invalid_conversation_id")
+    return value
+
+
+def resolve_identity(body: Mapping[str, Any], headers: Mapping[str, str]) -> Identity | None:
+    """The request's conversation, or None when it names none (then it runs without reuse).
+
+    A JSON ``null`` in a body field counts as absent (SDKs serialise unset fields that way).
+    """
+    for where, name in _SOURCES:
+        value = body.get(name) if where == "body" else headers.get(name)
+        if value is None:
+            continue
+        param = _PARAM_NAMES.get(name, name)
+        conversation_id = validate_id(value, param)
+        return Identity(conversation_id, conversation_key(conversation_id,
+                                                          headers.get("authorization")), param)
+    return None

@@ -1,0 +1,222 @@
+"""Backend pools: which prefill and decode instances are usable, and which one gets a request.
+
+- **Choice**: a prefill by load (fewest in-flight requests, ties in turn); a decode by affinity
+  to the conversation's holder when that one is healthy, else by load.
+- **Ejection**: ``eject_after`` consecutive failures eject a backend. Failures are active
+  health checks that fail and legs that fail at the transport level (refused, timed out, broken
+  off) or answer 502/503/504; a 500 or 4xx is about the request, and counting it would let a
+  client eject backends with crafted requests.
+- **Re-admission**: an ejected backend keeps being checked; ``readmit_after`` consecutive good
+  checks put it back.
+- **Control endpoint**: a decode whose control endpoint fails is still used for decoding, but
+  gets no pins or captures until its control endpoint answers again (a hanging one would
+  otherwise cost every turn a control timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+
+from kvturn_server.router._backend import BackendClient, BackendError
+from kvturn_server.router._log import event
+
+log = logging.getLogger("kvturn.router")
+
+
+class Backend:
+    """One vLLM instance and what the router knows about it."""
+
+    __slots__ = ("control_ok", "control_url", "engine_id", "failures", "healthy", "in_flight",
+                 "last_error", "role", "successes", "url")
+
+    def __init__(self, role: str, url: str, control_url: str | None = None) -> None:
+        self.role = role
+        self.url = url
+        self.control_url = control_url
+        self.healthy = True
+        self.control_ok = True
+        self.in_flight = 0
+        self.failures = 0
+        self.successes = 0
+        self.engine_id: str | None = None
+        self.last_error: str | None = None
+
+    def __repr__(self) -> str:
+        return f"Backend({self.role} {self.url}{'' if self.healthy else ', ejected'})"
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[None]:
+        """Count a request in flight on this backend for its duration."""
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+
+class Pool:
+    """The backends of one role."""
+
+    def __init__(self, role: str, members: list[Backend], *, eject_after: int,
+                 readmit_after: int) -> None:
+        if not members:
+            raise ValueError(f"a {role} pool needs at least one backend")
+        self.role = role
+        self.members = members
+        self.eject_after = eject_after
+        self.readmit_after = readmit_after
+        self._by_url = {b.url: b for b in members}
+        self._next = 0
+
+    def by_url(self, url: str) -> Backend | None:
+        return self._by_url.get(url)
+
+    @property
+    def healthy(self) -> list[Backend]:
+        return [b for b in self.members if b.healthy]
+
+    def pick(self, *, prefer: Backend | None = None,
+             exclude: Backend | None = None) -> Backend | None:
+        """``prefer`` if it is healthy, else the healthy backend with the fewest requests in
+        flight (ties go round). When every backend (other than ``exclude``) is ejected, the
+        least loaded ejected one: trying a backend that may have come back costs one fast
+        failure, refusing the request costs the request (a pool that just started, or that
+        lost its health checks, would otherwise refuse everything until re-admission). None
+        only when there is no other backend at all."""
+        if prefer is not None and prefer.healthy and prefer is not exclude:
+            return prefer
+        candidates = [b for b in self.members if b.healthy and b is not exclude] or \
+            [b for b in self.members if b is not exclude]
+        if not candidates:
+            return None
+        load = min(b.in_flight for b in candidates)
+        best = [b for b in candidates if b.in_flight == load]
+        self._next += 1
+        return best[self._next % len(best)]
+
+    # Outcomes of legs (passive) and checks (active).
+
+    def leg_succeeded(self, backend: Backend) -> None:
+        backend.failures = 0
+
+    def leg_failed(self, backend: Backend, why: str) -> None:
+        self._failed(backend, why)
+
+    def check_passed(self, backend: Backend) -> None:
+        backend.failures = 0
+        if backend.healthy:
+            return
+        backend.successes += 1
+        if backend.successes >= self.readmit_after:
+            backend.healthy = True
+            backend.successes = 0
+            event(log, logging.INFO, "backend_readmitted", role=self.role, backend=backend.url)
+
+    def check_failed(self, backend: Backend, why: str) -> None:
+        backend.successes = 0
+        self._failed(backend, why)
+
+    def _failed(self, backend: Backend, why: str) -> None:
+        backend.last_error = why
+        backend.failures += 1
+        if backend.healthy and backend.failures >= self.eject_after:
+            backend.healthy = False
+            backend.successes = 0
+            event(log, logging.WARNING, "backend_ejected", role=self.role, backend=backend.url,
+                  failures=backend.failures, last_error=why)
+
+
+class HealthChecker:
+    """Active checks of every backend, every ``interval`` seconds (also on ``poke``).
+
+    Prefills and decodes answer vLLM's ``GET /health``; a decode's control endpoint answers
+    ``GET /health`` with its ``engine_id``, which changes when the decode restarts (and makes
+    every handle to its old retentions stale).
+    """
+
+    def __init__(self, client: BackendClient, pools: list[Pool], *, interval: float,
+                 timeout: float, on_engine_change: Callable[[Backend, str | None, str], None],
+                 also: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.client = client
+        self.pools = pools
+        self.interval = interval
+        self.timeout = timeout
+        self.on_engine_change = on_engine_change
+        self.also = also
+        self.rounds = 0
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="kvturn-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def poke(self) -> None:
+        """Run the next round now."""
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.check_all()
+                if self.also is not None:
+                    await self.also()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug in one round must not end health checking
+                log.exception("health check round failed")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval):
+                    await self._wake.wait()
+            self._wake.clear()
+
+    async def check_all(self) -> None:
+        """One round: every backend, concurrently."""
+        await asyncio.gather(*(self._check(pool, b) for pool in self.pools
+                               for b in pool.members))
+        self.rounds += 1
+
+    async def _check(self, pool: Pool, backend: Backend) -> None:
+        try:
+            reply = await self.client.call("GET", backend.url + "/health", timeout=self.timeout)
+        except BackendError as exc:
+            pool.check_failed(backend, f"health check: {exc}")
+        else:
+            if reply.status == 200:
+                pool.check_passed(backend)
+            else:
+                pool.check_failed(backend, f"health check answered {reply.status}")
+        if backend.control_url is not None:
+            await self._check_control(backend)
+
+    async def _check_control(self, backend: Backend) -> None:
+        assert backend.control_url is not None
+        try:
+            reply = await self.client.call("GET", backend.control_url + "/health",
+                                           timeout=self.timeout)
+            info = reply.json() if reply.status == 200 else None
+        except (BackendError, ValueError) as exc:
+            if backend.control_ok:
+                event(log, logging.WARNING, "control_unreachable", backend=backend.url,
+                      control=backend.control_url, error=str(exc))
+            backend.control_ok = False
+            return
+        engine_id = info.get("engine_id") if isinstance(info, dict) else None
+        if not isinstance(engine_id, str):
+            backend.control_ok = False
+            return
+        backend.control_ok = True
+        if engine_id != backend.engine_id:
+            old = backend.engine_id
+            backend.engine_id = engine_id
+            self.on_engine_change(backend, old, engine_id)

@@ -1,0 +1,174 @@
+"""Router state: which decode holds each conversation's last retained turn.
+
+One interface, two implementations with the same semantics (one test suite runs against both):
+``MemoryStore`` (default: this process only) and ``RedisStore`` (``--state redis://...``:
+shared by router replicas, kept across restarts; in ``_state_redis.py``).
+
+Semantics, for both:
+
+- Each entry has a *deadline*: the lease's ``expires_at`` plus ``remember_expired`` seconds. Up
+  to the deadline ``get`` returns the entry (the turn logic tells "expired" from "miss" by it);
+  from the deadline on the entry is gone (``get`` returns None, ``purge`` removes it).
+- The table is bounded: ``put`` beyond ``max_entries`` evicts the least recently used entries
+  (``get`` and ``put`` count as use) and says how many went.
+- ``delete(key, turn=...)`` deletes only the entry that turn recorded, so a turn that found a
+  stale handle cannot delete a newer one recorded meanwhile by a concurrent turn.
+- Times come from one injected clock (wall-clock seconds; Redis shares them between replicas).
+
+The store is a hint, never the authority: the decode's pin answer is. A lost or stale entry
+costs one turn's reuse, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+from kvturn_server.router import _json
+
+
+class StoreError(Exception):
+    """The state store could not be reached or answered nonsense."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a conversation's last turn is retained.
+
+    Attributes:
+        decode: base URL of the decode that holds it.
+        engine_id: that decode's engine id when it retained (a restart changes it).
+        num_tokens: tokens retained.
+        expires_at: store-clock time the lease runs out unless renewed.
+        turn: request id of the turn that recorded this placement.
+    """
+
+    decode: str
+    engine_id: str | None
+    num_tokens: int
+    expires_at: float
+    turn: str
+
+    def to_json(self) -> bytes:
+        return _json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Placement:
+        try:
+            raw = _json.loads(data)
+            return cls(decode=str(raw["decode"]),
+                       engine_id=None if raw.get("engine_id") is None else str(raw["engine_id"]),
+                       num_tokens=int(raw["num_tokens"]), expires_at=float(raw["expires_at"]),
+                       turn=str(raw["turn"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StoreError(f"unreadable placement record: {exc}") from exc
+
+
+class ConversationStore(Protocol):
+    """Conversation key -> Placement; see the module docstring for the semantics."""
+
+    kind: str
+
+    async def get(self, key: str) -> Placement | None: ...
+
+    async def put(self, key: str, placement: Placement) -> int:
+        """Insert or replace; returns how many entries the cap evicted."""
+        ...
+
+    async def delete(self, key: str, *, turn: str | None = None) -> bool:
+        """Delete (only ``turn``'s entry when given); True when a live entry went."""
+        ...
+
+    async def size(self) -> int: ...
+
+    async def purge(self) -> int:
+        """Remove entries past their deadline; returns how many."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class MemoryStore:
+    """In-process store: an LRU-ordered dict beside a deadline heap (lazy deletion)."""
+
+    kind = "memory"
+
+    def __init__(self, *, max_entries: int = 100_000, remember_expired: float = 600.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.max_entries = max_entries
+        self.remember_expired = remember_expired
+        self._clock = clock
+        # key -> (placement, deadline, seq); first is least recently used.
+        self._entries: OrderedDict[str, tuple[Placement, float, int]] = OrderedDict()
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = 0
+
+    async def get(self, key: str) -> Placement | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if entry[1] <= self._clock():
+            del self._entries[key]
+            return None
+        self._entries.move_to_end(key)
+        return entry[0]
+
+    async def put(self, key: str, placement: Placement) -> int:
+        deadline = placement.expires_at + self.remember_expired
+        self._seq += 1
+        self._entries[key] = (placement, deadline, self._seq)
+        self._entries.move_to_end(key)
+        heapq.heappush(self._heap, (deadline, self._seq, key))
+        evicted = 0
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+            evicted += 1
+        if len(self._heap) > 2 * len(self._entries) + 1024:
+            self._heap = [(d, s, k) for k, (_, d, s) in self._entries.items()]
+            heapq.heapify(self._heap)
+        return evicted
+
+    async def delete(self, key: str, *, turn: str | None = None) -> bool:
+        entry = self._entries.get(key)
+        if entry is None or (turn is not None and entry[0].turn != turn):
+            return False
+        del self._entries[key]
+        return entry[1] > self._clock()
+
+    async def size(self) -> int:
+        return len(self._entries)
+
+    async def purge(self) -> int:
+        now = self._clock()
+        removed = 0
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            _, seq, key = heapq.heappop(heap)
+            entry = self._entries.get(key)
+            if entry is not None and entry[2] == seq:
+                del self._entries[key]
+                removed += 1
+        return removed
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def open_store(url: str, *, max_entries: int, remember_expired: float,
+                     prefix: str = "kvturn:", timeout: float = 2.0,
+                     clock: Callable[[], float] = time.time) -> ConversationStore:
+    """``memory`` or a Redis URL -> a ready store (Redis is pinged: a wrong URL fails here)."""
+    if url == "memory":
+        return MemoryStore(max_entries=max_entries, remember_expired=remember_expired,
+                           clock=clock)
+    from kvturn_server.router._state_redis import RedisStore
+
+    store = RedisStore(url, max_entries=max_entries, remember_expired=remember_expired,
+                       prefix=prefix, timeout=timeout, clock=clock)
+    await store.ping()
+    return store
+

@@ -1,0 +1,128 @@
+"""Relaying a decode's SSE stream to the client, byte for byte, as it arrives.
+
+The decode's chunks are passed on unparsed and unbuffered: each complete event goes out as soon
+as it is read. The only bytes ever held back are the tail of an event the decode has not
+finished sending, so that if the stream breaks the client sees whole events followed by one
+error event, never half an event glued to an error. When the stream ends (completed, broken
+off, or the client gone) the relay closes the decode's reply (which makes vLLM abort a request
+the client abandoned) and runs the turn's ``finish`` hook: metrics, logging and capturing the
+retention the decode made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from kvturn_server.router import _json
+from kvturn_server.router._backend import BackendError, UpstreamStream
+
+log = logging.getLogger("kvturn.router")
+
+
+def complete_events(data: bytes) -> int:
+    """Length of the prefix of ``data`` made of complete SSE events."""
+    if data.endswith(b"\n\n") or data.endswith(b"\r\n\r\n"):
+        return len(data)
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def error_event(message: str, code: str = "backend_stream_error") -> bytes:
+    """An OpenAI-style error event, then ``[DONE]`` (what vLLM itself sends on errors)."""
+    payload = _json.dumps({"error": {"message": message, "type": "server_error",
+                                     "param": None, "code": code}})
+    return b"data: " + payload + b"\n\ndata: [DONE]\n\n"
+
+
+class StreamEnd:
+    """How a relayed stream ended: ``ok``, ``stream_error`` or ``client_gone``."""
+
+    __slots__ = ("error", "outcome")
+
+    def __init__(self) -> None:
+        self.outcome = "ok"
+        self.error: BackendError | None = None
+
+
+class RelayResponse(Response):
+    """An ASGI response that relays ``upstream`` (whose first chunk was already read).
+
+    Args:
+        upstream: the decode's open reply.
+        first: its first chunk (read before responding, so that a decode that fails before
+            its first byte can still be retried elsewhere).
+        finish: awaited once the stream is over, however it ended.
+    """
+
+    def __init__(self, upstream: UpstreamStream, first: bytes, headers: Mapping[str, str],
+                 media_type: str, finish: Callable[[StreamEnd], Awaitable[None]]) -> None:
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
+        self.init_headers(headers)
+        self._upstream = upstream
+        self._first = first
+        self._finish = finish
+        self._end = StreamEnd()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The body is sent by a child task while this one watches for the client leaving:
+        # ASGI servers drop sends to a gone client silently, so only receive() tells.
+        sender = asyncio.ensure_future(self._send_body(send))
+        watcher = asyncio.ensure_future(self._watch(receive))
+        try:
+            await asyncio.wait((sender, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if not sender.done():
+                self._end.outcome = "client_gone"
+                sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender
+        finally:
+            watcher.cancel()
+            if not sender.done():
+                sender.cancel()
+            await self._upstream.aclose()
+            try:
+                await self._finish(self._end)
+            except Exception:  # the client has its answer; a bug here must not hide that
+                log.exception("finishing a relayed stream failed")
+
+    async def _watch(self, receive: Receive) -> None:
+        while True:
+            message: Message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    async def _send_body(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        upstream = self._upstream
+        pending = b""
+        chunk: bytes | None = self._first
+        while chunk is not None:
+            data = pending + chunk if pending else chunk
+            cut = complete_events(data)
+            if cut:
+                await send({"type": "http.response.body", "body": data[:cut] if cut < len(data)
+                            else data, "more_body": True})
+            pending = data[cut:]
+            try:
+                chunk = await upstream.next_chunk()
+            except BackendError as exc:
+                self._end.outcome = "stream_error"
+                self._end.error = exc
+                await send({"type": "http.response.body",
+                            "body": error_event("the decode backend broke off the stream "
+                                                f"({exc.kind}); retry the request"),
+                            "more_body": True})
+                break
+        else:
+            if pending:  # the decode ended mid-event: pass on what it sent
+                await send({"type": "http.response.body", "body": pending, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

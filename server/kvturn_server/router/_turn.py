@@ -1,0 +1,632 @@
+"""One turn: pin -> prefill leg -> unpin -> decode leg -> capture (docs/http-api.md, B).
+
+This is where the decision to reuse is made and where every fault degrades:
+
+- **Pin** the conversation's retention on the decode that holds it. No record, a record naming
+  an unknown or restarted decode, a ``404 Gone`` or an unreachable control endpoint all mean
+  "nothing to reuse this turn" (reported in ``X-KVTurn-Reuse``); stale handles are dropped and
+  counted. Only params pinned for this turn ever reach a prefill.
+- **Prefill leg** on the least loaded prefill; a failure (transport, timeout, 5xx, 408/429, an
+  answer without transfer params) is retried once on another prefill; if that fails too, the
+  decode computes the prompt itself. A 4xx is the client's mistake and is returned as is.
+- **Unpin** once the prefill answered, off the request path. After a prefill timeout the pin is
+  left to expire (that prefill may still be reading) and a retry takes a new one.
+- **Decode leg** on the holder (affinity) when healthy, else the least loaded decode. A failure
+  before the first byte is retried once on another decode; streams are relayed unbuffered
+  (``_stream.py``); a stream that breaks ends with an error event.
+- **Capture**: non-streaming, from the reply's ``kv_transfer_params.kvturn``; streaming, by
+  asking the decode's control endpoint once the stream ended. The store then says
+  ``key -> (decode, engine_id, num_tokens, expires_at)``; when a conversation moved to another
+  decode, its retention on the old one is released.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvturn_server.router import _json
+from kvturn_server.router._backend import BackendError, Reply, UpstreamStream
+from kvturn_server.router._control import ControlError, Gone, Retention
+from kvturn_server.router._errors import ApiError, error_response, retry_headers
+from kvturn_server.router._identity import Identity, resolve_identity
+from kvturn_server.router._legs import (
+    client_body,
+    decode_body,
+    prefill_body,
+    retained_report,
+    reuse_report,
+)
+from kvturn_server.router._log import event
+from kvturn_server.router._pool import Backend, Pool
+from kvturn_server.router._state import Placement, StoreError
+from kvturn_server.router._stream import RelayResponse, StreamEnd
+
+if TYPE_CHECKING:
+    from kvturn_server.router._app import Router
+
+log = logging.getLogger("kvturn.router")
+
+# Gone codes -> X-KVTurn-Reuse. "expired": the lease ran out. "stale": the handle pointed at
+# blocks the decode no longer has (evicted, or forgotten: a restart). "miss": the retention was
+# deliberately ended (released, or replaced by a newer turn this router did not record).
+_GONE_REASON = {"expired": "expired", "released": "miss", "replaced": "miss"}
+
+# Statuses of a leg that another backend might answer better.
+_RETRYABLE = frozenset({408, 429})
+# Statuses that count against a backend's health (others are about the request).
+_UNHEALTHY = frozenset({502, 503, 504})
+
+
+class _Failed:
+    """A leg that failed: ``kind`` is a BackendError kind or ``status``; ``reply`` the
+    backend's answer when it gave one."""
+
+    __slots__ = ("kind", "message", "reply")
+
+    def __init__(self, kind: str, message: str, reply: Reply | None = None) -> None:
+        self.kind = kind
+        self.message = message
+        self.reply = reply
+
+
+class Turn:
+    """The state of one completion request while it runs."""
+
+    __slots__ = ("body", "decode_backend", "endpoint", "holder", "identity", "key",
+                 "no_reuse", "path", "pin", "placement", "prefill_backend", "r",
+                 "reason", "request_id", "retention_sent", "reused_tokens", "started",
+                 "stream", "upstream_headers")
+
+    def __init__(self, router: Router, *, request_id: str, endpoint: str, path: str,
+                 body: dict[str, Any], identity: Identity | None, no_reuse: bool,
+                 started: float) -> None:
+        self.r = router
+        self.request_id = request_id
+        self.endpoint = endpoint
+        self.path = path
+        self.body = body
+        self.identity = identity
+        self.key = identity.key if identity is not None else None
+        self.no_reuse = no_reuse
+        self.started = started
+        self.stream = body.get("stream") is True
+        self.upstream_headers = {"x-request-id": request_id}
+        self.placement: Placement | None = None
+        self.holder: Backend | None = None
+        self.pin: Retention | None = None
+        self.retention_sent = False
+        self.reason = "miss"
+        self.reused_tokens = 0
+        self.prefill_backend: Backend | None = None
+        self.decode_backend: Backend | None = None
+
+    # The turn.
+
+    async def run(self) -> Response:
+        if self.key is not None:
+            await self._locate()
+            if self.no_reuse:
+                self.reason = "disabled"
+            elif self.placement is not None:
+                await self._take_pin()
+        elif self.no_reuse:
+            self.reason = "disabled"
+        params = await self._prefill()
+        if isinstance(params, Response):
+            return params
+        self._settle_reuse(params)
+        return await self._decode(params)
+
+    def response_headers(self) -> dict[str, str]:
+        headers = {"x-request-id": self.request_id, "X-KVTurn-Reuse": self.reason,
+                   "X-KVTurn-Reused-Tokens": str(self.reused_tokens)}
+        if self.identity is not None:
+            headers["X-KVTurn-Conversation"] = self.identity.conversation_id
+        return headers
+
+    # Step 1: where the conversation is, and a pin on its retention.
+
+    async def _locate(self) -> None:
+        assert self.key is not None
+        r = self.r
+        try:
+            placement = await r.store.get(self.key)
+        except StoreError as exc:
+            self._state_error("get", exc)
+            return
+        if placement is None:
+            return
+        holder = r.decodes.by_url(placement.decode)
+        if holder is None:
+            # Recorded by a router configured with other decodes (or before a change).
+            self.reason = "stale"
+            self._drop(placement, "unknown_decode")
+            return
+        self.placement = placement
+        self.holder = holder
+
+    async def _take_pin(self) -> None:
+        """Pin the placement's retention; on any failure set ``reason`` and leave no pin."""
+        placement, holder, key = self.placement, self.holder, self.key
+        assert placement is not None and holder is not None and key is not None
+        if not holder.healthy or not holder.control_ok or holder.control_url is None:
+            self.reason = "stale"
+            return
+        if holder.engine_id is not None and placement.engine_id is not None \
+                and holder.engine_id != placement.engine_id:
+            self.reason = "stale"
+            self._drop(placement, "engine_changed")
+            return
+        r = self.r
+        t0 = time.perf_counter()
+        try:
+            result = await r.control.pin(holder.control_url, key, r.config.effective_pin_ttl)
+        except ControlError as exc:
+            r.metrics.leg("pin", time.perf_counter() - t0)
+            self._control_failed(holder, "pin", exc)
+            self.reason = "stale"
+            return
+        r.metrics.leg("pin", time.perf_counter() - t0)
+        holder.control_ok = True
+        if isinstance(result, Gone):
+            self.reason = _GONE_REASON.get(result.code, "stale")
+            self._drop(placement, result.code if result.code in (
+                "expired", "released", "evicted", "replaced", "no_retention") else "gone")
+            return
+        if placement.engine_id is not None and result.engine_id is not None \
+                and result.engine_id != placement.engine_id:
+            self.reason = "stale"
+            self._drop(placement, "engine_changed")
+            self._unpin(result)
+            return
+        self.pin = result
+
+    def _drop(self, placement: Placement, why: str) -> None:
+        """Forget a stale handle (only the one this turn read) and count it."""
+        assert self.key is not None
+        self.r.metrics.stale(why)
+        event(log, logging.DEBUG, "stale_handle", request_id=self.request_id,
+              conversation=self.key, reason=why, decode=placement.decode)
+        self.r.spawn(self._delete_placement(placement))
+
+    async def _delete_placement(self, placement: Placement) -> None:
+        assert self.key is not None
+        try:
+            await self.r.store.delete(self.key, turn=placement.turn)
+        except StoreError as exc:
+            self._state_error("delete", exc)
+
+    def _unpin(self, pin: Retention | None) -> None:
+        holder = self.holder
+        if pin is None or pin.pin_id is None or holder is None or holder.control_url is None:
+            return
+        self.r.spawn(self._unpin_now(holder, holder.control_url, pin.pin_id))
+
+    async def _unpin_now(self, holder: Backend, control_url: str, pin_id: str) -> None:
+        try:
+            await self.r.control.unpin(control_url, pin_id)
+        except ControlError as exc:
+            # The pin expires by itself (pin_ttl); nothing else depends on this call.
+            self._control_failed(holder, "unpin", exc)
+
+    # Step 2: the prefill leg (and step 3, unpin).
+
+    async def _prefill(self) -> dict[str, Any] | Response | None:
+        r = self.r
+        first = r.prefills.pick()
+        if first is None:
+            self._unpin(self.pin)
+            self._prefill_gave_up(self.pin, "no prefill backend is healthy")
+            return None
+        pin = self.pin
+        data = self._prefill_data()
+        result = await self._prefill_on(first, data)
+        if not isinstance(result, _Failed):
+            self._unpin(pin)
+            return self._prefill_answer(first, result, pin)
+        second = r.prefills.pick(exclude=first)
+        if second is None and result.kind == "connect":
+            second = first  # it never got the request: the same one may take it now
+        timed_out = result.kind == "timeout"
+        if second is None:
+            if not timed_out:
+                self._unpin(pin)
+            self._prefill_gave_up(pin, f"the only prefill failed ({result.kind})")
+            return None
+        r.metrics.retry("prefill")
+        if timed_out and pin is not None:
+            # The first prefill may still be reading under that pin: leave it to expire and
+            # pin again for the retry (never pass on params this turn did not just pin).
+            self.pin = None
+            await self._take_pin()
+            pin = self.pin
+            data = self._prefill_data()
+        result = await self._prefill_on(second, data)
+        if not (isinstance(result, _Failed) and result.kind == "timeout"):
+            self._unpin(pin)
+        if isinstance(result, _Failed):
+            self._prefill_gave_up(pin, f"both prefill attempts failed ({result.kind})")
+            return None
+        return self._prefill_answer(second, result, pin)
+
+    def _prefill_data(self) -> bytes:
+        return _json.dumps(prefill_body(self.body, self.pin.params if self.pin else None))
+
+    def _prefill_answer(self, backend: Backend, result: dict[str, Any] | Response,
+                        pin: Retention | None) -> dict[str, Any] | Response:
+        self.prefill_backend = backend
+        if isinstance(result, dict):
+            self.retention_sent = pin is not None
+        return result
+
+    def _prefill_gave_up(self, pin: Retention | None, why: str) -> None:
+        event(log, logging.WARNING, "prefill_skipped", request_id=self.request_id,
+              conversation=self.key, why=why, fallback="the decode computes the prompt")
+        if pin is not None:
+            self.reason = "stale"
+
+    async def _prefill_on(self, backend: Backend,
+                          data: bytes) -> dict[str, Any] | Response | _Failed:
+        """One prefill attempt: its transfer params, a client error to return, or _Failed."""
+        r = self.r
+        t0 = time.perf_counter()
+        try:
+            with backend.lease():
+                reply = await r.client.call("POST", backend.url + self.path, data,
+                                            timeout=r.config.prefill_timeout,
+                                            headers=self.upstream_headers)
+        except BackendError as exc:
+            return self._leg_failed(r.prefills, backend, "prefill", exc.kind, str(exc))
+        finally:
+            r.metrics.leg("prefill", time.perf_counter() - t0)
+        status = reply.status
+        if status == 200:
+            try:
+                payload = reply.json()
+            except ValueError:
+                return self._leg_failed(r.prefills, backend, "prefill", "bad_reply",
+                                        "answer is not JSON")
+            params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
+            if not isinstance(params, dict):
+                return self._leg_failed(r.prefills, backend, "prefill", "bad_reply",
+                                        "answer without kv_transfer_params")
+            r.prefills.leg_succeeded(backend)
+            return params
+        if 400 <= status < 500 and status not in _RETRYABLE:
+            # The request itself is wrong (unknown model, bad parameter): a decode would refuse
+            # it the same way, so the client gets the answer now.
+            r.metrics.request(self.endpoint, "client_error")
+            self._log_done(status, "client_error")
+            return self._passthrough(reply)
+        return self._leg_failed(r.prefills, backend, "prefill", "status",
+                                f"answered {status}", reply)
+
+    def _leg_failed(self, pool: Pool, backend: Backend, leg: str, kind: str, message: str,
+                    reply: Reply | None = None) -> _Failed:
+        r = self.r
+        r.metrics.failure(backend.role, backend.url, kind if reply is None
+                          else f"status_{reply.status}")
+        if reply is None or reply.status in _UNHEALTHY:
+            pool.leg_failed(backend, f"{leg}: {message}")
+        event(log, logging.WARNING, f"{leg}_attempt_failed", request_id=self.request_id,
+              conversation=self.key, backend=backend.url, kind=kind, error=message)
+        return _Failed(kind, message, reply)
+
+    def _settle_reuse(self, params: dict[str, Any] | None) -> None:
+        """X-KVTurn-Reuse: the prefill's own report when it was given a retention to read,
+        else the router's reason (miss / disabled / expired / stale)."""
+        if params is not None and self.retention_sent:
+            report = reuse_report(params)
+            if report is not None:
+                self.reason = report.reason
+                self.reused_tokens = report.reused_tokens
+            else:
+                self.reason = "miss"
+        self.r.metrics.reuse(self.reason, self.reused_tokens)
+
+    # Step 4: the decode leg.
+
+    async def _decode(self, params: dict[str, Any] | None) -> Response:
+        r = self.r
+        data = _json.dumps(decode_body(self.body, params, self.key))
+        backend = r.decodes.pick(prefer=self.holder)
+        if backend is None:
+            r.metrics.request(self.endpoint, "backend_error")
+            return error_response(503, "no decode backend is healthy", type_="server_error",
+                                  code="no_backend", retry_after=r.config.retry_after,
+                                  headers=self.response_headers())
+        for attempt in (0, 1):
+            result = await (self._open_stream(backend, data) if self.stream
+                            else self._decode_on(backend, data))
+            if not isinstance(result, _Failed):
+                return result
+            other = r.decodes.pick(exclude=backend)
+            if other is None and result.kind == "connect":
+                other = backend
+            if attempt == 1 or other is None:
+                return self._decode_gave_up(result)
+            r.metrics.retry("decode")
+            backend = other
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _decode_gave_up(self, failed: _Failed) -> Response:
+        r = self.r
+        r.metrics.request(self.endpoint, "backend_error")
+        self._log_done(failed.reply.status if failed.reply else 0, "backend_error")
+        headers = self.response_headers()
+        headers.update(retry_headers(r.config.retry_after))
+        if failed.reply is not None:
+            return Response(failed.reply.body, status_code=failed.reply.status,
+                            headers=headers, media_type=failed.reply.content_type)
+        if failed.kind == "timeout":
+            return error_response(504, "the decode backend timed out before answering",
+                                  type_="server_error", code="backend_timeout",
+                                  retry_after=r.config.retry_after,
+                                  headers=self.response_headers())
+        return error_response(502, f"the decode backend failed before answering "
+                                   f"({failed.kind})", type_="server_error",
+                              code="backend_unavailable", retry_after=r.config.retry_after,
+                              headers=self.response_headers())
+
+    def _decode_status(self, backend: Backend, reply: Reply) -> Response | _Failed:
+        """A non-200 decode answer: 4xx returned as is, others a failure to retry."""
+        if 400 <= reply.status < 500 and reply.status not in _RETRYABLE:
+            self.r.metrics.request(self.endpoint, "client_error")
+            self._log_done(reply.status, "client_error")
+            return self._passthrough(reply)
+        return self._leg_failed(self.r.decodes, backend, "decode", "status",
+                                f"answered {reply.status}", reply)
+
+    async def _decode_on(self, backend: Backend, data: bytes) -> Response | _Failed:
+        r = self.r
+        t0 = time.perf_counter()
+        try:
+            with backend.lease():
+                reply = await r.client.call("POST", backend.url + self.path, data,
+                                            timeout=r.config.decode_timeout,
+                                            headers=self.upstream_headers)
+        except BackendError as exc:
+            return self._leg_failed(r.decodes, backend, "decode", exc.kind, str(exc))
+        finally:
+            r.metrics.leg("decode", time.perf_counter() - t0)
+        if reply.status != 200:
+            return self._decode_status(backend, reply)
+        r.decodes.leg_succeeded(backend)
+        self.decode_backend = backend
+        content = reply.body
+        try:
+            payload = reply.json()
+        except ValueError:
+            payload = None
+        if isinstance(payload, dict):
+            if self.key is not None:
+                await self._capture_reply(backend, payload, t0)
+            if "kv_transfer_params" in payload:
+                # Block ids and hosts of the decode are the router's business, not the client's.
+                del payload["kv_transfer_params"]
+                content = _json.dumps(payload)
+        r.metrics.request(self.endpoint, "ok")
+        self._log_done(200, "ok")
+        return Response(content, status_code=200, headers=self.response_headers(),
+                        media_type=reply.content_type)
+
+    async def _open_stream(self, backend: Backend, data: bytes) -> Response | _Failed:
+        r = self.r
+        t0 = time.perf_counter()
+        backend.in_flight += 1
+        upstream: UpstreamStream | None = None
+        try:
+            upstream = await r.client.open_stream(backend.url + self.path, data,
+                                                  timeout=r.config.decode_timeout,
+                                                  headers=self.upstream_headers)
+            if upstream.status != 200:
+                body = await upstream.read_all()
+                await upstream.aclose()
+                backend.in_flight -= 1
+                reply = Reply(upstream.status, upstream.content_type, body)
+                return self._decode_status(backend, reply)
+            first = await upstream.next_chunk()
+            if first is None:
+                raise BackendError("broken", f"{backend.url}: stream ended before any data")
+        except BackendError as exc:
+            if upstream is not None:
+                await upstream.aclose()
+            backend.in_flight -= 1
+            r.metrics.leg("decode", time.perf_counter() - t0)
+            return self._leg_failed(r.decodes, backend, "decode", exc.kind, str(exc))
+        now = time.perf_counter()
+        r.metrics.leg("decode", now - t0)
+        r.metrics.ttft.observe(now - self.started)
+        r.decodes.leg_succeeded(backend)
+        self.decode_backend = backend
+        decode_started = t0
+
+        async def finish(end: StreamEnd) -> None:
+            backend.in_flight -= 1
+            if end.error is not None:
+                self._leg_failed(r.decodes, backend, "decode", end.error.kind, str(end.error))
+            r.metrics.request(self.endpoint, end.outcome)
+            self._log_done(200, end.outcome)
+            if self.key is not None:
+                await self._capture_described(backend, decode_started)
+
+        media_type = upstream.content_type or "text/event-stream"
+        return RelayResponse(upstream, first, self.response_headers(), media_type, finish)
+
+    def _passthrough(self, reply: Reply) -> Response:
+        headers = self.response_headers()
+        headers.update(retry_headers(None))
+        return Response(reply.body, status_code=reply.status, headers=headers,
+                        media_type=reply.content_type)
+
+    # Step 5: capture.
+
+    async def _capture_reply(self, backend: Backend, payload: dict[str, Any],
+                             decode_started: float) -> None:
+        report = retained_report(payload)
+        if report is None:
+            # This decode does not say (an older connector): ask its control endpoint.
+            self.r.spawn(self._capture_described(backend, decode_started))
+            return
+        if not report.retained:
+            self.r.metrics.capture("not_retained")
+            return
+        r = self.r
+        expires_in = report.expires_in if report.expires_in is not None \
+            else r.config.retention_ttl
+        await self._record(backend, report.engine_id or backend.engine_id,
+                           report.num_tokens or 0, expires_in)
+
+    async def _capture_described(self, backend: Backend, decode_started: float) -> None:
+        """After a stream: ask the decode what it retained under the key.
+
+        The decode retains when the request finishes, which may trail the stream's last byte;
+        a retention older than this turn's decode leg is the previous turn's, so ask again
+        (``capture_attempts``) before taking it.
+        """
+        r = self.r
+        key = self.key
+        assert key is not None
+        if backend.control_url is None or not backend.control_ok:
+            r.metrics.capture("failed")
+            return
+        t0 = time.perf_counter()
+        result: Retention | Gone | None = None
+        for attempt in range(r.config.capture_attempts):
+            if attempt:
+                await r.sleep(r.config.capture_retry_delay)
+            try:
+                result = await r.control.describe(backend.control_url, key)
+            except ControlError as exc:
+                self._control_failed(backend, "describe", exc)
+                r.metrics.capture("failed")
+                return
+            if isinstance(result, Gone) or result.created_ago is None \
+                    or result.created_ago <= time.perf_counter() - decode_started:
+                break
+        r.metrics.leg("capture", time.perf_counter() - t0)
+        if isinstance(result, Gone):
+            r.metrics.capture("not_retained")
+            placement = self.placement
+            if placement is not None and placement.decode == backend.url:
+                # The record pointed here and the decode holds nothing: forget it.
+                await self._delete_placement(placement)
+            return
+        assert result is not None
+        await self._record(backend, result.engine_id or backend.engine_id, result.num_tokens,
+                           result.expires_in)
+
+    async def _record(self, backend: Backend, engine_id: str | None, num_tokens: int,
+                      expires_in: float) -> None:
+        r = self.r
+        key = self.key
+        assert key is not None
+        placement = Placement(decode=backend.url, engine_id=engine_id, num_tokens=num_tokens,
+                              expires_at=r.clock() + expires_in, turn=self.request_id)
+        try:
+            evicted = await r.store.put(key, placement)
+        except StoreError as exc:
+            r.metrics.capture("failed")
+            self._state_error("put", exc)
+            return
+        r.metrics.capture("recorded")
+        if evicted:
+            r.metrics.evictions.inc(evicted)
+        old = self.placement
+        if old is not None and old.decode != backend.url:
+            self._release_on(old.decode)
+
+    def _release_on(self, decode_url: str) -> None:
+        """The conversation moved: free its previous retention on the old decode."""
+        old = self.r.decodes.by_url(decode_url)
+        if old is None or old.control_url is None or not old.healthy:
+            return
+        key = self.key
+        assert key is not None
+        control_url = old.control_url
+
+        async def release() -> None:
+            try:
+                await self.r.control.release(control_url, key)
+            except ControlError as exc:
+                self._control_failed(old, "release", exc)
+
+        self.r.spawn(release())
+
+    # Shared bits.
+
+    def _control_failed(self, backend: Backend, call: str, exc: ControlError) -> None:
+        if exc.kind in ("connect", "timeout"):
+            backend.control_ok = False  # until a health check finds it answering again
+        self.r.metrics.failure("control", backend.url, exc.kind)
+        event(log, logging.WARNING, "control_call_failed", request_id=self.request_id,
+              conversation=self.key, backend=backend.url, call=call, kind=exc.kind,
+              error=str(exc))
+
+    def _state_error(self, op: str, exc: StoreError) -> None:
+        self.r.metrics.state_errors.inc()
+        event(log, logging.WARNING, "state_store_failed", request_id=self.request_id,
+              conversation=self.key, op=op, error=str(exc))
+
+    def _log_done(self, status: int, outcome: str) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            event(log, logging.DEBUG, "request", request_id=self.request_id,
+                  conversation=self.key, endpoint=self.endpoint, stream=self.stream,
+                  status=status, outcome=outcome, reuse=self.reason,
+                  reused_tokens=self.reused_tokens,
+                  prefill=self.prefill_backend.url if self.prefill_backend else None,
+                  decode=self.decode_backend.url if self.decode_backend else None,
+                  ms=round((time.perf_counter() - self.started) * 1000, 2))
+
+
+def request_id_of(given: str | None) -> str:
+    """The client's ``x-request-id`` when it is a sane one (it is echoed, logged and sent to
+    the backends), else a fresh one."""
+    if given and len(given) <= 128 and given.isascii() and given.isprintable():
+        return given
+    return uuid.uuid4().hex
+
+
+async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The request body as a JSON object, or an ApiError (400 / 413)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise ApiError(413, f"request body is larger than {max_bytes} bytes",
+                       code="body_too_large")
+    raw = await request.body()
+    if len(raw) > max_bytes:
+        raise ApiError(413, f"request body is larger than {max_bytes} bytes",
+                       code="body_too_large")
+    try:
+        body = _json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") \
+            from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def completion(router: Router, request: Request) -> Response:
+    """``POST /v1/chat/completions`` and ``POST /v1/completions``."""
+    started = time.perf_counter()
+    path = request.scope["path"]
+    endpoint = "chat" if path.endswith("/chat/completions") else "completions"
+    headers = request.headers
+    request_id = request_id_of(headers.get("x-request-id"))
+    try:
+        body = await read_json_body(request, router.config.max_body_bytes)
+        identity = resolve_identity(body, headers)
+    except ApiError as exc:
+        router.metrics.request(endpoint, "invalid")
+        return exc.response({"x-request-id": request_id})
+    turn = Turn(router, request_id=request_id, endpoint=endpoint, path=path,
+                body=client_body(body), identity=identity,
+                no_reuse="x-kvturn-no-reuse" in headers, started=started)
+    return await turn.run()

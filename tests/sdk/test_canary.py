@@ -1,0 +1,147 @@
+"""Canaries: every openai (and tenacity) internal kvturn relies on, pinned.
+
+openai may change ``_``-prefixed internals in a minor release. If one of these fails after an
+upgrade, read the new openai source for that hook before changing the expectation here: the
+matching kvturn code (named in each test) must change with it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import httpx2
+import openai
+import pytest
+import tenacity
+from openai import AsyncStream, Stream
+from openai._base_client import AsyncAPIClient, BaseClient, SyncAPIClient
+from openai._legacy_response import LegacyAPIResponse
+from openai._models import FinalRequestOptions
+
+import kvturn
+
+
+def params(fn: Any) -> list[tuple[str, Any]]:
+    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+
+KW = inspect.Parameter.KEYWORD_ONLY
+POS = inspect.Parameter.POSITIONAL_OR_KEYWORD
+
+
+@pytest.mark.parametrize("cls", [SyncAPIClient, AsyncAPIClient])
+def test_request_is_the_one_loop_with_this_signature(cls: type) -> None:
+    # kvturn._client: OpenAI.request / AsyncOpenAI.request wrap it.
+    assert params(cls.request) == [("self", POS), ("cast_to", POS), ("options", POS),
+                                   ("stream", KW), ("stream_cls", KW)]
+    source = inspect.getsource(cls.request)
+    # openai's own loop, which kvturn switches off with options.max_retries = 0
+    assert "input_options.get_max_retries(self.max_retries)" in source
+    assert "for retries_taken in range(max_retries + 1)" in source
+    assert "self._process_response(" in source
+
+
+@pytest.mark.parametrize("cls", [SyncAPIClient, AsyncAPIClient])
+def test_process_response_sees_the_final_response(cls: type) -> None:
+    # kvturn._client: _process_response notes the response for the reuse headers.
+    assert params(cls._process_response) == [
+        ("self", POS), ("cast_to", KW), ("options", KW), ("response", KW), ("stream", KW),
+        ("stream_cls", KW), ("retries_taken", KW)]
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [(kvturn.OpenAI, openai.OpenAI),
+                                              (kvturn.AsyncOpenAI, openai.AsyncOpenAI)])
+def test_our_overrides_match_openais_signatures(ours: type, theirs: type) -> None:
+    for hook in ("request", "_process_response", "_process_response_data"):
+        assert params(getattr(ours, hook)) == params(getattr(theirs, hook)), hook
+    # every argument kvturn passes by name to copy() and __init__ still exists there
+    copy_params = dict(params(theirs.copy))
+    for name, kind in params(ours.copy):
+        if name in ("self", "kwargs", "retry_policy", "keepalive_interval", "kvturn_url"):
+            continue
+        assert copy_params.get(name) == kind, name
+    init_params = dict(params(theirs.__init__))
+    for name, kind in params(ours.__init__):
+        if name in ("self", "kwargs", "retry_policy", "keepalive_interval", "kvturn_url",
+                    "_kvturn_conversation"):
+            continue
+        assert init_params.get(name) == kind, name
+    assert ours.with_options is ours.copy
+
+
+def test_copy_rebuilds_through_the_class_with_extra_kwargs() -> None:
+    # kvturn._client: OpenAI.__new__ picks the conversation class from these kwargs.
+    source = inspect.getsource(openai.lib._client_auth.synccopy)  # type: ignore[attr-defined]
+    assert "self.__class__(" in source and "**_extra_kwargs" in source
+    source = inspect.getsource(openai.lib._client_auth.asynccopy)  # type: ignore[attr-defined]
+    assert "self.__class__(" in source and "**_extra_kwargs" in source
+
+
+def test_final_request_options_fields() -> None:
+    # kvturn._client._own_options and kvturn._state.ConversationState.prepare
+    fields = FinalRequestOptions.model_fields
+    for name in ("method", "url", "headers", "max_retries", "json_data", "extra_json",
+                 "idempotency_key", "files", "content"):
+        assert name in fields, name
+    options = FinalRequestOptions.construct(method="post", url="/x", max_retries=3)
+    assert options.get_max_retries(7) == 3
+    assert FinalRequestOptions.construct(method="post", url="/x").get_max_retries(7) == 7
+    copied = options.model_copy(update={"max_retries": 0, "headers": {"a": "b"}})
+    assert (copied.max_retries, copied.headers, options.max_retries) == (0, {"a": "b"}, 3)
+
+
+@pytest.mark.parametrize("cls", [Stream, AsyncStream])
+def test_streams_decode_every_chunk_through_the_client(cls: type) -> None:
+    # kvturn._client: _process_response_data feeds a conversation's stream chunks to _observe.
+    source = inspect.getsource(cls.__stream__)
+    assert "process_data = self._client._process_response_data" in source
+    assert "response=response" in source
+    assert params(BaseClient._process_response_data) == [
+        ("self", POS), ("data", KW), ("cast_to", KW), ("response", KW)]
+    assert params(kvturn.OpenAI._process_response_data) == params(
+        BaseClient._process_response_data)
+
+
+def test_raw_responses_cache_their_parse() -> None:
+    # kvturn._observe parses a with_raw_response result early; the caller gets the same object.
+    source = inspect.getsource(LegacyAPIResponse.parse)
+    assert "self._parsed_by_type[cache_key] = parsed" in source
+
+
+def test_model_objects_keep_their_fields_in_vars() -> None:
+    # kvturn._continuity._plain reads a reply object's fields with vars() + model_extra,
+    # instead of running model_dump on every turn; it must agree with model_dump.
+    from openai.types.chat import ChatCompletionMessage
+
+    message = ChatCompletionMessage.model_validate({
+        "role": "assistant", "content": "x", "refusal": None, "reasoning": "r",
+        "tool_calls": [{"id": "1", "type": "function",
+                        "function": {"name": "f", "arguments": "{}"}}]})
+    message._request_id = "req"  # type: ignore[attr-defined]
+    from kvturn._continuity import _plain
+
+    assert _plain(message) == _plain(message.model_dump(exclude_none=True))
+
+
+def test_user_agent_is_a_property_named_after_the_class() -> None:
+    # kvturn._client: user_agent keeps openai's value for scoped clients.
+    assert isinstance(inspect.getattr_static(BaseClient, "user_agent"), property)
+    assert "self.__class__.__name__" in inspect.getsource(BaseClient.user_agent.fget)  # type: ignore[union-attr]
+
+
+def test_httpx2_response_headers_expose_raw_pairs() -> None:
+    # kvturn._turns.TurnInfo.from_headers reads headers.raw in one pass.
+    response = httpx2.Response(200, headers={"X-KVTurn-Reuse": "hit"})
+    assert (b"X-KVTurn-Reuse", b"hit") in response.headers.raw
+
+
+def test_tenacity_api() -> None:
+    # kvturn._retry: the controller and the callbacks it is given.
+    for cls in (tenacity.Retrying, tenacity.AsyncRetrying):
+        names = inspect.signature(cls.__init__).parameters
+        for name in ("sleep", "stop", "wait", "retry", "before_sleep", "reraise"):
+            assert name in names, name
+    state = tenacity.RetryCallState(tenacity.Retrying(), fn=None, args=(), kwargs={})
+    assert state.upcoming_sleep == 0.0 and state.attempt_number == 1
+    assert issubclass(tenacity.stop_any, tenacity.stop.stop_base)

@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="sent as the bearer token; the router scopes conversations by it")
     parser.add_argument("--turns", type=int, default=5, choices=range(1, len(QUESTIONS) + 1),
                         metavar=f"1-{len(QUESTIONS)}", help="number of turns (default: 5)")
-    parser.add_argument("--max-tokens", type=int, default=48,
+    parser.add_argument("--max-tokens", type=int, default=140,
                         help="tokens per answer (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds per request (default: %(default)s)")

@@ -42,6 +42,12 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-read-timeout", type=float, default=d.kv_read_timeout,
                    help="seconds a NIXL read may take before the decode recomputes instead "
                         "(default: %(default)s)")
+    p.add_argument("--retention-ttl", type=float, default=d.decoder_kv_blocks_ttl,
+                   help="seconds the decode keeps a conversation's KV after a turn, renewable "
+                        "by keepalive (default: %(default)s)")
+    p.add_argument("--retention-budget", type=float, default=d.retention_budget,
+                   help="fraction of the decode's KV cache retentions may hold; 0 turns reuse "
+                        "off (default: %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=d.startup_timeout,
                    help="seconds to wait for the servers to become healthy (default: %(default)s)")
 
@@ -52,6 +58,7 @@ def _stack_config(args: argparse.Namespace) -> StackConfig:
         router_port=args.router_port, prefill_port=args.prefill_port,
         decode_port=args.decode_port, kv_cache_gib=args.kv_cache_gib,
         max_model_len=args.max_model_len, kv_read_timeout=args.kv_read_timeout,
+        decoder_kv_blocks_ttl=args.retention_ttl, retention_budget=args.retention_budget,
         startup_timeout=args.startup_timeout, served_model_name=f"kvturn-{args.size}")
 
 

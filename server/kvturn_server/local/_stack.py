@@ -303,7 +303,8 @@ class Stack:
         specs = server_specs(cfg)
         # vLLM first, the router once they answer: a router started beside them would see its
         # backends fail their first health checks and eject them until they are re-admitted.
-        waves = [[s for s in specs if s.name != "router"], [s for s in specs if s.name == "router"]]
+        waves = [w for w in ([s for s in specs if s.name != "router"],
+                             [s for s in specs if s.name == "router"]) if w]
         try:
             for wave in waves:
                 for spec in wave:

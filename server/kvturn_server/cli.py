@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvturn_server.bench._agent import add_agent_bench_parser
 from kvturn_server.bench._router import add_router_bench_parser
 from kvturn_server.bench._sdk import add_sdk_bench_parser
 from kvturn_server.local import (
@@ -266,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     reuse.set_defaults(func=cmd_bench_reuse)
     add_router_bench_parser(bench_sub)
     add_sdk_bench_parser(bench_sub)
+    add_agent_bench_parser(bench_sub)
     return parser
 
 

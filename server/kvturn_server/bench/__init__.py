@@ -1,5 +1,10 @@
 """kvturn's benchmarks: each prints its numbers and writes them as JSON (and a plot)."""
 
+from kvturn_server.bench._agent import (
+    AgentBenchSettings,
+    add_agent_bench_parser,
+    run_agent_bench,
+)
 from kvturn_server.bench._reuse import (
     SizeResult,
     bench_config,
@@ -14,6 +19,6 @@ from kvturn_server.bench._router import (
 )
 from kvturn_server.bench._sdk import add_sdk_bench_parser, run_sdk_bench
 
-__all__ = ["RouterBenchSettings", "SizeResult", "add_router_bench_parser", "add_sdk_bench_parser",
-           "bench_config", "run_reuse_bench", "run_router_bench", "run_sdk_bench", "write_json",
-           "write_plot"]
+__all__ = ["AgentBenchSettings", "RouterBenchSettings", "SizeResult", "add_agent_bench_parser",
+           "add_router_bench_parser", "add_sdk_bench_parser", "bench_config", "run_agent_bench",
+           "run_reuse_bench", "run_router_bench", "run_sdk_bench", "write_json", "write_plot"]

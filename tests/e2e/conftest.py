@@ -23,6 +23,12 @@ DECODE_BLOCKS = 400
 RETENTION_BUDGET = 0.25
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that restart the session's decode run last: a restart costs a minute, and the
+    other tests should not have to care that the decode they talk to is a new engine."""
+    items.sort(key=lambda item: item.get_closest_marker("restarts_decode") is not None)
+
+
 @pytest.fixture(scope="session")
 def say(pytestconfig: pytest.Config) -> Callable[[str], None]:
     """Print past pytest's capture (start-up and restarts take long and must not look hung)."""

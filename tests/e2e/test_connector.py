@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from kvturn_server.local import Stack
 from kvturn_server.local._direct import DirectConversation, control, retention_path
 
@@ -483,9 +485,10 @@ def test_live_requests_evict_retentions_instead_of_being_preempted(stack: Stack)
         conv.release()
 
 
-# Restart (last: it replaces the decode process the other tests use).
+# Restart (run last, see conftest: it replaces the decode process the other tests use).
 
 
+@pytest.mark.restarts_decode
 def test_a_restarted_decode_is_stale_and_never_read(stack: Stack, say: Any) -> None:
     cfg = stack.config
     conv = _conversation(stack)

@@ -343,6 +343,22 @@ async def test_a_restart_seen_by_health_checks_skips_the_pin(make_harness: MakeH
     assert resp.headers["X-KVTurn-Reuse"] == "hit"
 
 
+async def test_a_restart_not_yet_seen_by_health_checks_is_stale_once(
+        make_harness: MakeHarness) -> None:
+    """The decode restarts between two health checks: the turn after the restart recomputes,
+    and the turn after that reuses again (the new engine named itself in its reply)."""
+    h = await make_harness()
+    await h.router.health.check_all()
+    await h.chat("c")
+    h.cluster.decodes[0].restart()
+    assert h.router.decodes.members[0].engine_id == "decode0-engine-1"  # not checked since
+    resp = await h.chat("c")
+    assert resp.headers["X-KVTurn-Reuse"] == "stale"
+    assert h.router.decodes.members[0].engine_id == "decode0-engine-2"
+    resp = await h.chat("c")
+    assert resp.headers["X-KVTurn-Reuse"] == "hit"
+
+
 async def test_a_record_of_an_unknown_decode_is_stale(make_harness: MakeHarness) -> None:
     clock = ManualClock()
     store = MemoryStore(clock=clock)

@@ -148,3 +148,13 @@ async def test_health_checks_learn_engine_ids_and_control_outages(
     resp = await h.chat("c")
     assert resp.status_code == 200 and resp.headers["X-KVTurn-Reuse"] == "stale"
     assert h.cluster.calls("decode0.control") == []
+
+
+def test_a_request_that_goes_through_readmits_an_ejected_backend() -> None:
+    pool = _pool()
+    a = pool.members[0]
+    for _ in range(pool.eject_after):
+        pool.leg_failed(a, "connect")
+    assert not a.healthy
+    pool.leg_succeeded(a)
+    assert a.healthy and a.failures == 0

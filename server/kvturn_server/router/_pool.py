@@ -100,7 +100,15 @@ class Pool:
     # Outcomes of legs (passive) and checks (active).
 
     def leg_succeeded(self, backend: Backend) -> None:
+        """A real request went through: stronger evidence than a health check, so an ejected
+        backend is back at once (else a decode that restarted between two checks would be
+        skipped, and its conversations called stale, until two more checks passed)."""
         backend.failures = 0
+        if not backend.healthy:
+            backend.healthy = True
+            backend.successes = 0
+            event(log, logging.INFO, "backend_readmitted", role=self.role, backend=backend.url,
+                  by="request")
 
     def leg_failed(self, backend: Backend, why: str) -> None:
         self._failed(backend, why)

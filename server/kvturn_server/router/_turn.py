@@ -507,6 +507,7 @@ class Turn:
                 self._control_failed(backend, "describe", exc)
                 r.metrics.capture("failed")
                 return
+            backend.control_ok = True
             if isinstance(result, Gone) or result.created_ago is None \
                     or result.created_ago <= time.perf_counter() - decode_started:
                 break
@@ -527,6 +528,13 @@ class Turn:
         r = self.r
         key = self.key
         assert key is not None
+        if engine_id is not None and engine_id != backend.engine_id:
+            # The decode itself just named its engine: fresher than the last health check,
+            # which may not have seen a restart yet (the next pin would call this handle stale).
+            old_engine, backend.engine_id = backend.engine_id, engine_id
+            if old_engine is not None:
+                event(log, logging.WARNING, "decode_restarted", backend=backend.url,
+                      old_engine_id=old_engine, engine_id=engine_id)
         placement = Placement(decode=backend.url, engine_id=engine_id, num_tokens=num_tokens,
                               expires_at=r.clock() + expires_in, turn=self.request_id)
         try:

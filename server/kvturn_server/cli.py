@@ -58,6 +58,8 @@ def _stack_config(args: argparse.Namespace) -> StackConfig:
         state_dir=args.state_dir, model_size=args.size, model_dir=args.model_dir,
         router_port=args.router_port, prefill_port=args.prefill_port,
         decode_port=args.decode_port, kv_cache_gib=args.kv_cache_gib,
+        # Each instance's control endpoint sits on its HTTP port + 1 (the router's default).
+        prefill_control_port=args.prefill_port + 1, decode_control_port=args.decode_port + 1,
         max_model_len=args.max_model_len, kv_read_timeout=args.kv_read_timeout,
         decoder_kv_blocks_ttl=args.retention_ttl, retention_budget=args.retention_budget,
         startup_timeout=args.startup_timeout, served_model_name=f"kvturn-{args.size}")

@@ -351,7 +351,10 @@ async def test_a_restart_not_yet_seen_by_health_checks_is_stale_once(
     await h.router.health.check_all()
     await h.chat("c")
     h.cluster.decodes[0].restart()
-    assert h.router.decodes.members[0].engine_id == "decode0-engine-1"  # not checked since
+    backend = h.router.decodes.members[0]
+    assert backend.engine_id == "decode0-engine-1"  # not checked since
+    # While it was down the checks ejected it and found its control endpoint unreachable.
+    backend.healthy = backend.control_ok = False
     resp = await h.chat("c")
     assert resp.headers["X-KVTurn-Reuse"] == "stale"
     assert h.router.decodes.members[0].engine_id == "decode0-engine-2"

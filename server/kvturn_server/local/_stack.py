@@ -183,6 +183,9 @@ def _vllm_spec(cfg: StackConfig, name: str, port: int, role: str | None,
         "--enforce-eager",
         "--max-model-len", str(cfg.max_model_len),
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        # Forced tool calls follow the tool's argument schema (vLLM 0.32 constrains only the
+        # call's envelope by default): the random test model then emits valid calls.
+        "--tool-strict-level", "parameter",
         "--uvicorn-log-level", "warning",
         *cfg.extra_vllm_args,
     ]

@@ -532,6 +532,9 @@ class Turn:
             # The decode itself just named its engine: fresher than the last health check,
             # which may not have seen a restart yet (the next pin would call this handle stale).
             old_engine, backend.engine_id = backend.engine_id, engine_id
+            # A new engine answered, and its control endpoint lives in the same process: the
+            # outage the health checks saw was the restart, not the endpoint.
+            backend.control_ok = True
             if old_engine is not None:
                 event(log, logging.WARNING, "decode_restarted", backend=backend.url,
                       old_engine_id=old_engine, engine_id=engine_id)

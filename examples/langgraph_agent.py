@@ -152,15 +152,25 @@ class FirstToken(BaseCallbackHandler):
             self.ttft[index] = time.perf_counter() - self.started[run_id]
 
 
+def tool_manual(sections: int) -> str:
+    """A long, deterministic tool manual (about 32 tokens a section), like the tool
+    documentation a real agent's system prompt carries."""
+    return " ".join(f"Tool manual section {i}: describe the inputs, outputs and errors of step "
+                    f"{i}." for i in range(1, sections + 1))
+
+
 def build_agent(model: ChatOpenAI, *, turns: int, tool_latency: float | Sequence[float] = 0.2,
-                with_kvturn: bool = True, tag: str = "") -> Any:
+                with_kvturn: bool = True, tag: str = "", manual: int = 0) -> Any:
     """The agent graph: ``create_agent`` with the forced-tool schedule, plus kvturn's
     middleware (tool-call keepalive, release at the end) unless ``with_kvturn`` is False.
-    ``tag`` starts the system prompt (see ``run_agent``)."""
+    ``tag`` starts the system prompt and ``manual`` sections of ``tool_manual`` end it (see
+    ``run_agent``)."""
     middleware: list[AgentMiddleware] = [ForcedToolSchedule(turns)]
     if with_kvturn:
         middleware.append(KVTurnMiddleware())
     system = f"[{tag}] {SYSTEM}" if tag else SYSTEM
+    if manual:
+        system = f"{system} {tool_manual(manual)}"
     return create_agent(model, make_tools(tool_latency), system_prompt=system,
                         middleware=middleware)
 
@@ -170,6 +180,7 @@ def run_agent(base_url: str, model: str = "kvturn-tiny", turns: int = 6, *,
               plain: bool = False, tool_latency: float | Sequence[float] = 0.2,
               max_tokens: int = 140, keepalive_interval: float = 60.0, tag: str = "",
               timeout: float = 120.0, http_client: httpx2.Client | None = None,
+              callbacks: Sequence[BaseCallbackHandler] = (), manual: int = 0,
               ) -> list[TurnReport]:
     """Run the agent for ``turns`` model turns (all but the last forced to call a tool) on
     thread ``thread_id`` (default: a new one) and report each turn. Streams the model
@@ -181,6 +192,8 @@ def run_agent(base_url: str, model: str = "kvturn-tiny", turns: int = 6, *,
     different tags share no prefix in any cache, runs with the same tag send the same prompts.
     ``keepalive_interval``: seconds between lease renewals while a tool runs.
     ``http_client``: the HTTP client to use (tests pass one with a mock transport).
+    ``callbacks``: more LangChain callback handlers for the run (the demo measures with one).
+    ``manual``: sections of tool manual appended to the system prompt (about 32 tokens each).
     """
     if turns < 1:
         raise ValueError(f"turns must be at least 1, got {turns}")
@@ -190,10 +203,11 @@ def run_agent(base_url: str, model: str = "kvturn-tiny", turns: int = 6, *,
     llm = (ChatOpenAI(**common) if plain
            else KVTurnChatOpenAI(keepalive_interval=keepalive_interval, **common))
     agent = build_agent(llm, turns=turns, tool_latency=tool_latency, with_kvturn=not plain,
-                        tag=tag)
+                        tag=tag, manual=manual)
     timer = FirstToken()
     config: dict[str, Any] = {"configurable": {"thread_id": thread_id or uuid.uuid4().hex},
-                              "callbacks": [timer], "recursion_limit": 4 * turns + 10}
+                              "callbacks": [timer, *callbacks],
+                              "recursion_limit": 4 * turns + 10}
     final: dict[str, Any] = {}
     inputs = {"messages": [HumanMessage(QUESTION)]}
     for mode, chunk in agent.stream(inputs, config, stream_mode=["messages", "values"]):

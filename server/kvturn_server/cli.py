@@ -164,7 +164,8 @@ def cmd_router(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvturn_server.local._demo import run_demo
 
-    return run_demo(_stack_config(args), turns=args.turns)
+    return run_demo(_stack_config(args), turns=args.turns, tool_latency=args.tool_latency,
+                    plot=args.plot)
 
 
 def cmd_bench_reuse(args: argparse.Namespace) -> int:
@@ -239,12 +240,22 @@ def build_parser() -> argparse.ArgumentParser:
     router.set_defaults(func=cmd_router)
 
     demo = sub.add_parser(
-        "demo", help="run the demo: stack up, a multi-turn chat, per-turn table, stack down",
-        description="Build the tiny model, start the stack, run a multi-turn conversation "
-                    "through the router and print per-turn TTFT and where the prompt tokens "
-                    "came from; then stop the stack.")
+        "demo", help="run the demo: stack up, a LangGraph tool agent with kvturn off and on, "
+                     "per-turn table and plot, stack down",
+        description="Build the tiny model, start the stack (the prefill without a prefix "
+                    "cache, like a shared prefill pool), run a LangGraph tool-calling agent "
+                    "twice through the router (kvturn off: plain P/D; on: the thread is a "
+                    "kvturn conversation), print per turn the time to first token and where "
+                    "the prompt's KV came from, write a PNG plot, stop the stack. Uses a "
+                    "running stack (kvturn up) as it is. A few minutes on a 2-core machine.")
     _add_stack_args(demo)
-    demo.add_argument("--turns", type=int, default=5, help="default: %(default)s")
+    demo.add_argument("--turns", type=int, default=6,
+                      help="model turns of the agent, all but the last call a tool "
+                           "(default: %(default)s)")
+    demo.add_argument("--tool-latency", type=float, default=0.5,
+                      help="seconds each tool call takes (default: %(default)s)")
+    demo.add_argument("--plot", type=Path, default=None,
+                      help="PNG path (default: <state-dir>/demo.png)")
     demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks (print numbers, write JSON)",

@@ -1,86 +1,142 @@
-"""``kvturn demo``: a multi-turn chat through the local stack, with a per-turn table."""
+"""``kvturn demo``: a LangGraph tool agent through the local stack, kvturn off and on.
+
+The agent is ``examples/langgraph_agent.py`` (``create_agent`` with tools that take a while, a
+tool call forced on every turn but the last). It runs twice on the same prefill + decode +
+router: **off**, a stock ``ChatOpenAI`` without conversation ids (plain P/D: every prefill
+computes the whole history), and **on**, ``KVTurnChatOpenAI`` (the thread is a kvturn
+conversation: each prefill reads the history the decode retained). Per model turn it measures
+the time to the first token and where the prompt's KV came from (the instances' metrics), then
+prints a table, writes a PNG plot and stops the stack.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import statistics
 import sys
 import time
-from dataclasses import dataclass
-
-from openai import OpenAI
-from openai.types.chat import ChatCompletionMessageParam
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+from uuid import UUID
 
 from kvturn_server.local._metrics import PromptSources, prompt_sources
 from kvturn_server.local._stack import Stack, StackConfig, read_running
 
-USER_TURNS = (
-    "Plan a three-city trip: Paris, Oslo and Lima. What should I check first?",
-    "Look up the weather in each city for next week and summarise it.",
-    "Oslo looks cold. Swap it for Lisbon and redo the plan.",
-    "Now list the trains and flights between the cities in order.",
-    "Give me a packing list for the whole trip.",
-    "Summarise everything we decided in five bullet points.",
-    "Estimate the total cost in euros, with a line per item.",
-    "Which bookings should I make today, and which can wait?",
-)
-SYSTEM = "You are a careful travel agent. Answer briefly."
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "langgraph_agent.py"
+MODES = ("off", "on")
 
 
 @dataclass(frozen=True)
 class TurnReport:
+    mode: str
     turn: int
+    tool: str | None
     prompt_tokens: int
     ttft_ms: float
     total_ms: float
+    reuse: str
     prefill: PromptSources
     decode: PromptSources
 
 
-def _run_turn(client: OpenAI, model: str, messages: list[ChatCompletionMessageParam],
-              max_tokens: int) -> tuple[str, int, float, float]:
-    started = time.perf_counter()
-    ttft: float | None = None
-    parts: list[str] = []
-    prompt_tokens = 0
-    stream = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True})
-    for chunk in stream:
-        if chunk.usage is not None:
-            prompt_tokens = chunk.usage.prompt_tokens
-        for choice in chunk.choices:
-            if choice.delta.content:
-                if ttft is None:
-                    ttft = time.perf_counter() - started
-                parts.append(choice.delta.content)
-    total = time.perf_counter() - started
-    return "".join(parts), prompt_tokens, (ttft or total) * 1000, total * 1000
+def load_agent() -> ModuleType:
+    """The example agent, from the source checkout this package runs from."""
+    if not EXAMPLE.is_file():
+        raise FileNotFoundError(
+            f"kvturn demo runs the example agent of a source checkout ({EXAMPLE} is missing); "
+            "run it from the repository (`make demo`)")
+    spec = importlib.util.spec_from_file_location("kvturn_demo_agent", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-def run_conversation(cfg: StackConfig, turns: int, max_tokens: int = 48) -> list[TurnReport]:
-    """Run ``turns`` chat turns through the router and measure each one."""
-    client = OpenAI(base_url=f"{cfg.router_url}/v1", api_key="kvturn-demo", max_retries=0)
-    messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": SYSTEM}]
+def _tracer(mode: str, cfg: StackConfig, reports: list[TurnReport]) -> Any:
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    class Tracer(BaseCallbackHandler):
+        """Metrics of each model call: the agent runs its calls one after the other."""
+
+        def __init__(self) -> None:
+            self.open: dict[UUID, tuple[float, float | None, PromptSources, PromptSources]] = {}
+
+        def on_chat_model_start(self, serialized: Any, messages: Any, *, run_id: UUID,
+                                **kwargs: Any) -> None:
+            self.open[run_id] = (time.perf_counter(), None, prompt_sources(cfg.prefill_url),
+                                 prompt_sources(cfg.decode_url))
+
+        def on_llm_new_token(self, token: Any, *, chunk: Any = None, run_id: UUID,
+                             **kwargs: Any) -> None:
+            entry = self.open.get(run_id)
+            if entry is None or entry[1] is not None:
+                return
+            message = getattr(chunk, "message", None)
+            if token or getattr(message, "tool_call_chunks", None):
+                self.open[run_id] = (entry[0], time.perf_counter(), entry[2], entry[3])
+
+        def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
+            started, first, p0, d0 = self.open.pop(run_id)
+            now = time.perf_counter()
+            message = response.generations[0][0].message
+            calls = getattr(message, "tool_calls", None) or []
+            info = message.response_metadata.get("kvturn") or {}
+            p = prompt_sources(cfg.prefill_url) - p0
+            d = prompt_sources(cfg.decode_url) - d0
+            report = TurnReport(
+                mode, len([r for r in reports if r.mode == mode]) + 1,
+                calls[0]["name"] if calls else None,
+                int(p.computed + p.local_cache + p.transferred),
+                ((first or now) - started) * 1000, (now - started) * 1000,
+                info.get("reuse") or "-", p, d)
+            reports.append(report)
+            print(f"  [{mode}] turn {report.turn}: {report.tool or 'answer':<15} TTFT "
+                  f"{report.ttft_ms:6.0f} ms  prefill computed {p.computed:6.0f}, read from "
+                  f"the decode {p.transferred:6.0f}", file=sys.stderr, flush=True)
+
+    return Tracer()
+
+
+MANUAL_SECTIONS = 100
+"""Tool-manual sections in the agent's system prompt (about 3,200 tokens): the size of a real
+agent's tool documentation, so that the prefill's work is what it is in production."""
+
+
+def run_agents(cfg: StackConfig, turns: int, tool_latency: float) -> list[TurnReport]:
+    """Run the agent off, then on; one report per model turn."""
+    agent = load_agent()
     reports: list[TurnReport] = []
-    for i in range(turns):
-        messages.append({"role": "user", "content": USER_TURNS[i % len(USER_TURNS)]})
-        p0, d0 = prompt_sources(cfg.prefill_url), prompt_sources(cfg.decode_url)
-        text, prompt_tokens, ttft_ms, total_ms = _run_turn(
-            client, cfg.served_model_name, messages, max_tokens)
-        p1, d1 = prompt_sources(cfg.prefill_url), prompt_sources(cfg.decode_url)
-        reports.append(TurnReport(i + 1, prompt_tokens, ttft_ms, total_ms, p1 - p0, d1 - d0))
-        messages.append({"role": "assistant", "content": text})
+    base_url = f"{cfg.router_url}/v1"
+    # First-use costs stay out of the comparison: NIXL handshakes, and vLLM compiling the
+    # grammar of each tool's forced call (a one-off per tool, which the first mode would pay).
+    print("warming up (NIXL handshakes, tool-call grammars)", file=sys.stderr, flush=True)
+    agent.run_agent(base_url, cfg.served_model_name, len(agent.TOOLS) + 1, plain=True,
+                    tool_latency=0.0, tag="warm-up")
+    for mode in MODES:
+        print(f"running the agent with kvturn {mode}: {turns} model turns, tools take "
+              f"{tool_latency:g} s", file=sys.stderr, flush=True)
+        # A history of its own per mode: the runs share no prefix in any cache.
+        tag = f"demo-{mode}-{uuid.uuid4().hex[:8]}"
+        agent.run_agent(base_url, cfg.served_model_name, turns, plain=mode == "off",
+                        thread_id=tag, tool_latency=tool_latency, tag=tag,
+                        manual=MANUAL_SECTIONS, callbacks=[_tracer(mode, cfg, reports)])
     return reports
 
 
 def format_table(reports: list[TurnReport]) -> str:
-    head = ("turn", "prompt", "P computed", "P cached", "D via NIXL", "D computed", "D cached",
-            "TTFT ms", "total ms")
+    head = ("turn", "model call", "prompt", "off: TTFT ms", "computed", "on: TTFT ms",
+            "computed", "from decode", "reuse")
     rows = [head]
-    for r in reports:
-        rows.append((str(r.turn), str(r.prompt_tokens), f"{r.prefill.computed:.0f}",
-                     f"{r.prefill.local_cache:.0f}", f"{r.decode.transferred:.0f}",
-                     f"{r.decode.computed:.0f}", f"{r.decode.local_cache:.0f}",
-                     f"{r.ttft_ms:.0f}", f"{r.total_ms:.0f}"))
+    off = [r for r in reports if r.mode == "off"]
+    on = [r for r in reports if r.mode == "on"]
+    for a, b in zip(off, on, strict=False):
+        rows.append((str(b.turn), b.tool or "answer", str(b.prompt_tokens),
+                     f"{a.ttft_ms:.0f}", f"{a.prefill.computed:.0f}", f"{b.ttft_ms:.0f}",
+                     f"{b.prefill.computed:.0f}", f"{b.prefill.transferred:.0f}", b.reuse))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
              for row in rows]
@@ -88,35 +144,86 @@ def format_table(reports: list[TurnReport]) -> str:
     return "\n".join(lines)
 
 
+def summary(reports: list[TurnReport]) -> str:
+    def later(mode: str) -> list[TurnReport]:
+        return [r for r in reports if r.mode == mode and r.turn > 1]
+
+    off, on = later("off"), later("on")
+    if not off or not on:
+        return ""
+    off_ttft = statistics.median(r.ttft_ms for r in off)
+    on_ttft = statistics.median(r.ttft_ms for r in on)
+    off_computed = sum(r.prefill.computed for r in off)
+    on_computed = sum(r.prefill.computed for r in on)
+    return (f"turns 2-{len(off) + 1}: median TTFT {off_ttft:.0f} ms off, {on_ttft:.0f} ms on "
+            f"({off_ttft / on_ttft:.1f}x); the prefill computed {off_computed:.0f} prompt "
+            f"tokens off, {on_computed:.0f} on ({off_computed / max(on_computed, 1):.1f}x "
+            "fewer)")
+
+
 LEGEND = """\
-prompt: prompt tokens of the turn. P = prefill instance, D = decode instance.
-P computed / P cached: prompt tokens the prefill computed / found in its own prefix cache.
-D via NIXL: prompt tokens whose KV the decode read from the prefill over NIXL.
-D computed / D cached: prompt tokens the decode computed itself / found in its prefix cache.
-TTFT: time to the first streamed token through the router."""
+prompt: prompt tokens of the model call. computed: prompt tokens the prefill computed.
+from decode: prompt tokens the prefill read from the decode's retained KV over NIXL instead.
+reuse: the router's X-KVTurn-Reuse (hit: every full block of the prompt came from retained or
+cached KV; partial: a verified prefix did). off = plain P/D without conversation ids."""
 
 
-def run_demo(cfg: StackConfig, turns: int = 5) -> int:
+def write_plot(reports: list[TurnReport], path: Path) -> bool:
+    """TTFT per model turn, off vs on; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, label in (("off", "kvturn off (plain P/D)"), ("on", "kvturn on")):
+        rs = [r for r in reports if r.mode == mode]
+        ax.plot([r.turn for r in rs], [r.ttft_ms for r in rs], "o-", label=label)
+    ax.set_xlabel("model turn of the agent")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title("kvturn demo: LangGraph tool agent, tiny model on CPU")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def run_demo(cfg: StackConfig, turns: int = 6, tool_latency: float = 0.5,
+             plot: Path | None = None) -> int:
     from kvturn_server.cli import ProgressLine
 
+    load_agent()  # fail before minutes of start-up if the example is not there
     running = read_running(cfg.state_dir)
     stack: Stack | None = None
     if running is not None:
         cfg = running.config
         print(f"using the stack already running from {cfg.state_dir}", file=sys.stderr)
     else:
-        print("starting the local stack (tiny model, prefill + decode vLLM on CPU, router); "
-              "1-2 minutes", file=sys.stderr)
+        # A prefill pool rarely holds a given conversation in its own cache; without one the
+        # comparison shows what reading the decode's KV saves.
+        cfg = replace(cfg, prefill_prefix_caching=False)
+        print("starting the local stack (tiny model; prefill without prefix cache, decode, "
+              "router; about a minute)", file=sys.stderr)
         stack = Stack(cfg, die_with_parent=True).start(progress=ProgressLine())
     try:
-        print(f"running {turns} chat turns through {cfg.router_url}", file=sys.stderr)
-        reports = run_conversation(cfg, turns)
-        print()
-        print(format_table(reports))
-        print()
-        print(LEGEND)
+        reports = run_agents(cfg, turns, tool_latency)
     finally:
         if stack is not None:
             print("stopping the stack", file=sys.stderr)
             stack.stop()
+    print()
+    print(format_table(reports))
+    print()
+    print(summary(reports))
+    print()
+    print(LEGEND)
+    plot = plot or cfg.state_dir / "demo.png"
+    if write_plot(reports, plot):
+        print(f"\nplot: {plot}")
     return 0

@@ -18,7 +18,11 @@ letters, one vocabulary entry each, ``word_token_ids``): a random model otherwis
 sequences that the tokenizer would split differently once the reply is sent back as text, so
 the next turn's prompt would not contain the tokens the decode generated. Real models mostly
 emit canonical tokens; this makes the test model do the same (measured: 600 of 600 random word
-sequences re-tokenize to the same ids, also after a newline).
+sequences re-tokenize to the same ids, also after a newline). Where a grammar rules words out
+(a forced tool call's envelope and JSON), the longest allowed token wins, as a trained model's
+would, instead of the lowest id: a constant channel (dimension 0 of the residual stream, set by
+every embedding, written by no layer) gives each non-word token a small logit proportional to
+its length. ``<tool_call>`` then is one token, not eleven.
 """
 
 from __future__ import annotations
@@ -65,7 +69,9 @@ SIZES: dict[str, ModelSize] = {
     "bench": ModelSize("bench", 4096, 512, 1536, 6, 8, 2, 32768, "bfloat16"),
 }
 SEED = 0
-FORMAT = 3
+FORMAT = 5
+CONSTANT = 2.0  # the value of the constant channel in every embedding
+LENGTH_BONUS = 0.1  # non-word logit per byte of the token, times the channel after the norm
 """Bumps when a build's bytes change, so that older builds on disk are rebuilt."""
 
 
@@ -79,7 +85,8 @@ def build_model(size: str, out_dir: Path) -> Path:
     _write_json(out_dir / "config.json", _config(spec))
     _write_json(out_dir / "generation_config.json",
                 {"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0})
-    _write_weights(spec, out_dir / "model.safetensors", word_token_ids(tokenizer))
+    _write_weights(spec, out_dir / "model.safetensors", word_token_ids(tokenizer),
+                   _token_lengths(tokenizer, spec.vocab_size))
     (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     # Written last: its presence marks a complete build (see ``is_built``).
     _write_json(out_dir / "kvturn-model.json", {"size": size, "seed": SEED, "format": FORMAT})
@@ -144,6 +151,17 @@ def word_token_ids(tokenizer: Any) -> list[int]:
     return ids
 
 
+def _token_lengths(tokenizer: Any, vocab_size: int) -> list[int]:
+    """Bytes of each token id's text; 0 for whitespace (a grammar that allows whitespace
+    between JSON values would otherwise fill the output with the longest run of it) and for
+    the padding ids past the tokenizer's vocabulary."""
+    lengths = [0] * vocab_size
+    for token_id in tokenizer.get_vocab().values():
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        lengths[token_id] = 0 if text.isspace() else len(text.encode("utf-8"))
+    return lengths
+
+
 def _write_tokenizer(spec: ModelSize, out_dir: Path) -> Any:
     # Training is parallel in Rust; one thread keeps merge tie-breaking identical on every run.
     os.environ["RAYON_NUM_THREADS"] = "1"
@@ -178,7 +196,8 @@ def _write_tokenizer(spec: ModelSize, out_dir: Path) -> Any:
     return tokenizer
 
 
-def _write_weights(spec: ModelSize, path: Path, word_ids: list[int]) -> None:
+def _write_weights(spec: ModelSize, path: Path, word_ids: list[int],
+                   lengths: list[int]) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -192,8 +211,9 @@ def _write_weights(spec: ModelSize, path: Path, word_ids: list[int]) -> None:
 
     h, kv = spec.hidden_size, spec.num_kv_heads * spec.head_dim
     tensors: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": normal(spec.vocab_size, h, std=1.0),
-        "lm_head.weight": _word_head(normal(spec.vocab_size, h, std=h**-0.5), word_ids),
+        "model.embed_tokens.weight": _constant_channel(normal(spec.vocab_size, h, std=1.0)),
+        "lm_head.weight": _word_head(normal(spec.vocab_size, h, std=h**-0.5), word_ids,
+                                     lengths),
         "model.norm.weight": torch.ones(h, dtype=dtype),
     }
     # Large q/k scales give peaked attention, so output depends on specific earlier tokens.
@@ -202,23 +222,41 @@ def _write_weights(spec: ModelSize, path: Path, word_ids: list[int]) -> None:
         tensors[p + "self_attn.q_proj.weight"] = normal(h, h, std=2.0 * h**-0.5)
         tensors[p + "self_attn.k_proj.weight"] = normal(kv, h, std=2.0 * h**-0.5)
         tensors[p + "self_attn.v_proj.weight"] = normal(kv, h, std=h**-0.5)
-        tensors[p + "self_attn.o_proj.weight"] = normal(h, h, std=h**-0.5)
+        tensors[p + "self_attn.o_proj.weight"] = _no_write(normal(h, h, std=h**-0.5))
         tensors[p + "mlp.gate_proj.weight"] = normal(spec.intermediate_size, h, std=h**-0.5)
         tensors[p + "mlp.up_proj.weight"] = normal(spec.intermediate_size, h, std=h**-0.5)
-        tensors[p + "mlp.down_proj.weight"] = normal(
-            h, spec.intermediate_size, std=spec.intermediate_size**-0.5)
+        tensors[p + "mlp.down_proj.weight"] = _no_write(normal(
+            h, spec.intermediate_size, std=spec.intermediate_size**-0.5))
         tensors[p + "input_layernorm.weight"] = torch.ones(h, dtype=dtype)
         tensors[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype)
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def _word_head(head: Any, word_ids: list[int]) -> Any:
-    """Zero every row but the words', and spread the words' logits (std 4 rather than 1): a
-    non-word logit is then 0 against a best word logit of about 3 standard deviations."""
+def _constant_channel(embeddings: Any) -> Any:
+    embeddings[:, 0] = CONSTANT
+    return embeddings
+
+
+def _no_write(weight: Any) -> Any:
+    """A layer's output projection that leaves the constant channel alone."""
+    weight[0, :] = 0
+    return weight
+
+
+def _word_head(head: Any, word_ids: list[int], lengths: list[int]) -> Any:
+    """Words keep their rows, spread out (logit std about 4 rather than 1); every other token
+    gets only a small length bonus on the constant channel, so a non-word logit (at most
+    about 1.5) never beats the best word logit (about 3 standard deviations) unless a grammar
+    has ruled the words out, and then the longest allowed token wins."""
     import torch
 
     if not word_ids:
         raise RuntimeError("the tokenizer has no whole-word tokens to generate")
-    keep = torch.zeros(head.shape[0], 1, dtype=head.dtype)
-    keep[word_ids] = 4
-    return head * keep
+    words = torch.zeros(head.shape[0], 1, dtype=head.dtype)
+    words[word_ids] = 4
+    head = head * words
+    head[:, 0] = 0
+    bonus = torch.tensor(lengths, dtype=head.dtype) * LENGTH_BONUS
+    bonus[word_ids] = 0
+    head[:, 0] = bonus
+    return head

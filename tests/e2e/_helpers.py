@@ -78,3 +78,11 @@ def retention_stats(control_url: str) -> dict[str, Any]:
     assert status == 200, body
     stats: dict[str, Any] = body["retention"]
     return stats
+
+
+def plain_chat(base_url: str, model: str, messages: list[dict[str, Any]], max_tokens: int,
+               **extra: Any) -> dict[str, Any]:
+    """A greedy chat turn on a plain instance (the reference every e2e answer is held to)."""
+    return post(f"{base_url}/v1/chat/completions", {
+        "model": model, "messages": messages, "temperature": 0, "max_tokens": max_tokens,
+        **extra})

@@ -27,7 +27,7 @@ import kvturn
 from kvturn_server.local import Stack
 from kvturn_server.local._direct import control, retention_path
 
-from ._helpers import Delta, post, retention_stats, wait_until
+from ._helpers import Delta, plain_chat, retention_stats, wait_until
 from .conftest import RETENTION_TTL
 
 MAX_TOKENS = 140  # past one KV block: each turn leaves decode-generated blocks to read
@@ -41,10 +41,7 @@ TASKS = ["Plan the inventory count.", "Call the stock tool for aisle 3.",
 
 def _plain(stack: Stack, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     cfg = stack.config
-    reply: dict[str, Any] = post(f"{cfg.reference_url}/v1/chat/completions", {
-        "model": cfg.served_model_name, "messages": messages, "temperature": 0,
-        "max_tokens": MAX_TOKENS, **extra})
-    return reply
+    return plain_chat(cfg.reference_url, cfg.served_model_name, messages, MAX_TOKENS, **extra)
 
 
 def _text(reply: dict[str, Any]) -> str:

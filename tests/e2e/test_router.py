@@ -26,7 +26,7 @@ from kvturn_server.local._direct import control, retention_path
 from kvturn_server.local._process import ServerSpec, launch, stop_group, wait_healthy
 from kvturn_server.local._stack import server_specs
 
-from ._helpers import Delta, post, wait_until
+from ._helpers import Delta, plain_chat, wait_until
 from .conftest import RETENTION_TTL
 
 MAX_TOKENS = 140  # past one KV block: every turn has decode-generated blocks to read
@@ -54,9 +54,7 @@ def _conversation_call(base_url: str, method: str, conversation: str, action: st
 
 def _plain(stack: Stack, messages: list[dict[str, Any]]) -> str:
     cfg = stack.config
-    reply = post(f"{cfg.reference_url}/v1/chat/completions", {
-        "model": cfg.served_model_name, "messages": messages, "temperature": 0,
-        "max_tokens": MAX_TOKENS})
+    reply = plain_chat(cfg.reference_url, cfg.served_model_name, messages, MAX_TOKENS)
     text: str = reply["choices"][0]["message"]["content"]
     return text
 
@@ -250,6 +248,10 @@ def test_a_decode_killed_mid_run_loses_only_its_in_flight_requests(
         result = _turn(client, cfg.served_model_name, name, messages, stream)
         assert result.text == _plain(stack, messages), name
         histories[name] = [*messages, {"role": "assistant", "content": result.text}]
+        # Six agents, each in a "tool call" while the others take their turns: each keeps
+        # its lease alive, as the SDK's pause() would (the round takes about one lease).
+        for other in names:
+            _conversation_call(fleet.router_url, "POST", other, "keepalive")
         return result
 
     for q in QUESTIONS[:2]:

@@ -12,7 +12,7 @@ import kvturn
 from kvturn_server.local import Stack
 from kvturn_server.local._direct import control, retention_path
 
-from ._helpers import post
+from ._helpers import plain_chat
 
 MAX_TOKENS = 140
 SYSTEM = "You answer in short plans. " + " ".join(f"Step {i} is checked." for i in range(50))
@@ -23,9 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _plain(stack: Stack, messages: list[dict[str, Any]]) -> str:
     cfg = stack.config
-    reply = post(f"{cfg.reference_url}/v1/chat/completions", {
-        "model": cfg.served_model_name, "messages": messages, "temperature": 0,
-        "max_tokens": MAX_TOKENS})
+    reply = plain_chat(cfg.reference_url, cfg.served_model_name, messages, MAX_TOKENS)
     text: str = reply["choices"][0]["message"]["content"]
     return text
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -10,8 +11,9 @@ import openai
 import pytest
 
 from kvturn_server.router._legs import NO_RETENTION_PARAMS
+from kvturn_server.router._stream import split_done
 from tests.server.conftest import MakeHarness
-from tests.server.router_fakes import DEFAULT_SSE, AsgiCall, Cluster, sse
+from tests.server.router_fakes import DEFAULT_SSE, AsgiCall, Cluster, sse, wait_for
 
 TENANT_NONE = "-"  # the tenant of requests without Authorization
 
@@ -173,7 +175,7 @@ async def test_stream_reaches_the_client_before_the_decode_finishes(
         make_harness: MakeHarness) -> None:
     h = await make_harness()
     decode = h.cluster.decodes[0]
-    decode.gate = gate = __import__("asyncio").Event()
+    decode.gate = gate = asyncio.Event()
     body = json.dumps({"model": "m", "messages": [], "stream": True,
                        "conversation_id": "c"}).encode()
     call = AsgiCall(h.app, "POST", "/v1/chat/completions", body,
@@ -192,6 +194,61 @@ async def test_stream_reaches_the_client_before_the_decode_finishes(
             break
     assert first + rest == b"".join(DEFAULT_SSE)
     await call.done()
+
+
+async def test_done_reaches_the_client_only_after_the_capture(
+        make_harness: MakeHarness) -> None:
+    # An agent sends its next turn the moment it reads [DONE]: by then this turn's retention
+    # must be recorded, or the next turn would find nothing to reuse.
+    h = await make_harness()
+    gate = asyncio.Event()
+
+    async def slow_describe(body: dict[str, Any]) -> None:
+        await gate.wait()
+
+    h.cluster.decodes[0].control_fail_next(slow_describe)
+    body = json.dumps({"model": "m", "messages": [], "stream": True,
+                       "conversation_id": "c"}).encode()
+    call = AsgiCall(h.app, "POST", "/v1/chat/completions", body,
+                    {"content-type": "application/json"})
+    received = b""
+    while not received.endswith(b"".join(DEFAULT_SSE[:-1])):
+        chunk, more = await call.next_body()
+        received += chunk
+        assert more
+    await wait_for(lambda: len(h.cluster.calls("decode0.control", "GET")) == 1)
+    # The capture is waiting on the decode: every token is out, [DONE] is not.
+    assert b"[DONE]" not in received and call.messages.empty()
+    assert await h.router.store.get("-/c") is None
+    gate.set()
+    chunk, more = await call.next_body()
+    assert chunk == DEFAULT_SSE[-1]
+    placement = await h.router.store.get("-/c")
+    assert placement is not None and placement.num_tokens == 100
+    assert (await call.next_body()) == (b"", False)
+    await call.done()
+    assert len(h.cluster.calls("decode0.control", "GET")) == 1  # captured once, not again
+
+
+async def test_a_break_after_done_is_a_completed_stream(make_harness: MakeHarness) -> None:
+    h = await make_harness()
+    events = [*sse({"a": 1}), b"data: [DONE]\n\n", b"never read"]
+    h.cluster.decodes[0].chunks = events
+    h.cluster.decodes[0].fail_next(("break_after", 2))
+    resp = await h.chat("c", stream=True)
+    assert resp.content == b"".join(events[:2])  # no error event after a finished answer
+    assert len(h.cluster.calls("decode0.control", "GET")) == 1  # and it was captured
+    assert h.router.decodes.by_url(h.cluster.decode_urls[0]).healthy  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("data", "expected"), [
+    (b"data: 1\n\ndata: [DONE]\n\n", (b"data: 1\n\n", b"data: [DONE]\n\n")),
+    (b"data: [DONE]\r\n\r\n", (b"", b"data: [DONE]\r\n\r\n")),
+    (b"data: 1\n\n", (b"data: 1\n\n", b"")),
+    (b"data: x data: [DONE]\n\n", (b"data: x data: [DONE]\n\n", b"")),
+])
+def test_split_done(data: bytes, expected: tuple[bytes, bytes]) -> None:
+    assert split_done(data) == expected
 
 
 async def test_events_split_across_chunks_are_passed_on_whole(

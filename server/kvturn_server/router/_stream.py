@@ -7,6 +7,10 @@ error event, never half an event glued to an error. When the stream ends (comple
 off, or the client gone) the relay closes the decode's reply (which makes vLLM abort a request
 the client abandoned) and runs the turn's ``finish`` hook: metrics, logging and capturing the
 retention the decode made.
+
+A stream that completes holds back its final ``data: [DONE]`` event until the ``before_done``
+hook (the capture) has run: an agent sends its next turn the moment it reads ``[DONE]``, and
+that turn must find this turn's retention already recorded.
 """
 
 from __future__ import annotations
@@ -34,6 +38,21 @@ def complete_events(data: bytes) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
+DONE_EVENT = b"data: [DONE]"
+
+
+def split_done(data: bytes) -> tuple[bytes, bytes]:
+    """``data`` (complete events) split into what precedes a final ``[DONE]`` event and that
+    event; ``(data, b"")`` when it does not end with one."""
+    body = data.rstrip(b"\r\n")
+    if not body.endswith(DONE_EVENT):
+        return data, b""
+    start = len(body) - len(DONE_EVENT)
+    if start and not data[:start].endswith(b"\n"):
+        return data, b""  # "[DONE]" inside another event's data line
+    return data[:start], data[start:]
+
+
 def error_event(message: str, code: str = "backend_stream_error") -> bytes:
     """An OpenAI-style error event, then ``[DONE]`` (what vLLM itself sends on errors)."""
     payload = _json.dumps({"error": {"message": message, "type": "server_error",
@@ -59,10 +78,13 @@ class RelayResponse(Response):
         first: its first chunk (read before responding, so that a decode that fails before
             its first byte can still be retried elsewhere).
         finish: awaited once the stream is over, however it ended.
+        before_done: awaited when the decode has sent its whole stream, before the client gets
+            the final ``[DONE]`` event (and the end of the body).
     """
 
     def __init__(self, upstream: UpstreamStream, first: bytes, headers: Mapping[str, str],
-                 media_type: str, finish: Callable[[StreamEnd], Awaitable[None]]) -> None:
+                 media_type: str, finish: Callable[[StreamEnd], Awaitable[None]],
+                 before_done: Callable[[], Awaitable[None]] | None = None) -> None:
         self.status_code = 200
         self.media_type = media_type
         self.background = None
@@ -70,6 +92,7 @@ class RelayResponse(Response):
         self._upstream = upstream
         self._first = first
         self._finish = finish
+        self._before_done = before_done
         self._end = StreamEnd()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -104,25 +127,37 @@ class RelayResponse(Response):
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         upstream = self._upstream
         pending = b""
+        done = b""  # a [DONE] event held back until the capture has run
         chunk: bytes | None = self._first
         while chunk is not None:
             data = pending + chunk if pending else chunk
             cut = complete_events(data)
             if cut:
-                await send({"type": "http.response.body", "body": data[:cut] if cut < len(data)
-                            else data, "more_body": True})
+                events, held = split_done(data[:cut] if cut < len(data) else data)
+                events, done = done + events, held  # events after a [DONE]: pass all on
+                if events:
+                    await send({"type": "http.response.body", "body": events,
+                                "more_body": True})
             pending = data[cut:]
             try:
                 chunk = await upstream.next_chunk()
             except BackendError as exc:
+                if done:  # the answer was complete; only the connection's end went wrong
+                    break
                 self._end.outcome = "stream_error"
                 self._end.error = exc
                 await send({"type": "http.response.body",
                             "body": error_event("the decode backend broke off the stream "
                                                 f"({exc.kind}); retry the request"),
                             "more_body": True})
-                break
-        else:
-            if pending:  # the decode ended mid-event: pass on what it sent
-                await send({"type": "http.response.body", "body": pending, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+        if self._before_done is not None:
+            try:
+                await self._before_done()
+            except Exception:  # the capture is best effort; the answer is not
+                log.exception("capturing a relayed stream's retention failed")
+        tail = done + pending  # pending: the decode ended mid-event; pass on what it sent
+        if tail:
+            await send({"type": "http.response.body", "body": tail, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

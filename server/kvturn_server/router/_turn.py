@@ -446,6 +446,13 @@ class Turn:
         r.decodes.leg_succeeded(backend)
         self.decode_backend = backend
         decode_started = t0
+        captured = False
+
+        async def capture() -> None:
+            nonlocal captured
+            if self.key is not None and not captured:
+                captured = True
+                await self._capture_described(backend, decode_started)
 
         async def finish(end: StreamEnd) -> None:
             backend.in_flight -= 1
@@ -453,11 +460,11 @@ class Turn:
                 self._leg_failed(r.decodes, backend, "decode", end.error.kind, str(end.error))
             r.metrics.request(self.endpoint, end.outcome)
             self._log_done(200, end.outcome)
-            if self.key is not None:
-                await self._capture_described(backend, decode_started)
+            await capture()  # a stream that did not complete: the decode may still hold KV
 
         media_type = upstream.content_type or "text/event-stream"
-        return RelayResponse(upstream, first, self.response_headers(), media_type, finish)
+        return RelayResponse(upstream, first, self.response_headers(), media_type, finish,
+                             before_done=capture)
 
     def _passthrough(self, reply: Reply) -> Response:
         headers = self.response_headers()

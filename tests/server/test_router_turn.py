@@ -171,6 +171,31 @@ async def test_stream_capture_waits_for_a_retention_newer_than_the_turn(
     assert placement is not None and placement.num_tokens == 200
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_turn_with_stop_strings_waits_for_a_late_retention(
+        make_harness: MakeHarness, stream: bool) -> None:
+    # vLLM ends a stop-string match with an abort the engine gets after the reply went out:
+    # the decode's retention may appear only then, also on a conversation's first turn.
+    h = await make_harness(capture_attempts=3)
+    decode = h.cluster.decodes[0]
+    decode.report_retained = False  # what an aborted request's reply looks like
+    decode.retain_late = 2
+    await h.chat("c", stream=stream, stop=["\nObservation:"])
+    assert len(h.cluster.calls("decode0.control", "GET")) == 2
+    placement = await h.router.store.get("-/c")
+    assert placement is not None and placement.num_tokens == 100
+
+
+async def test_without_stop_strings_nothing_retained_is_final(
+        make_harness: MakeHarness) -> None:
+    h = await make_harness(capture_attempts=3)
+    decode = h.cluster.decodes[0]
+    decode.retain = False  # a turn too short to fill a block
+    await h.chat("c", stream=True)
+    assert len(h.cluster.calls("decode0.control", "GET")) == 1  # no waiting on a 404
+    assert await h.router.store.get("-/c") is None
+
+
 async def test_stream_reaches_the_client_before_the_decode_finishes(
         make_harness: MakeHarness) -> None:
     h = await make_harness()

@@ -82,6 +82,7 @@ class FakeRequest:
     kv_transfer_params: dict[str, Any] | None = None
     status: RequestStatus = RequestStatus.FINISHED_STOPPED
     prompt_token_ids: list[int] = field(default_factory=list)
+    num_output_tokens: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -101,10 +102,12 @@ def decode_leg(key: str | None = KEY) -> dict[str, Any]:
 def finish(sched: KVTurnPullScheduler, pool: FakeBlockPool, *, n_blocks: int = 4,
            computed: int = 14, request_id: str = "req-7", groups: int = 1,
            status: RequestStatus = RequestStatus.FINISHED_STOPPED,
-           params: dict[str, Any] | None = None) -> tuple[list[int], Any]:
+           params: dict[str, Any] | None = None, outputs: int = 1,
+           known: int | None = None) -> tuple[list[int], Any]:
     ids = pool.allocate(n_blocks)
-    request = FakeRequest(request_id, tokens(computed + 1), computed,
-                          decode_leg() if params is None else params, status)
+    request = FakeRequest(request_id, tokens(computed + 1 if known is None else known),
+                          computed, decode_leg() if params is None else params, status,
+                          num_output_tokens=outputs)
     block_ids = tuple([list(ids)] * groups)
     try:
         delay, out = sched.request_finished(request, block_ids)
@@ -171,14 +174,35 @@ def test_a_finished_turn_is_retained_and_answers_with_the_params_to_read_it(
         h.hex() for h in block_hashes(tokens(12), BS)]
 
 
-@pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED,
-                                    RequestStatus.FINISHED_ERROR,
-                                    RequestStatus.FINISHED_IGNORED])
-def test_a_turn_that_did_not_finish_normally_is_not_retained(
-        sched: KVTurnPullScheduler, pool: FakeBlockPool, status: RequestStatus) -> None:
-    ids, out = finish(sched, pool, status=status)
+@pytest.mark.parametrize(("status", "outputs"), [(RequestStatus.FINISHED_ABORTED, 0),
+                                                 (RequestStatus.FINISHED_ERROR, 1),
+                                                 (RequestStatus.FINISHED_IGNORED, 0)])
+def test_a_turn_whose_kv_may_be_incomplete_is_not_retained(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool, status: RequestStatus,
+        outputs: int) -> None:
+    # An abort before the first token: the prompt may still have been loading from the
+    # prefill, and vLLM counts those tokens as computed already.
+    ids, out = finish(sched, pool, status=status, outputs=outputs)
     assert out == {KVTURN_FIELD: {"conversation": KEY, "retained": False}}
     assert pool.refs(ids) == [0] * 4
+
+
+def test_an_aborted_turn_that_generated_is_retained(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
+    # A stop string ends a request as an abort in vLLM's engine; so does a client that left.
+    # Its KV is complete up to what it computed, and the next turn verifies what it reads.
+    ids, out = finish(sched, pool, status=RequestStatus.FINISHED_ABORTED, outputs=3)
+    assert pool.refs(ids) == [1, 1, 1, 0]
+    assert out[KVTURN_FIELD]["retained"] is True and out["remote_num_tokens"] == 12
+
+
+def test_only_blocks_whose_token_ids_are_known_are_retained(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
+    # Async scheduling counts a step in flight as computed before its token id is known.
+    ids, out = finish(sched, pool, computed=12, known=11)
+    assert pool.refs(ids) == [1, 1, 0, 0]
+    assert out["remote_num_tokens"] == 8
+    assert out[KVTURN_FIELD]["block_hashes"] == [h.hex() for h in block_hashes(tokens(8), BS)]
 
 
 def test_a_model_with_several_kv_cache_groups_is_not_retained(

@@ -111,6 +111,23 @@ def test_vllm_asks_the_connector_before_preempting_and_keeps_stepping_for_it() -
     assert "self.connector.get_num_new_matched_tokens(" in schedule
 
 
+def test_what_an_aborted_request_holds() -> None:
+    # The decode retains an aborted request (a stop string is one) only once it generated:
+    # vLLM counts tokens still loading from the prefill as computed, and stop strings reach
+    # the engine as aborts.
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.output_processor import OutputProcessor
+    from vllm.v1.request import Request
+
+    assert isinstance(inspect.getattr_static(Request, "num_output_tokens"), property)
+    schedule = _source(Scheduler.schedule)
+    waiting = schedule.index("request.status = RequestStatus.WAITING_FOR_REMOTE_KVS")
+    assert "request.num_computed_tokens = num_computed_tokens" in schedule[waiting:]
+    assert "RequestStatus.FINISHED_ABORTED" in _source(EngineCore.abort_requests)
+    assert "reqs_to_abort.append(req_id)" in _source(OutputProcessor.process_outputs)
+
+
 def test_idle_engine_wake_up_seam() -> None:
     from vllm.v1.engine import EngineCoreRequestType
     from vllm.v1.engine.core import EngineCore, EngineCoreProc

@@ -122,7 +122,10 @@ class RetentionKeeper:
         table, pool = self._table, self._pool
         if table is None or pool is None or table.budget_blocks == 0:
             return None
-        full = min(num_computed_tokens // self.block_size, len(block_ids))
+        # The token ids bound it too: with async scheduling a step in flight has been counted
+        # as computed before its input token is known here.
+        full = min(num_computed_tokens, len(token_ids)) // self.block_size
+        full = min(full, len(block_ids))
         if full == 0:
             return None
         ids = tuple(int(b) for b in block_ids[:full])

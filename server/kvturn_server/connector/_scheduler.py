@@ -277,13 +277,10 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
 
     def _retain(self, request: Any, key: str, block_ids: Any,
                 out: dict[str, Any] | None) -> dict[str, Any] | None:
-        from vllm.v1.request import RequestStatus
-
         keeper = self.keeper
-        finished_normally = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
-                                               RequestStatus.FINISHED_STOPPED)
         retention: Retention | None = None
-        if keeper is not None and keeper.bound and finished_normally and len(block_ids) == 1:
+        if keeper is not None and keeper.bound and _kv_complete(request) \
+                and len(block_ids) == 1:
             try:
                 retention = keeper.retain(key, request.request_id, block_ids[0],
                                           request.all_token_ids, request.num_computed_tokens)
@@ -365,3 +362,19 @@ def _parse(info: dict[str, Any], block_size: int,
     except (TypeError, ValueError):
         return None
     return list(original[0]), hashes
+
+
+def _kv_complete(request: Any) -> bool:
+    """Whether the KV of ``request``'s computed tokens is all in its blocks.
+
+    A stop token or the length cap: yes. An abort (a client that went away, and also a stop
+    string, which vLLM's front end enforces by aborting the request in the engine): only once
+    the request has generated a token, because before that a decode may still be loading its
+    prompt from the prefill, and vLLM counts tokens being loaded as computed. Errors: never.
+    """
+    from vllm.v1.request import RequestStatus
+
+    if request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+        return True
+    return bool(request.status == RequestStatus.FINISHED_ABORTED
+                and request.num_output_tokens > 0)

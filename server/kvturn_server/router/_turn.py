@@ -478,8 +478,10 @@ class Turn:
                              decode_started: float) -> None:
         report = retained_report(payload)
         if report is None:
-            # This decode does not say (an older connector): ask its control endpoint.
-            self.r.spawn(self._capture_described(backend, decode_started))
+            # The reply does not say (a stop string ended it: vLLM's front end answered before
+            # the engine finished the request; or an older connector): ask the decode, before
+            # the client has the reply and can send its next turn.
+            await self._capture_described(backend, decode_started)
             return
         if not report.retained:
             self.r.metrics.capture("not_retained")
@@ -495,7 +497,10 @@ class Turn:
 
         The decode retains when the request finishes, which may trail the stream's last byte;
         a retention older than this turn's decode leg is the previous turn's, so ask again
-        (``capture_attempts``) before taking it.
+        (``capture_attempts``) before taking it. A request with stop strings trails most: vLLM
+        ends it with an abort sent to the engine after the reply, so for those "nothing
+        retained" is asked again too (for others it is final at once: a turn too short to
+        fill a block, or the conversation's first turn on this decode).
         """
         r = self.r
         key = self.key
@@ -503,6 +508,7 @@ class Turn:
         if backend.control_url is None or not backend.control_ok:
             r.metrics.capture("failed")
             return
+        late = bool(self.body.get("stop"))
         t0 = time.perf_counter()
         result: Retention | Gone | None = None
         for attempt in range(r.config.capture_attempts):
@@ -515,7 +521,10 @@ class Turn:
                 r.metrics.capture("failed")
                 return
             backend.control_ok = True
-            if isinstance(result, Gone) or result.created_ago is None \
+            if isinstance(result, Gone):
+                if not late:
+                    break
+            elif result.created_ago is None \
                     or result.created_ago <= time.perf_counter() - decode_started:
                 break
         r.metrics.leg("capture", time.perf_counter() - t0)

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvturn_server._plot import pyplot, save
 from kvturn_server.local._corpus import _WORDS
 from kvturn_server.local._metrics import PromptSources
 
@@ -726,12 +727,8 @@ def write_json(results: dict[str, Any], path: Path) -> None:
 def write_plot(results: dict[str, Any], path: Path) -> bool:
     """PNG: TTFT distribution (CDF) per mode, retained MiB over time, prefill computed tokens
     over time; False when matplotlib (extra ``[bench]``) is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     colors = {"off": "tab:red", "on": "tab:blue"}
     labels = {"off": "off (plain P/D)", "on": "on (kvturn conversations)"}
@@ -771,10 +768,7 @@ def write_plot(results: dict[str, Any], path: Path) -> bool:
             ax.legend(fontsize=8)
     fig.suptitle(f"kvturn bench agent: {settings['agents']} agents x {settings['turns']} turns, "
                  f"{settings['size']} model, tool gaps x{settings['time_scale']:g}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(plt, fig, path)
     return True
 
 

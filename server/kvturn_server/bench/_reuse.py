@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvturn_server._plot import pyplot, save
 from kvturn_server.local._direct import (
     NULL_PARAMS,
     DirectConversation,
@@ -154,12 +155,8 @@ def write_json(results: Sequence[SizeResult], path: Path, runs: int) -> None:
 
 def write_plot(results: Sequence[SizeResult], path: Path) -> bool:
     """A PNG of TTFT per size; False when matplotlib (extra ``[bench]``) is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     tokens = [r.tokens for r in results]
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -174,8 +171,5 @@ def write_plot(results: Sequence[SizeResult], path: Path) -> bool:
     ax.set_title("kvturn bench reuse (CPU, bench model)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(plt, fig, path)
     return True

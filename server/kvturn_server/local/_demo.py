@@ -22,6 +22,7 @@ from types import ModuleType
 from typing import Any
 from uuid import UUID
 
+from kvturn_server._plot import pyplot, save
 from kvturn_server.local._metrics import PromptSources, prompt_sources
 from kvturn_server.local._stack import Stack, StackConfig, read_running
 
@@ -170,12 +171,8 @@ cached KV; partial: a verified prefix did). off = plain P/D without conversation
 
 def write_plot(reports: list[TurnReport], path: Path) -> bool:
     """TTFT per model turn, off vs on; False when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
     for mode, label in (("off", "kvturn off (plain P/D)"), ("on", "kvturn on")):
@@ -187,10 +184,7 @@ def write_plot(reports: list[TurnReport], path: Path) -> bool:
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(plt, fig, path)
     return True
 
 

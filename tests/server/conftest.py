@@ -15,15 +15,10 @@ from typing import Any
 import httpx2
 import pytest
 
+from kvturn_server.local import free_port
 from kvturn_server.router import Router, RouterConfig, create_app
 from kvturn_server.router._state import ConversationStore
 from tests.server.router_fakes import Cluster, ManualClock
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +28,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if binary is None:
         pytest.fail("redis-server is not installed (the Redis state-store tests need it): run "
                     "scripts/bootstrap.sh, or `apt-get install -y redis-server`")
-    port = _free_port()
+    port = free_port()
     workdir: Path = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",

@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import uvicorn
 
 from kvturn_server.bench._router import RouterBenchSettings, run_router_bench
+from kvturn_server.local import free_port
 from kvturn_server.router import PooledTransport, RouterConfig, create_app
 from kvturn_server.router._backend import BackendClient, BackendError
 from tests.server.conftest import TEST_SETTINGS
 from tests.server.router_fakes import DEFAULT_SSE, Cluster, wait_for
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_shutdown_drains_in_flight_streams() -> None:
@@ -28,7 +22,7 @@ async def test_shutdown_drains_in_flight_streams() -> None:
     config = RouterConfig(prefill=cluster.prefill_urls, decode=cluster.decode_urls,
                           **{**TEST_SETTINGS, "decode_timeout": 10.0, "drain_timeout": 10.0})
     app = create_app(config, cluster.transport())
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", timeout_graceful_shutdown=10))
     serving = asyncio.ensure_future(server.serve())

@@ -147,3 +147,16 @@ def test_retention_and_prefix_cache_switches(tmp_path: Path) -> None:
     prefill = kv_transfer_config(cfg, "kv_producer")["kv_connector_extra_config"]
     # The connector turns vLLM's bidirectional read on for prefills itself, never on decodes.
     assert prefill == {"kv_read_timeout": 20.0, "control_port": 8101}
+
+
+def test_free_ports_are_distinct_and_outside_the_ephemeral_range() -> None:
+    # Binding port 0 (as UCX does dozens of times in every NIXL worker) takes ports from the
+    # ephemeral range: a port handed out from there could be gone before our server binds it.
+    low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+                 .split())
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(not low <= port <= high for port in ports), ports
+    for port in ports[:5]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvturn_server.local._process import free_port
+
 try:
     import orjson as _orjson
 except ImportError:  # pragma: no cover - orjson is in the [router] extra
@@ -377,11 +379,6 @@ async def _router_counters(port: int) -> dict[str, float]:
     return counters
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 async def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
     deadline = time.monotonic() + timeout
@@ -423,7 +420,7 @@ def run_router_bench(settings: RouterBenchSettings) -> dict[str, Any]:
         if not line:
             raise RuntimeError("the fake backends did not start")
         fake_ports = json.loads(line)
-        router_port = _free_port()
+        router_port = free_port()
         router = subprocess.Popen(
             [sys.executable, "-m", "kvturn_server.router", "--port", str(router_port),
              "--prefill", f"http://127.0.0.1:{fake_ports['prefill']}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -75,11 +76,42 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+# Ports handed out by this process: a port stays free until its server binds it, so without
+# this two calls in a row could return the same one.
+_handed_out: set[int] = set()
+_LOWEST_PORT = 10000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in _EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that nothing listens on right now (for tests and ad-hoc stacks)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port that nothing listens on right now (for tests and ad-hoc stacks), below the
+    kernel's ephemeral range. A port from that range (what binding port 0 gives) can be taken by
+    any socket bound to port 0 before our server binds it, and UCX in every NIXL worker binds
+    dozens: measured, a prefill's NIXL handshake port taken by the decode's UCX at start-up, and
+    the prefill never became healthy."""
+    low, high = _ephemeral_range()
+    candidates = range(_LOWEST_PORT, low) if low - _LOWEST_PORT >= 1000 else range(high + 1, 65536)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(candidates)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise StackError(f"no free port on {host} in {candidates.start}-{candidates.stop - 1}")
 
 
 def is_healthy(url: str, timeout: float = 2.0) -> bool:

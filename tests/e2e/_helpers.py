@@ -13,6 +13,8 @@ from kvturn_server.local._direct import control
 from kvturn_server.local._http import post_json
 from kvturn_server.local._metrics import total
 
+from ._greedy import chat_logprobs
+
 post = post_json
 
 
@@ -82,7 +84,8 @@ def retention_stats(control_url: str) -> dict[str, Any]:
 
 def plain_chat(base_url: str, model: str, messages: list[dict[str, Any]], max_tokens: int,
                **extra: Any) -> dict[str, Any]:
-    """A greedy chat turn on a plain instance (the reference every e2e answer is held to)."""
+    """A greedy chat turn on a plain instance (the reference every e2e answer is held to), with
+    the logprobs that ``assert_same_text`` needs to tell a near-tie from a wrong answer."""
     return post(f"{base_url}/v1/chat/completions", {
         "model": model, "messages": messages, "temperature": 0, "max_tokens": max_tokens,
-        **extra})
+        **chat_logprobs(), **extra})

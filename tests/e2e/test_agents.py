@@ -27,6 +27,7 @@ import kvturn
 from kvturn_server.local import Stack
 from kvturn_server.local._direct import control, retention_path
 
+from ._greedy import assert_same_text
 from ._helpers import Delta, plain_chat, retention_stats, wait_until
 from .conftest import RETENTION_TTL
 
@@ -42,11 +43,6 @@ TASKS = ["Plan the inventory count.", "Call the stock tool for aisle 3.",
 def _plain(stack: Stack, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     cfg = stack.config
     return plain_chat(cfg.reference_url, cfg.served_model_name, messages, MAX_TOKENS, **extra)
-
-
-def _text(reply: dict[str, Any]) -> str:
-    content: str = reply["choices"][0]["message"]["content"]
-    return content
 
 
 def _key(conversation: str, api_key: str) -> str:
@@ -73,9 +69,9 @@ def _run_turn(stack: Stack, chat: Any, messages: list[dict[str, Any]], task: str
     """One agent turn: append the task, answer it, compare with the plain run, keep the
     answer in the history; returns (answer, the SDK's report of the turn)."""
     messages.append({"role": "user", "content": task})
-    reference = _text(_plain(stack, messages))
+    reference = _plain(stack, messages)
     answer = _chat_turn(chat, stack.config.served_model_name, messages, stream)
-    assert answer == reference, (task, answer, reference)
+    assert_same_text(answer, reference)
     messages.append({"role": "assistant", "content": answer})
     return answer, chat.last_turn
 
@@ -233,7 +229,7 @@ def test_history_edited_mid_run_reuses_only_the_verified_prefix(stack: Stack) ->
             model=cfg.served_model_name, messages=messages,  # type: ignore[arg-type]
             temperature=0, max_tokens=MAX_TOKENS, extra_body=extra)
         reply = raw.parse()
-        assert reply.choices[0].message.content == _text(_plain(stack, messages))
+        assert_same_text(reply.choices[0].message.content or "", _plain(stack, messages))
         prompt_ids = list((reply.model_extra or {})["prompt_token_ids"])
         generated = list((reply.choices[0].model_extra or {})["token_ids"])
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
@@ -248,7 +244,7 @@ def test_history_edited_mid_run_reuses_only_the_verified_prefix(stack: Stack) ->
         raw = client.chat.completions.with_raw_response.create(
             model=cfg.served_model_name, messages=messages,  # type: ignore[arg-type]
             temperature=0, max_tokens=MAX_TOKENS, extra_body=extra)
-    assert raw.parse().choices[0].message.content == _text(reference)
+    assert_same_text(raw.parse().choices[0].message.content or "", reference)
     reused = int(raw.headers["x-kvturn-reused-tokens"])
     assert p.value is not None and reused == p.value.transferred
     common = next((i for i, (a, b) in enumerate(zip(retained, new_prompt[:-1], strict=False))

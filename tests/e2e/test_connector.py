@@ -21,6 +21,7 @@ import pytest
 from kvturn_server.local import Stack
 from kvturn_server.local._direct import DirectConversation, control, retention_path
 
+from ._greedy import assert_same_ids, assert_same_text, chat_logprobs, completion_logprobs
 from ._helpers import Delta, descendant, metric, post, retention_stats, wait_until
 from .conftest import KV_READ_TIMEOUT, RETENTION_TTL
 
@@ -35,13 +36,16 @@ def _conversation(stack: Stack, **kw: Any) -> DirectConversation:
                               cfg.served_model_name, key=f"test/{uuid.uuid4().hex}", **kw)
 
 
-def _plain(stack: Stack, prompt: list[int], max_tokens: int) -> list[int]:
+def _plain(stack: Stack, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """The reference's completion choice: its ``token_ids`` and the logprobs that
+    ``assert_same_ids`` needs."""
     cfg = stack.config
     reply = post(f"{cfg.reference_url}/v1/completions", {
         "model": cfg.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
-        "temperature": 0, "ignore_eos": True, "return_token_ids": True})
-    ids: list[int] = reply["choices"][0]["token_ids"]
-    return ids
+        "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+        **completion_logprobs()})
+    choice: dict[str, Any] = reply["choices"][0]
+    return choice
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -79,7 +83,7 @@ def test_six_turns_read_the_history_from_the_decode(stack: Stack) -> None:
             assert p.value.computed == len(prompt) - retained, (turn, p.value)
             assert result.reuse["reused_tokens"] == retained - local, (turn, result.reuse)
             assert result.reuse["reason"] in ("hit", "partial"), result.reuse
-            assert result.token_ids == reference, f"turn {turn} differs"
+            assert_same_ids(result.token_ids, reference)
         else:
             assert result.gone == "no_retention" and result.reuse["reason"] == "miss"
         previous = prompt
@@ -100,7 +104,7 @@ def test_an_edit_inside_the_history_reads_only_the_verified_prefix(stack: Stack)
     reference = _plain(stack, second, GENERATE)
     with Delta(cfg.prefill_url) as p:
         result = conv.turn(second, GENERATE)
-    assert result.token_ids == reference
+    assert_same_ids(result.token_ids, reference)
     assert p.value is not None
     assert p.value.local_cache == 2 * BLOCK, p.value
     assert p.value.transferred == 1 * BLOCK, p.value
@@ -121,7 +125,7 @@ def test_an_edit_before_the_prefills_own_cache_reads_nothing(stack: Stack) -> No
     reference = _plain(stack, second, GENERATE)
     with Delta(cfg.prefill_url) as p:
         result = conv.turn(second, GENERATE)
-    assert result.token_ids == reference
+    assert_same_ids(result.token_ids, reference)
     assert p.value is not None and p.value.transferred == 0, p.value
     assert p.value.local_cache == 1 * BLOCK, p.value
     assert result.reuse["reused_tokens"] == 0
@@ -203,10 +207,9 @@ def _edit_case(stack: Stack, edit: Callable[[list[dict[str, Any]]], list[dict[st
                        {"role": "user", "content": "Thanks. And record 9?"}]
     reference = post(f"{cfg.reference_url}/v1/chat/completions", {
         "model": cfg.served_model_name, "messages": second_messages, "tools": TOOLS,
-        "temperature": 0, "max_tokens": 48, "ignore_eos": True})
+        "temperature": 0, "max_tokens": 48, "ignore_eos": True, **chat_logprobs()})
     second, second_prompt, sources = _chat_turn(stack, conv, second_messages)
-    assert second["choices"][0]["message"]["content"] == \
-        reference["choices"][0]["message"]["content"]
+    assert_same_text(second["choices"][0]["message"]["content"] or "", reference)
     expected = _expected_read(retained, second_prompt, sources.local_cache)
     assert sources.transferred == expected, (sources, expected)
     assert sources.computed + sources.local_cache + sources.transferred == len(second_prompt)
@@ -261,7 +264,7 @@ def test_an_expired_retention_is_recomputed_with_the_same_output(stack: Stack) -
         result = conv.turn(second, GENERATE)
     assert result.gone == "expired"
     assert p.value is not None and p.value.transferred == 0
-    assert result.token_ids == reference
+    assert_same_ids(result.token_ids, reference)
     conv.release()
     wait_until(lambda: metric(cfg.decode_url, "kvturn:retention_events_total",
                               event="expired") > expired_before, 10, "the expiry metric")
@@ -288,7 +291,7 @@ def test_keepalive_holds_a_retention_past_its_ttl(stack: Stack) -> None:
     with Delta(cfg.prefill_url) as p:
         result = conv.turn(second, GENERATE)
     assert result.gone is None and p.value is not None and p.value.transferred > 0
-    assert result.token_ids == reference
+    assert_same_ids(result.token_ids, reference)
     assert metric(cfg.decode_url, "kvturn:retention_events_total", event="renewed") >= renewals
     conv.release()
 
@@ -312,7 +315,7 @@ def test_release_frees_the_blocks_and_the_next_turn_recomputes(stack: Stack) -> 
     with Delta(cfg.prefill_url) as p:
         result = conv.turn(second, GENERATE)
     assert result.gone == "released" and p.value is not None and p.value.transferred == 0
-    assert result.token_ids == reference
+    assert_same_ids(result.token_ids, reference)
     conv.release()
 
 
@@ -375,7 +378,7 @@ def test_a_decode_that_stops_mid_read_costs_one_deadline_and_changes_nothing(
     assert p.value is not None and p.value.transferred == 0
     leg = {**prefilled["kv_transfer_params"], "kvturn": {"conversation": conv.key}}
     decoded = post(f"{cfg.decode_url}/v1/completions", conv.body(second, GENERATE, leg))
-    assert decoded["choices"][0]["token_ids"] == reference
+    assert_same_ids(decoded["choices"][0]["token_ids"], reference)
     wait_until(lambda: metric(cfg.prefill_url, "kvturn:read_timeouts_total") > timeouts, 10,
                "the read-timeout metric")
     assert metric(cfg.prefill_url, "kvturn:fallbacks_total", reason="read-failed") > fallbacks
@@ -410,7 +413,7 @@ def test_hostile_params_read_nothing_and_change_nothing(stack: Stack) -> None:
     assert p.value is not None and p.value.transferred == 0
     leg = {**prefilled["kv_transfer_params"], "kvturn": {"conversation": conv.key}}
     decoded = post(f"{cfg.decode_url}/v1/completions", conv.body(second, 16, leg))
-    assert decoded["choices"][0]["token_ids"] == reference
+    assert_same_ids(decoded["choices"][0]["token_ids"], reference)
     conv.release()
 
 
@@ -440,11 +443,12 @@ def test_over_budget_retentions_are_evicted_least_recently_used(stack: Stack) ->
                               event="evicted") >= evicted_before + 3, 10, "the eviction metric")
     # An evicted conversation's next turn recomputes, with the same output.
     first = _tokens(200, 1200)
-    out = _plain(stack, first, 16)
+    out = _plain(stack, first, 16)["token_ids"]
     second = first + out + _tokens(300, 40)
     reference = _plain(stack, second, 16)
     result = conversations[0].turn(second, 16)
-    assert result.gone == "evicted" and result.token_ids == reference
+    assert result.gone == "evicted"
+    assert_same_ids(result.token_ids, reference)
     for conv in conversations:
         conv.release()
 
@@ -478,7 +482,8 @@ def test_live_requests_evict_retentions_instead_of_being_preempted(stack: Stack)
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         outputs = list(pool.map(run, range(len(prompts))))
-    assert outputs == references
+    for output, reference in zip(outputs, references, strict=True):
+        assert_same_ids(output, reference)
     assert metric(cfg.decode_url, "vllm:num_preemptions_total") == preempted_before
     assert retention_stats(cfg.decode_control_url)["events"]["evicted"] > evicted_before
     for conv in fillers:
@@ -516,7 +521,7 @@ def test_a_restarted_decode_is_stale_and_never_read(stack: Stack, say: Any) -> N
     assert prefilled["kv_transfer_params"]["kvturn"]["reuse"]["reused_tokens"] == 0
     leg = {**prefilled["kv_transfer_params"], "kvturn": {"conversation": conv.key}}
     decoded = post(f"{cfg.decode_url}/v1/completions", conv.body(second, GENERATE, leg))
-    assert decoded["choices"][0]["token_ids"] == reference
+    assert_same_ids(decoded["choices"][0]["token_ids"], reference)
     # And the conversation reuses again on the new decode.
     third = second + decoded["choices"][0]["token_ids"] + _tokens(21, 40)
     with Delta(cfg.prefill_url) as p3:

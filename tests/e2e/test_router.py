@@ -27,6 +27,7 @@ from kvturn_server.local._direct import control, retention_path
 from kvturn_server.local._process import ServerSpec, launch, stop_group, wait_healthy
 from kvturn_server.local._stack import server_specs
 
+from ._greedy import TIE, assert_same_logprobs, assert_same_text
 from ._helpers import Delta, plain_chat, wait_until
 from .conftest import RETENTION_TTL
 
@@ -53,9 +54,12 @@ def _conversation_call(base_url: str, method: str, conversation: str, action: st
                           headers={"Authorization": f"Bearer {api_key}"})
 
 
-def _plain(stack: Stack, messages: list[dict[str, Any]]) -> str:
+def _plain(stack: Stack, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     cfg = stack.config
-    reply = plain_chat(cfg.reference_url, cfg.served_model_name, messages, MAX_TOKENS)
+    return plain_chat(cfg.reference_url, cfg.served_model_name, messages, MAX_TOKENS, **extra)
+
+
+def _text(reply: dict[str, Any]) -> str:
     text: str = reply["choices"][0]["message"]["content"]
     return text
 
@@ -100,7 +104,7 @@ def _conversation(stack: Stack, stream: bool, turns: int = 4, client: OpenAI | N
         reference = _plain(stack, messages)
         with Delta(cfg.prefill_url) as p:
             turn = _turn(client, cfg.served_model_name, conversation, messages, stream)
-        assert turn.text == reference, (len(done), turn.text, reference)
+        assert_same_text(turn.text, reference)
         done.append(turn)
         sources.append(p.value)
         messages.append({"role": "assistant", "content": turn.text})
@@ -117,6 +121,31 @@ def test_turns_capture_the_retention_and_the_next_turn_reuses(stack: Stack, stre
         assert turn.headers["x-kvturn-conversation"] == conversation
     assert _conversation_call(stack.config.router_url, "DELETE", conversation).json()[
         "released"] is True
+
+
+def test_reused_turns_match_the_plain_run_to_rounding(stack: Stack) -> None:
+    """Stricter than equal answers: every token's logprob in a reused turn is the plain run's,
+    up to float32 rounding (a wrong block would move them by far more)."""
+    cfg = stack.config
+    client = _client(cfg.router_url)
+    conversation = f"rounding-{uuid.uuid4().hex}"
+    messages: list[dict[str, Any]] = [{"role": "system", "content": f"{conversation}. {SYSTEM}"}]
+    largest = []
+    for number, question in enumerate(QUESTIONS[:3]):
+        messages.append({"role": "user", "content": question})
+        reference = _plain(stack, messages)
+        raw = client.chat.completions.with_raw_response.create(
+            model=cfg.served_model_name, messages=messages,  # type: ignore[arg-type]
+            temperature=0, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=2,
+            extra_body={"conversation_id": conversation})
+        reply = raw.parse()
+        assert reply.choices[0].logprobs is not None and reply.choices[0].logprobs.content
+        got = [(t.token, t.logprob) for t in reply.choices[0].logprobs.content]
+        largest.append(assert_same_logprobs(got, reference))
+        assert raw.headers["x-kvturn-reuse"] == ("miss" if number == 0 else "hit"), raw.headers
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    assert max(largest) <= TIE, largest
+    _conversation_call(cfg.router_url, "DELETE", conversation)
 
 
 def _stop_string_after(text: str, words: int) -> str:
@@ -139,18 +168,18 @@ def test_a_turn_ended_by_a_stop_string_is_reused(stack: Stack, stream: bool) -> 
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": f"{conversation}. You plan."},
         {"role": "user", "content": QUESTIONS[0]}]
-    stop = _stop_string_after(_plain(stack, messages), words=110)
-    reference = plain_chat(cfg.reference_url, cfg.served_model_name, messages, MAX_TOKENS,
-                           stop=[stop])["choices"][0]
-    assert reference["finish_reason"] == "stop"
+    stop = _stop_string_after(_text(_plain(stack, messages)), words=110)
+    reference = _plain(stack, messages, stop=[stop])
+    assert reference["choices"][0]["finish_reason"] == "stop"
     first = _turn(client, cfg.served_model_name, conversation, messages, stream, stop=[stop])
-    assert first.text == reference["message"]["content"] and first.reuse == "miss"
+    assert_same_text(first.text, reference)
+    assert first.reuse == "miss"
 
     messages += [{"role": "assistant", "content": first.text},
                  {"role": "user", "content": QUESTIONS[1]}]
     with Delta(cfg.prefill_url) as p:
         second = _turn(client, cfg.served_model_name, conversation, messages, stream)
-    assert second.text == _plain(stack, messages)
+    assert_same_text(second.text, _plain(stack, messages))
     assert second.reuse in ("hit", "partial"), second.headers
     assert second.reused >= 128 and second.reused == p.value.transferred, (second.reused, p.value)
     _conversation_call(cfg.router_url, "DELETE", conversation)
@@ -172,7 +201,8 @@ def test_keepalive_and_release_reach_the_decode(stack: Stack) -> None:
     assert again.json() == {"conversation_id": conversation, "released": False}
     messages = [*history, {"role": "user", "content": "Go on."}]
     turn = _turn(client, cfg.served_model_name, conversation, messages, stream=False)
-    assert turn.reuse == "miss" and turn.text == _plain(stack, messages)
+    assert turn.reuse == "miss"
+    assert_same_text(turn.text, _plain(stack, messages))
 
 
 def test_no_reuse_hint_and_tenants(stack: Stack) -> None:
@@ -184,16 +214,19 @@ def test_no_reuse_hint_and_tenants(stack: Stack) -> None:
     # Another tenant with the same conversation id shares nothing.
     other = _turn(_client(cfg.router_url, api_key="tenant-b"), cfg.served_model_name,
                   conversation, messages, stream=False)
-    assert other.reuse == "miss" and other.text == reference
+    assert other.reuse == "miss"
+    assert_same_text(other.text, reference)
     # The client says the history does not continue the last turn: no read, same answer.
     hinted = _turn(client, cfg.served_model_name, conversation, messages, stream=False,
                    extra_headers={"X-KVTurn-No-Reuse": "edited"})
-    assert hinted.reuse == "disabled" and hinted.reused == 0 and hinted.text == reference
+    assert hinted.reuse == "disabled" and hinted.reused == 0
+    assert_same_text(hinted.text, reference)
     # The hinted turn was still retained: the next one reuses.
     messages += [{"role": "assistant", "content": hinted.text},
                  {"role": "user", "content": QUESTIONS[2]}]
     after = _turn(client, cfg.served_model_name, conversation, messages, stream=True)
-    assert after.reuse in ("hit", "partial") and after.text == _plain(stack, messages)
+    assert after.reuse in ("hit", "partial")
+    assert_same_text(after.text, _plain(stack, messages))
 
 
 def test_an_expired_retention_is_reported_and_recomputed(stack: Stack) -> None:
@@ -206,7 +239,7 @@ def test_an_expired_retention_is_reported_and_recomputed(stack: Stack) -> None:
     messages = [*history, {"role": "user", "content": QUESTIONS[1]}]
     turn = _turn(client, cfg.served_model_name, conversation, messages, stream=True)
     assert turn.reuse == "expired" and turn.reused == 0
-    assert turn.text == _plain(stack, messages)
+    assert_same_text(turn.text, _plain(stack, messages))
 
 
 # A fleet of two prefills and two decodes, one decode killed mid-run.
@@ -284,7 +317,7 @@ def test_a_decode_killed_mid_run_loses_only_its_in_flight_requests(
     def turn(name: str, question: str, stream: bool) -> Turn:
         messages = [*histories[name], {"role": "user", "content": question}]
         result = _turn(client, cfg.served_model_name, name, messages, stream)
-        assert result.text == _plain(stack, messages), name
+        assert_same_text(result.text, _plain(stack, messages))
         histories[name] = [*messages, {"role": "assistant", "content": result.text}]
         # Six agents, each in a "tool call" while the others take their turns: each keeps
         # its lease alive, as the SDK's pause() would (the round takes about one lease).

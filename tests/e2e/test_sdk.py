@@ -12,6 +12,7 @@ import kvturn
 from kvturn_server.local import Stack
 from kvturn_server.local._direct import control, retention_path
 
+from ._greedy import assert_same_text
 from ._helpers import plain_chat
 
 MAX_TOKENS = 140
@@ -21,11 +22,9 @@ QUESTIONS = ["Plan a library move.", "Who packs the books?", "What can go wrong?
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _plain(stack: Stack, messages: list[dict[str, Any]]) -> str:
+def _plain(stack: Stack, messages: list[dict[str, Any]]) -> dict[str, Any]:
     cfg = stack.config
-    reply = plain_chat(cfg.reference_url, cfg.served_model_name, messages, MAX_TOKENS)
-    text: str = reply["choices"][0]["message"]["content"]
-    return text
+    return plain_chat(cfg.reference_url, cfg.served_model_name, messages, MAX_TOKENS)
 
 
 def _tenant_key(conversation: str, api_key: str) -> str:
@@ -52,7 +51,7 @@ def test_a_conversation_reuses_from_turn_two_and_releases_at_close(stack: Stack)
                     model=cfg.served_model_name, messages=messages,  # type: ignore[arg-type]
                     temperature=0, max_tokens=MAX_TOKENS)
                 text = reply.choices[0].message.content or ""
-            assert text == reference, turn
+            assert_same_text(text, reference)
             info = chat.last_turn
             assert info is not None and info.no_reuse_reason is None
             if turn:

@@ -70,24 +70,32 @@ class Turn:
     reuse: str
     reused: int
     headers: dict[str, str]
+    logprobs: list[tuple[str, float]]  # (token, logprob) of every generated token
+
+
+def _pairs(logprobs: Any) -> list[tuple[str, float]]:
+    return [(t.token, t.logprob) for t in (logprobs.content or [])] if logprobs else []
 
 
 def _turn(client: OpenAI, model: str, conversation: str, messages: list[dict[str, Any]],
           stream: bool, **extra: Any) -> Turn:
     kwargs: dict[str, Any] = {"model": model, "messages": messages, "temperature": 0,
-                              "max_tokens": MAX_TOKENS,
+                              "max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 2,
                               "extra_body": {"conversation_id": conversation}, **extra}
     if stream:
         with client.chat.completions.with_streaming_response.create(
                 stream=True, **kwargs) as response:
             headers = dict(response.headers)
-            text = "".join(chunk.choices[0].delta.content or "" for chunk in response.parse()
-                           if chunk.choices)
+            chunks = [chunk.choices[0] for chunk in response.parse() if chunk.choices]
+        text = "".join(choice.delta.content or "" for choice in chunks)
+        pairs = [pair for choice in chunks for pair in _pairs(choice.logprobs)]
     else:
         raw = client.chat.completions.with_raw_response.create(**kwargs)
         headers = dict(raw.headers)
-        text = raw.parse().choices[0].message.content or ""
-    return Turn(text, headers["x-kvturn-reuse"], int(headers["x-kvturn-reused-tokens"]), headers)
+        choice = raw.parse().choices[0]
+        text, pairs = choice.message.content or "", _pairs(choice.logprobs)
+    return Turn(text, headers["x-kvturn-reuse"], int(headers["x-kvturn-reused-tokens"]), headers,
+                pairs)
 
 
 def _conversation(stack: Stack, stream: bool, turns: int = 4, client: OpenAI | None = None,
@@ -105,6 +113,7 @@ def _conversation(stack: Stack, stream: bool, turns: int = 4, client: OpenAI | N
         with Delta(cfg.prefill_url) as p:
             turn = _turn(client, cfg.served_model_name, conversation, messages, stream)
         assert_same_text(turn.text, reference)
+        assert_same_logprobs(turn.logprobs, reference)
         done.append(turn)
         sources.append(p.value)
         messages.append({"role": "assistant", "content": turn.text})
@@ -124,26 +133,21 @@ def test_turns_capture_the_retention_and_the_next_turn_reuses(stack: Stack, stre
 
 
 def test_reused_turns_match_the_plain_run_to_rounding(stack: Stack) -> None:
-    """Stricter than equal answers: every token's logprob in a reused turn is the plain run's,
-    up to float32 rounding (a wrong block would move them by far more)."""
+    """Stricter than equal answers: every token's logprob in a reused turn, streamed or not, is
+    the plain run's up to float32 rounding (a wrong block moves them by far more)."""
     cfg = stack.config
     client = _client(cfg.router_url)
     conversation = f"rounding-{uuid.uuid4().hex}"
     messages: list[dict[str, Any]] = [{"role": "system", "content": f"{conversation}. {SYSTEM}"}]
     largest = []
-    for number, question in enumerate(QUESTIONS[:3]):
+    for number, question in enumerate(QUESTIONS[:4]):
         messages.append({"role": "user", "content": question})
         reference = _plain(stack, messages)
-        raw = client.chat.completions.with_raw_response.create(
-            model=cfg.served_model_name, messages=messages,  # type: ignore[arg-type]
-            temperature=0, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=2,
-            extra_body={"conversation_id": conversation})
-        reply = raw.parse()
-        assert reply.choices[0].logprobs is not None and reply.choices[0].logprobs.content
-        got = [(t.token, t.logprob) for t in reply.choices[0].logprobs.content]
-        largest.append(assert_same_logprobs(got, reference))
-        assert raw.headers["x-kvturn-reuse"] == ("miss" if number == 0 else "hit"), raw.headers
-        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        turn = _turn(client, cfg.served_model_name, conversation, messages, bool(number % 2))
+        assert len(turn.logprobs) == len(reference["choices"][0]["logprobs"]["content"])
+        largest.append(assert_same_logprobs(turn.logprobs, reference))
+        assert turn.reuse in (("miss",) if number == 0 else ("hit", "partial")), turn.headers
+        messages.append({"role": "assistant", "content": turn.text})
     assert max(largest) <= TIE, largest
     _conversation_call(cfg.router_url, "DELETE", conversation)
 
@@ -317,7 +321,10 @@ def test_a_decode_killed_mid_run_loses_only_its_in_flight_requests(
     def turn(name: str, question: str, stream: bool) -> Turn:
         messages = [*histories[name], {"role": "user", "content": question}]
         result = _turn(client, cfg.served_model_name, name, messages, stream)
-        assert_same_text(result.text, _plain(stack, messages))
+        reference = _plain(stack, messages)
+        assert_same_text(result.text, reference)
+        # Stricter than text: a wrong block moves logprobs even where no token changes.
+        assert_same_logprobs(result.logprobs, reference)
         histories[name] = [*messages, {"role": "assistant", "content": result.text}]
         # Six agents, each in a "tool call" while the others take their turns: each keeps
         # its lease alive, as the SDK's pause() would (the round takes about one lease).

@@ -83,10 +83,6 @@ def assert_same_text(got: str, reference: dict[str, Any]) -> None:
                          f"{expected!r}")
 
 
-def _token_id(token: str) -> int:
-    return int(token.removeprefix("token_id:"))
-
-
 def assert_same_ids(got: list[int], reference: dict[str, Any]) -> None:
     """``got`` is the reference completion's token ids, or parts from them at a near-tie.
     ``reference`` is the reply's first choice, of a request made with ``completion_logprobs()``
@@ -103,7 +99,7 @@ def assert_same_ids(got: list[int], reference: dict[str, Any]) -> None:
     if position is None:
         raise AssertionError(f"lengths differ: got {len(got)}, reference {len(expected)}")
     alternatives = logprobs["top_logprobs"][position]
-    top = sorted(((str(_token_id(t)), lp) for t, lp in alternatives.items()),
+    top = sorted(((t.removeprefix("token_id:"), lp) for t, lp in alternatives.items()),
                  key=lambda item: -item[1])[:TOP]
     if len(top) < TOP:
         raise AssertionError(f"token {position} differs and the reference lists only {top}")

@@ -912,10 +912,7 @@ PORT_FIELDS = ("router_port", "prefill_port", "decode_port", "prefill_side_chann
 def _free_ports() -> dict[str, int]:
     from kvturn_server.local import free_port
 
-    ports: set[int] = set()
-    while len(ports) < len(PORT_FIELDS):
-        ports.add(free_port())
-    return dict(zip(PORT_FIELDS, sorted(ports), strict=True))
+    return {name: free_port() for name in PORT_FIELDS}
 
 
 def run_agent_bench(settings: AgentBenchSettings,

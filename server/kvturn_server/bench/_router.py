@@ -379,7 +379,6 @@ async def _router_counters(port: int) -> dict[str, float]:
     return counters
 
 
-
 async def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:

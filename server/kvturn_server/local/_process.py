@@ -100,7 +100,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     low, high = _ephemeral_range()
     candidates = range(_LOWEST_PORT, low) if low - _LOWEST_PORT >= 1000 else range(high + 1, 65536)
     rng = random.SystemRandom()
-    for _ in range(200):
+    for _ in range(200 if candidates else 0):
         port = rng.choice(candidates)
         if port in _handed_out:
             continue

@@ -58,7 +58,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory,
     cfg = StackConfig(state_dir=state, model_dir=Path(state) / "model", with_reference=True,
                       kv_read_timeout=KV_READ_TIMEOUT, decoder_kv_blocks_ttl=RETENTION_TTL,
                       retention_max_hold=10 * RETENTION_TTL, retention_budget=RETENTION_BUDGET,
-                      decode_num_blocks=DECODE_BLOCKS, **ports)
+                      decode_num_blocks=DECODE_BLOCKS,
+                      # The session router exercises the prefill path (pins, verified reads):
+                      # most tests assert what the prefill read. Turns the decode continues
+                      # itself are tested through a second router (test_placement.py).
+                      router_args=("--decode-continue-tokens", "0"), **ports)
     started = time.monotonic()
     with Stack(cfg, die_with_parent=True) as running:
         running.start(progress=progress)

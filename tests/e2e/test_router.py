@@ -7,6 +7,7 @@ Clients are the stock ``openai`` package: the router must work with it unchanged
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -232,6 +233,7 @@ def test_an_expired_retention_is_reported_and_recomputed(stack: Stack) -> None:
 @dataclass
 class Fleet:
     router_url: str
+    prefills: list[str]
     decodes: list[tuple[str, str]]  # (url, control url)
     decode2_pid: int
 
@@ -262,6 +264,9 @@ def fleet(stack: Stack, tmp_path_factory: pytest.TempPathFactory,
               "--decode", f"{cfg.decode_url},control={cfg.decode_control_url}",
               "--decode", f"{second.decode_url},control={second.decode_control_url}",
               "--retention-ttl", f"{cfg.decoder_kv_blocks_ttl:g}",
+              # Every turn takes a prefill leg: placement across two prefills is what these
+              # tests check (turns the decode continues alone: test_placement.py).
+              "--decode-continue-tokens", "0",
               "--health-interval", "1", "--eject-after", "1"])
     procs = {}
     try:
@@ -271,7 +276,8 @@ def fleet(stack: Stack, tmp_path_factory: pytest.TempPathFactory,
         wait_healthy(procs, timeout=cfg.startup_timeout)
         procs[router.name] = (router, launch(router, die_with_parent=True))
         wait_healthy({router.name: procs[router.name]}, timeout=60)
-        yield Fleet(second.router_url, [(cfg.decode_url, cfg.decode_control_url),
+        yield Fleet(second.router_url, [cfg.prefill_url, second.prefill_url],
+                    [(cfg.decode_url, cfg.decode_control_url),
                                         (second.decode_url, second.decode_control_url)],
                     procs["decode2"][1].pid)
     finally:
@@ -287,6 +293,38 @@ def _holder(fleet: Fleet, key: str) -> int | None:
         except OSError:
             continue
     return None
+
+
+def test_the_next_turn_lands_on_the_prefill_that_holds_it_and_reads_only_what_it_lacks(
+        stack: Stack, fleet: Fleet) -> None:
+    client = _client(fleet.router_url)
+    conversation = f"placed-{uuid.uuid4().hex}"
+    messages: list[dict[str, Any]] = [{"role": "system", "content": f"{conversation}. {SYSTEM}"}]
+    holder: str | None = None
+    for number, question in enumerate(QUESTIONS[:3], start=1):
+        messages.append({"role": "user", "content": question})
+        reference = _plain(stack, messages)
+        with contextlib.ExitStack() as measuring:
+            deltas = [measuring.enter_context(Delta(url)) for url in fleet.prefills]
+            turn = _turn(client, stack.config.served_model_name, conversation, messages, False)
+        assert_same_text(turn.text, reference)
+        assert_same_logprobs(turn.logprobs, reference)
+        messages.append({"role": "assistant", "content": turn.text})
+        worked = [url for url, d in zip(fleet.prefills, deltas, strict=True)
+                  if d.value is not None and d.value.computed > 0]
+        assert len(worked) == 1, [d.value for d in deltas]
+        if holder is None:
+            holder = worked[0]
+            continue
+        assert worked == [holder], (number, worked, holder)
+        assert turn.headers["x-kvturn-prefill-choice"] == "holder", turn.headers
+        (p,) = [d.value for url, d in zip(fleet.prefills, deltas, strict=True) if url == holder]
+        assert p is not None
+        # Its own cache held the previous prompt; the decode supplied only the reply's blocks.
+        assert p.local_cache > 0 and turn.reused > 0 and turn.reused == p.transferred, \
+            (number, turn.reused, p)
+        assert turn.reused <= MAX_TOKENS + 128, (turn.reused, p)
+    _conversation_call(fleet.router_url, "DELETE", conversation)
 
 
 def test_a_decode_killed_mid_run_loses_only_its_in_flight_requests(

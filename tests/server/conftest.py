@@ -76,6 +76,9 @@ TEST_SETTINGS: dict[str, Any] = {
     "prefill_timeout": 0.2, "decode_timeout": 0.2, "control_timeout": 0.2,
     "connect_timeout": 0.2, "health_timeout": 0.2, "health_interval": 3600.0,
     "capture_retry_delay": 0.0, "eject_after": 2, "readmit_after": 2,
+    # Most router tests are about the prefill path (pin, prefill leg, decode leg); turns the
+    # decode continues itself are tested where they ask for it (test_router_placement.py).
+    "decode_continue_tokens": 0,
 }
 
 

@@ -82,6 +82,7 @@ class FakeBackend:
         self.health: str = "ok"  # ok | down (connection refused) | 503
         self.control_health: str = "ok"
         self.reused_tokens = 48
+        self.prompt_tokens = 0  # prefills: usage.prompt_tokens of a leg's reply (0: none)
         self.report: dict[str, Any] | None = None  # overrides the prefill's reuse report
         self.chunks: list[bytes] = list(DEFAULT_SSE)
         self.gate: asyncio.Event | None = None  # streams pause after their first chunk
@@ -133,8 +134,10 @@ class FakeBackend:
         report = self.report or ({"reason": "hit", "reused_tokens": self.reused_tokens,
                                   "local_tokens": 0} if given else
                                  {"reason": "miss", "reused_tokens": 0, "local_tokens": 0})
+        usage = {"usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": 1}} \
+            if self.prompt_tokens else {}
         return httpx2.Response(200, json={
-            "id": f"cmpl-{self.name}", "choices": [{"index": 0, "text": "x"}],
+            "id": f"cmpl-{self.name}", "choices": [{"index": 0, "text": "x"}], **usage,
             "kv_transfer_params": {
                 "do_remote_prefill": True, "do_remote_decode": False,
                 "remote_engine_id": self.engine_id, "remote_block_ids": [[1, 2, 3]],

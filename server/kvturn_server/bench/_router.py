@@ -425,6 +425,9 @@ def run_router_bench(settings: RouterBenchSettings) -> dict[str, Any]:
              "--prefill", f"http://127.0.0.1:{fake_ports['prefill']}",
              "--decode", f"http://127.0.0.1:{fake_ports['decode']},"
                          f"control=http://127.0.0.1:{fake_ports['control']}",
+             # The prefill path is the router's full per-turn work (pin, two legs, unpin,
+             # capture); a turn the decode continues alone is one leg and no control call.
+             "--decode-continue-tokens", "0",
              "--log-level", "warning", *settings.router_args], env=env)
         ports = _Endpoints(router_port, fake_ports["prefill"], fake_ports["decode"])
         runner: Callable[[Any], Any] = asyncio.run

@@ -63,6 +63,7 @@ class StackConfig:
     with_router: bool = True
     decode_num_blocks: int | None = None
     extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
+    router_args: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def model_path(self) -> Path:
@@ -217,6 +218,7 @@ def server_specs(cfg: StackConfig) -> list[ServerSpec]:
         "--prefill", cfg.prefill_url,
         "--decode", f"{cfg.decode_url},control={cfg.decode_control_url}",
         "--retention-ttl", f"{cfg.decoder_kv_blocks_ttl:g}",
+        *cfg.router_args,
     ]
     specs.append(ServerSpec(
         name="router", argv=router_argv, port=cfg.router_port,

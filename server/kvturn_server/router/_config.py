@@ -81,6 +81,7 @@ def _base_url(url: str, what: str) -> str:
 
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+PREFILL_POLICIES = ("kv-aware", "affinity", "least-loaded", "round-robin")
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,23 @@ class RouterConfig:
             can trail the stream's last byte by a scheduler step).
         capture_retry_delay: seconds between those attempts.
         log_level, log_format: ``debug``..``error``; ``text`` or ``json`` lines.
+        prefill_policy: how a turn's prefill is chosen (``_placement.py``): ``kv-aware``
+            (default: the prefill that computed this conversation's last prefill leg, unless
+            it is busier than the least loaded one by more than ``prefill_affinity_slack``),
+            ``affinity`` (that prefill whenever it is healthy: session affinity),
+            ``least-loaded`` or ``round-robin``.
+        prefill_affinity_slack: requests in flight the holding prefill may have beyond the
+            least loaded one before ``kv-aware`` sends the turn elsewhere.
+        kv_reuse: False runs stock P/D: no pins, no retention on the decodes, no decode
+            continuation; conversation ids still give affinity.
+        decode_continue_tokens: a turn whose holding decode is estimated to lack at most this
+            many prompt tokens is served by that decode alone, with no prefill leg and no
+            transfer; 0 turns this off.
+        decode_continue_budget: estimated prompt tokens of continued turns one decode may be
+            computing at once; past it turns take the prefill path (protects the inter-token
+            latency of the decode's other requests).
+        min_read_tokens: the router pins a retention for a prefill leg only when at least
+            this many of its tokens are beyond what that prefill is known to hold.
     """
 
     prefill: tuple[str, ...]
@@ -152,6 +170,12 @@ class RouterConfig:
     capture_retry_delay: float = 0.05
     log_level: str = "info"
     log_format: str = "text"
+    prefill_policy: str = "kv-aware"
+    prefill_affinity_slack: int = 1
+    kv_reuse: bool = True
+    decode_continue_tokens: int = 512
+    decode_continue_budget: int = 1024
+    min_read_tokens: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.prefill, str) or isinstance(self.decode, str):
@@ -182,6 +206,17 @@ class RouterConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise RouterConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+        for name in ("prefill_affinity_slack", "decode_continue_tokens",
+                     "decode_continue_budget", "min_read_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise RouterConfigError(f"{name} must be a whole number >= 0, got {value!r}")
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise RouterConfigError(
+                f"prefill_policy must be one of {', '.join(PREFILL_POLICIES)}, got "
+                f"{self.prefill_policy!r}")
+        if not isinstance(self.kv_reuse, bool):
+            raise RouterConfigError(f"kv_reuse must be true or false, got {self.kv_reuse!r}")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise RouterConfigError(f"port must be 0-65535, got {self.port!r}")
         if self.state != "memory" and not self.state.startswith(("redis://", "rediss://",
@@ -323,6 +358,17 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("drain_timeout", float, "seconds shutdown waits for in-flight requests and streams"),
     ("max_body_bytes", int, "largest request body accepted"),
     ("backend_api_key", str, "API key sent to the backends (vLLM --api-key)"),
+    ("prefill_affinity_slack", int, "requests in flight the prefill holding a conversation "
+                                    "may have beyond the least loaded one before kv-aware "
+                                    "placement sends its turn elsewhere"),
+    ("decode_continue_tokens", int, "a turn whose holding decode lacks at most about this "
+                                    "many prompt tokens runs on that decode alone (no "
+                                    "prefill leg, no transfer); 0: never"),
+    ("decode_continue_budget", int, "estimated prompt tokens of such turns one decode may "
+                                    "compute at once (protects its other requests' "
+                                    "inter-token latency)"),
+    ("min_read_tokens", int, "pin a retention for a prefill leg only when at least this many "
+                             "of its tokens are beyond what that prefill holds"),
 )
 
 
@@ -352,6 +398,15 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         metavar = {float: "SECONDS", int: "N"}.get(type_, name.rsplit("_", 1)[-1].upper())
         parser.add_argument(f"--{name.replace('_', '-')}", type=type_, default=None,
                             metavar=metavar, help=text + shown)
+    parser.add_argument(
+        "--prefill-policy", choices=PREFILL_POLICIES, default=None,
+        help="how a turn's prefill is chosen: kv-aware (default: the one holding the "
+             "conversation unless it is busier, then the least loaded, and the decode supplies "
+             "what it lacks), affinity (session affinity), least-loaded, round-robin")
+    parser.add_argument(
+        "--kv-reuse", action=argparse.BooleanOptionalAction, default=None,
+        help="keep conversations' KV on the decodes and reuse it (default); --no-kv-reuse "
+             "runs stock P/D (ids then only give affinity)")
     parser.add_argument("--http-client", choices=("pooled", "httpx"), default=None,
                         help="backend HTTP transport (default: pooled)")
     parser.add_argument("--log-level", choices=_LOG_LEVELS, default=None,
@@ -368,7 +423,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         values.update({k.replace("-", "_"): v
                        for k, v in load_config_file(args.config).items()})
     names = {"prefill", "decode", "host", "port", "state", "http_client", "log_level",
-             "log_format", *(name for name, _, _ in _FLAGS)}
+             "log_format", "prefill_policy", "kv_reuse", *(name for name, _, _ in _FLAGS)}
     for name in names:
         value = getattr(args, name, None)
         if value is not None:

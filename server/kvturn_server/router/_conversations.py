@@ -8,6 +8,7 @@ everything between the prefix and the ``/keepalive`` suffix of the raw path.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
@@ -116,10 +117,9 @@ async def _keepalive(router: Router, conversation_id: str, key: str,
             and result.engine_id != placement.engine_id:
         await _forget(router, key, placement, "engine_changed")
         raise _no_retention("stale", "its decode restarted")
-    renewed = Placement(decode=placement.decode,
-                        engine_id=result.engine_id or placement.engine_id,
-                        num_tokens=result.num_tokens or placement.num_tokens,
-                        expires_at=router.clock() + result.expires_in, turn=placement.turn)
+    renewed = replace(placement, engine_id=result.engine_id or placement.engine_id,
+                      num_tokens=result.num_tokens or placement.num_tokens,
+                      expires_at=router.clock() + result.expires_in)
     try:
         await router.store.put(key, renewed)
     except StoreError:

@@ -70,8 +70,9 @@ def decode_body(body: dict[str, Any], prefill_params: dict[str, Any] | None,
 
     The prefill's ``kvturn`` object (its reuse report) is replaced by ``{"conversation": key}``,
     which tells the decode to retain the finished sequence under ``key``. Without prefill params
-    (both prefill attempts failed) the decode computes the prompt itself and, given a key, still
-    retains: ``do_remote_prefill: false`` means there is nothing to read.
+    (the decode continues the turn itself, or both prefill attempts failed) the decode computes
+    what its prefix cache lacks and, given a key, still retains: ``do_remote_prefill: false``
+    means there is nothing to read.
     """
     leg = dict(body)
     if prefill_params is not None:
@@ -105,14 +106,31 @@ def reuse_report(prefill_params: dict[str, Any]) -> ReuseReport | None:
                        _count(reuse.get("local_tokens")))
 
 
+def readable_tokens(params: dict[str, Any]) -> tuple[int | None, int]:
+    """Of a retention's params (as the decode publishes them), the tokens in its readable full
+    blocks and the block size; ``(None, 0)`` when they do not say."""
+    info = params.get(KVTURN_FIELD)
+    block_size = info.get("block_size") if isinstance(info, dict) else None
+    ids = params.get("remote_block_ids")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        return None, 0
+    if not (isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list)):
+        return None, block_size
+    return len(ids[0]) * block_size, block_size
+
+
 @dataclass(frozen=True, slots=True)
 class RetainedReport:
-    """What a non-streaming decode reply says about the retention it made."""
+    """What a non-streaming decode reply says about the retention it made (and, for a turn
+    the decode continued itself, what its own prefix cache supplied: ``reuse``)."""
 
     retained: bool
     engine_id: str | None = None
     num_tokens: int | None = None
     expires_in: float | None = None
+    readable_tokens: int | None = None
+    block_size: int = 0
+    reuse: ReuseReport | None = None
 
 
 def retained_report(response: Any) -> RetainedReport | None:
@@ -131,11 +149,13 @@ def retained_report(response: Any) -> RetainedReport | None:
     engine_id = info.get("engine_id", params.get("remote_engine_id"))
     num_tokens = info.get("num_tokens", params.get("remote_num_tokens"))
     expires_in = info.get("expires_in")
+    readable, block_size = readable_tokens(params)
     return RetainedReport(
         retained=info.get("retained") is True,
         engine_id=str(engine_id) if isinstance(engine_id, str | int) else None,
         num_tokens=_count(num_tokens) if num_tokens is not None else None,
-        expires_in=_seconds(expires_in))
+        expires_in=_seconds(expires_in), readable_tokens=readable, block_size=block_size,
+        reuse=reuse_report(params))
 
 
 def _is_number(value: Any) -> bool:

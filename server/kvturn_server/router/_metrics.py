@@ -4,7 +4,13 @@
   (the router's 400), ``client_error`` (a backend's 4xx), ``backend_error`` (5xx to the
   client), ``stream_error`` (a stream broken off), ``client_gone``.
 - ``kvturn_router_reuse_total{outcome}``: turns by ``X-KVTurn-Reuse`` value.
-- ``kvturn_router_reused_tokens_total``: prompt tokens read from decodes' retentions.
+- ``kvturn_router_reused_tokens_total``: prompt tokens read from decodes' retentions (or, on
+  turns a decode continued itself, supplied by its own prefix cache).
+- ``kvturn_router_routes_total{route, choice}``: turns by ``X-KVTurn-Route`` (``decode``,
+  ``prefill``, ``fallback``) and, for ``prefill``, ``X-KVTurn-Prefill-Choice``.
+- ``kvturn_router_not_continued_total{why}``: turns of a conversation held by a decode that
+  took the prefill path instead, by why (``too_long``, ``busy``, ``edited``, ``no_history``,
+  ``expired``, ``stale``, ``unhealthy``, ``decode_failed``, ``off``).
 - ``kvturn_router_ttft_seconds``: streaming requests, arrival to the decode's first byte.
 - ``kvturn_router_leg_seconds{leg}``: ``pin``, ``prefill``, ``decode`` (to the first byte when
   streaming), ``capture``.
@@ -66,6 +72,12 @@ class RouterMetrics:
                               ["outcome"], registry=r)
         self.reused_tokens = Counter("kvturn_router_reused_tokens",
                                      "prompt tokens read from decode retentions", registry=r)
+        self._routes = Counter("kvturn_router_routes", "turns by route and prefill choice",
+                               ["route", "choice"], registry=r)
+        self._not_continued = Counter(
+            "kvturn_router_not_continued",
+            "turns of a held conversation that the decode did not continue, by why", ["why"],
+            registry=r)
         self.ttft = Histogram("kvturn_router_ttft_seconds",
                               "streaming requests: arrival to the decode's first byte",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -105,6 +117,12 @@ class RouterMetrics:
         self._child(self._reuse, outcome).inc()
         if reused_tokens:
             self.reused_tokens.inc(reused_tokens)
+
+    def route(self, route: str, choice: str | None) -> None:
+        self._child(self._routes, route, choice or "").inc()
+
+    def not_continued(self, why: str) -> None:
+        self._child(self._not_continued, why).inc()
 
     def leg(self, leg: str, seconds: float) -> None:
         self._child(self._legs, leg).observe(seconds)

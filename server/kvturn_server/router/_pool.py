@@ -29,8 +29,8 @@ log = logging.getLogger("kvturn.router")
 class Backend:
     """One vLLM instance and what the router knows about it."""
 
-    __slots__ = ("control_ok", "control_url", "engine_id", "failures", "healthy", "in_flight",
-                 "last_error", "role", "successes", "url")
+    __slots__ = ("continuing", "control_ok", "control_url", "engine_id", "failures", "healthy",
+                 "in_flight", "last_error", "role", "successes", "url")
 
     def __init__(self, role: str, url: str, control_url: str | None = None) -> None:
         self.role = role
@@ -39,6 +39,9 @@ class Backend:
         self.healthy = True
         self.control_ok = True
         self.in_flight = 0
+        # Estimated prompt tokens of turns this decode continues itself, until their first
+        # token (``_placement.py``).
+        self.continuing = 0
         self.failures = 0
         self.successes = 0
         self.engine_id: str | None = None
@@ -96,6 +99,16 @@ class Pool:
         best = [b for b in candidates if b.in_flight == load]
         self._next += 1
         return best[self._next % len(best)]
+
+    def pick_in_turn(self, *, exclude: Backend | None = None) -> Backend | None:
+        """The next healthy backend in a fixed rotation, whatever its load (vLLM's example
+        proxy); the ejected ones only when none is healthy, as in :meth:`pick`."""
+        candidates = [b for b in self.members if b.healthy and b is not exclude] or \
+            [b for b in self.members if b is not exclude]
+        if not candidates:
+            return None
+        self._next += 1
+        return candidates[self._next % len(candidates)]
 
     # Outcomes of legs (passive) and checks (active).
 

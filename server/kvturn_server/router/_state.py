@@ -25,10 +25,11 @@ import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from kvturn_server.router import _json
+from kvturn_server.router._history import History
 
 
 class StoreError(Exception):
@@ -37,7 +38,7 @@ class StoreError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where a conversation's last turn is retained.
+    """Where a conversation's last turn is retained, and what served it.
 
     Attributes:
         decode: base URL of the decode that holds it.
@@ -45,6 +46,14 @@ class Placement:
         num_tokens: tokens retained.
         expires_at: store-clock time the lease runs out unless renewed.
         turn: request id of the turn that recorded this placement.
+        readable_tokens: of ``num_tokens``, those in full blocks (what a prefix cache or a
+            read can use); None when the decode did not say.
+        block_size: tokens per KV block on the decode (0: unknown).
+        prefill: base URL of the prefill that computed the conversation's last prefill leg
+            (its prefix cache likely still holds that prompt); None when none did.
+        prefill_tokens: prompt tokens of that leg.
+        history: the messages of the last turn's request (chat only), for the decode's
+            continuation of short turns (``_placement.py``).
     """
 
     decode: str
@@ -52,20 +61,44 @@ class Placement:
     num_tokens: int
     expires_at: float
     turn: str
+    readable_tokens: int | None = None
+    block_size: int = 0
+    prefill: str | None = None
+    prefill_tokens: int = 0
+    history: History | None = None
 
     def to_json(self) -> bytes:
-        return _json.dumps(asdict(self))
+        data: dict[str, Any] = {
+            "decode": self.decode, "engine_id": self.engine_id, "num_tokens": self.num_tokens,
+            "expires_at": self.expires_at, "turn": self.turn,
+            "readable_tokens": self.readable_tokens, "block_size": self.block_size,
+            "prefill": self.prefill, "prefill_tokens": self.prefill_tokens,
+            "history": None if self.history is None else self.history.to_dict()}
+        return _json.dumps(data)
 
     @classmethod
     def from_json(cls, data: bytes | str) -> Placement:
         try:
             raw = _json.loads(data)
+            readable = raw.get("readable_tokens")
+            prefill = raw.get("prefill")
+            # Records written by an older router lack the later fields: they default.
             return cls(decode=str(raw["decode"]),
                        engine_id=None if raw.get("engine_id") is None else str(raw["engine_id"]),
                        num_tokens=int(raw["num_tokens"]), expires_at=float(raw["expires_at"]),
-                       turn=str(raw["turn"]))
-        except (ValueError, KeyError, TypeError) as exc:
+                       turn=str(raw["turn"]),
+                       readable_tokens=None if readable is None else int(readable),
+                       block_size=int(raw.get("block_size") or 0),
+                       prefill=None if prefill is None else str(prefill),
+                       prefill_tokens=int(raw.get("prefill_tokens") or 0),
+                       history=History.from_dict(raw.get("history")))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise StoreError(f"unreadable placement record: {exc}") from exc
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens of the retention a prefix cache can use (full blocks)."""
+        return self.num_tokens if self.readable_tokens is None else self.readable_tokens
 
 
 class ConversationStore(Protocol):

@@ -34,15 +34,18 @@ from kvturn_server.router import _json
 from kvturn_server.router._backend import BackendError, Reply, UpstreamStream
 from kvturn_server.router._control import ControlError, Gone, Retention
 from kvturn_server.router._errors import ApiError, error_response, retry_headers
+from kvturn_server.router._history import Transcript
 from kvturn_server.router._identity import Identity, resolve_identity
 from kvturn_server.router._legs import (
     client_body,
     decode_body,
     prefill_body,
+    readable_tokens,
     retained_report,
     reuse_report,
 )
 from kvturn_server.router._log import event
+from kvturn_server.router._placement import choose_prefill, continuation, read_gain
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import Placement, StoreError
 from kvturn_server.router._stream import RelayResponse, StreamEnd
@@ -78,10 +81,11 @@ class _Failed:
 class Turn:
     """The state of one completion request while it runs."""
 
-    __slots__ = ("body", "decode_backend", "endpoint", "holder", "identity", "key",
-                 "no_reuse", "path", "pin", "placement", "prefill_backend", "r",
-                 "reason", "request_id", "retention_sent", "reused_tokens", "started",
-                 "stream", "upstream_headers")
+    __slots__ = ("body", "continued", "decode_backend", "endpoint", "holder", "identity",
+                 "key", "no_reuse", "path", "pin", "placement", "prefill_backend",
+                 "prefill_choice", "prefill_tokens", "r", "reason", "request_id",
+                 "retention_sent", "reused_tokens", "route", "started", "stream",
+                 "transcript", "upstream_headers")
 
     def __init__(self, router: Router, *, request_id: str, endpoint: str, path: str,
                  body: dict[str, Any], identity: Identity | None, no_reuse: bool,
@@ -104,20 +108,36 @@ class Turn:
         self.reason = "miss"
         self.reused_tokens = 0
         self.prefill_backend: Backend | None = None
+        self.prefill_choice: str | None = None
+        self.prefill_tokens = 0
         self.decode_backend: Backend | None = None
+        # "decode": the decode continued the turn alone; "prefill": prefill leg, then decode
+        # leg; "fallback": no prefill leg succeeded and the decode computed the prompt.
+        self.route = "prefill"
+        self.continued = 0  # estimated tokens this turn holds of the decode's budget
+        self.transcript: Transcript | None = None
 
     # The turn.
 
     async def run(self) -> Response:
+        r = self.r
+        reuse = r.config.kv_reuse and not self.no_reuse
         if self.key is not None:
+            if r.config.kv_reuse and self.endpoint == "chat":
+                self.transcript = Transcript.of(self.body)
             await self._locate()
-            if self.no_reuse:
-                self.reason = "disabled"
-            elif self.placement is not None:
-                await self._take_pin()
-        elif self.no_reuse:
+        if not reuse:
             self.reason = "disabled"
-        params = await self._prefill()
+        elif self.placement is not None and self.holder is not None:
+            continued = await self._continue_on_decode()
+            if continued is not None:
+                return continued
+        first, self.prefill_choice = choose_prefill(
+            r.prefills, r.config.prefill_policy, self.placement,
+            slack=r.config.prefill_affinity_slack)
+        if reuse and first is not None and self._worth_pinning(first):
+            await self._take_pin()
+        params = await self._prefill(first)
         if isinstance(params, Response):
             return params
         self._settle_reuse(params)
@@ -125,10 +145,68 @@ class Turn:
 
     def response_headers(self) -> dict[str, str]:
         headers = {"x-request-id": self.request_id, "X-KVTurn-Reuse": self.reason,
-                   "X-KVTurn-Reused-Tokens": str(self.reused_tokens)}
+                   "X-KVTurn-Reused-Tokens": str(self.reused_tokens),
+                   "X-KVTurn-Route": self.route}
+        if self.route == "prefill" and self.prefill_choice is not None:
+            headers["X-KVTurn-Prefill-Choice"] = self.prefill_choice
         if self.identity is not None:
             headers["X-KVTurn-Conversation"] = self.identity.conversation_id
         return headers
+
+    # Where the turn runs (``_placement.py``).
+
+    async def _continue_on_decode(self) -> Response | None:
+        """Serve the turn on the decode that holds the conversation, with no prefill leg,
+        when the part it lacks is short; None when the turn takes the prefill path (also
+        when that decode failed before its first byte)."""
+        r = self.r
+        placement, holder = self.placement, self.holder
+        assert placement is not None and holder is not None
+        cfg = r.config
+        estimate, why = continuation(
+            placement=placement, holder=holder, transcript=self.transcript, now=r.clock(),
+            max_tokens=cfg.decode_continue_tokens, budget=cfg.decode_continue_budget)
+        if why:
+            r.metrics.not_continued(why)
+            return None
+        self.route = "decode"
+        self.reason = "hit"
+        self.reused_tokens = placement.cached_tokens
+        self.continued = estimate
+        holder.continuing += estimate
+        data = _json.dumps(decode_body(self.body, None, self.key))
+        try:
+            result = await (self._open_stream(holder, data) if self.stream
+                            else self._decode_on(holder, data))
+        finally:
+            self._end_continuation()
+        if isinstance(result, _Failed):
+            # Nothing reached the client: the prefill path may still serve it.
+            self.route = "prefill"
+            self.reason = "miss"
+            self.reused_tokens = 0
+            r.metrics.not_continued("decode_failed")
+            return None
+        self._count_turn()
+        return result
+
+    def _end_continuation(self) -> None:
+        """The continued turn's prompt is computed (first token out) or abandoned."""
+        if self.continued and self.holder is not None:
+            self.holder.continuing = max(0, self.holder.continuing - self.continued)
+            self.continued = 0
+
+    def _worth_pinning(self, prefill: Backend) -> bool:
+        """A pin costs a round trip to the decode before the prefill leg: take it only when
+        the retention holds at least ``min_read_tokens`` beyond what ``prefill`` holds."""
+        placement = self.placement
+        if placement is None or self.holder is None:
+            return False
+        gain = read_gain(placement, prefill)
+        if gain >= max(1, self.r.config.min_read_tokens):
+            return True
+        self.reason = "below-threshold"
+        return False
 
     # Step 1: where the conversation is, and a pin on its retention.
 
@@ -217,9 +295,8 @@ class Turn:
 
     # Step 2: the prefill leg (and step 3, unpin).
 
-    async def _prefill(self) -> dict[str, Any] | Response | None:
+    async def _prefill(self, first: Backend | None) -> dict[str, Any] | Response | None:
         r = self.r
-        first = r.prefills.pick()
         if first is None:
             self._unpin(self.pin)
             self._prefill_gave_up(self.pin, "no prefill backend is healthy")
@@ -230,7 +307,8 @@ class Turn:
         if not isinstance(result, _Failed):
             self._unpin(pin)
             return self._prefill_answer(first, result, pin)
-        second = r.prefills.pick(exclude=first)
+        second, choice = choose_prefill(r.prefills, r.config.prefill_policy, self.placement,
+                                        slack=r.config.prefill_affinity_slack, exclude=first)
         if second is None and result.kind == "connect":
             second = first  # it never got the request: the same one may take it now
         timed_out = result.kind == "timeout"
@@ -240,10 +318,17 @@ class Turn:
             self._prefill_gave_up(pin, f"the only prefill failed ({result.kind})")
             return None
         r.metrics.retry("prefill")
+        self.prefill_choice = choice if second is not first else self.prefill_choice
         if timed_out and pin is not None:
             # The first prefill may still be reading under that pin: leave it to expire and
             # pin again for the retry (never pass on params this turn did not just pin).
             self.pin = None
+            await self._take_pin()
+            pin = self.pin
+            data = self._prefill_data()
+        elif pin is None and self.reason == "below-threshold" and self._worth_pinning(second):
+            # The first prefill held the conversation; this one may lack what the decode has.
+            self.reason = "miss"
             await self._take_pin()
             pin = self.pin
             data = self._prefill_data()
@@ -268,6 +353,7 @@ class Turn:
     def _prefill_gave_up(self, pin: Retention | None, why: str) -> None:
         event(log, logging.WARNING, "prefill_skipped", request_id=self.request_id,
               conversation=self.key, why=why, fallback="the decode computes the prompt")
+        self.route = "fallback"
         if pin is not None:
             self.reason = "stale"
 
@@ -297,6 +383,7 @@ class Turn:
                 return self._leg_failed(r.prefills, backend, "prefill", "bad_reply",
                                         "answer without kv_transfer_params")
             r.prefills.leg_succeeded(backend)
+            self.prefill_tokens = _prompt_tokens(payload)
             return params
         if 400 <= status < 500 and status not in _RETRYABLE:
             # The request itself is wrong (unknown model, bad parameter): a decode would refuse
@@ -328,13 +415,22 @@ class Turn:
                 self.reused_tokens = report.reused_tokens
             else:
                 self.reason = "miss"
+        self._count_turn()
+
+    def _count_turn(self) -> None:
         self.r.metrics.reuse(self.reason, self.reused_tokens)
+        self.r.metrics.route(self.route, self.prefill_choice if self.route == "prefill" else "")
+
+    @property
+    def _retains(self) -> bool:
+        """Whether the decode is asked to retain this turn (and the router captures it)."""
+        return self.key is not None and self.r.config.kv_reuse
 
     # Step 4: the decode leg.
 
     async def _decode(self, params: dict[str, Any] | None) -> Response:
         r = self.r
-        data = _json.dumps(decode_body(self.body, params, self.key))
+        data = _json.dumps(decode_body(self.body, params, self.key if self._retains else None))
         backend = r.decodes.pick(prefer=self.holder)
         if backend is None:
             r.metrics.request(self.endpoint, "backend_error")
@@ -405,8 +501,10 @@ class Turn:
         except ValueError:
             payload = None
         if isinstance(payload, dict):
-            if self.key is not None:
+            if self._retains:
                 await self._capture_reply(backend, payload, t0)
+            elif self.key is not None:
+                self._remember_affinity(backend)
             if "kv_transfer_params" in payload:
                 # Block ids and hosts of the decode are the router's business, not the client's.
                 del payload["kv_transfer_params"]
@@ -447,10 +545,12 @@ class Turn:
         self.decode_backend = backend
         decode_started = t0
         captured = False
+        if not self._retains and self.key is not None:
+            self._remember_affinity(backend)
 
         async def capture() -> None:
             nonlocal captured
-            if self.key is not None and not captured:
+            if self._retains and not captured:
                 captured = True
                 await self._capture_described(backend, decode_started)
 
@@ -483,6 +583,11 @@ class Turn:
             # the client has the reply and can send its next turn.
             await self._capture_described(backend, decode_started)
             return
+        if self.route == "decode" and report.reuse is not None:
+            # The decode's own count of what its prefix cache supplied (the headers of a
+            # non-streaming reply are still to be sent).
+            self.reason = report.reuse.reason
+            self.reused_tokens = report.reuse.reused_tokens
         if not report.retained:
             self.r.metrics.capture("not_retained")
             return
@@ -490,7 +595,8 @@ class Turn:
         expires_in = report.expires_in if report.expires_in is not None \
             else r.config.retention_ttl
         await self._record(backend, report.engine_id or backend.engine_id,
-                           report.num_tokens or 0, expires_in)
+                           report.num_tokens or 0, expires_in,
+                           readable=report.readable_tokens, block_size=report.block_size)
 
     async def _capture_described(self, backend: Backend, decode_started: float) -> None:
         """After a stream: ask the decode what it retained under the key.
@@ -536,11 +642,49 @@ class Turn:
                 await self._delete_placement(placement)
             return
         assert result is not None
+        readable, block_size = readable_tokens(result.params)
         await self._record(backend, result.engine_id or backend.engine_id, result.num_tokens,
-                           result.expires_in)
+                           result.expires_in, readable=readable, block_size=block_size)
+
+    def _placement_for(self, backend: Backend, engine_id: str | None, num_tokens: int,
+                       expires_in: float, *, readable: int | None,
+                       block_size: int) -> Placement:
+        """This turn's record: where it is retained, and which prefill holds its prompt (the
+        one that computed this turn's prefill leg, else the one recorded before)."""
+        old = self.placement
+        if self.prefill_backend is not None:
+            prefill: str | None = self.prefill_backend.url
+            prefill_tokens = self.prefill_tokens
+        elif old is not None:
+            prefill, prefill_tokens = old.prefill, old.prefill_tokens
+        else:
+            prefill, prefill_tokens = None, 0
+        return Placement(decode=backend.url, engine_id=engine_id, num_tokens=num_tokens,
+                         expires_at=self.r.clock() + expires_in, turn=self.request_id,
+                         readable_tokens=readable, block_size=block_size, prefill=prefill,
+                         prefill_tokens=prefill_tokens,
+                         history=None if self.transcript is None else self.transcript.history())
+
+    def _remember_affinity(self, backend: Backend) -> None:
+        """Stock P/D (``kv_reuse`` off): nothing is retained, but the conversation's next turn
+        goes to the same prefill and decode (session affinity)."""
+        r = self.r
+        key = self.key
+        assert key is not None
+        placement = self._placement_for(backend, backend.engine_id, 0, r.config.retention_ttl,
+                                        readable=None, block_size=0)
+
+        async def put() -> None:
+            try:
+                await r.store.put(key, placement)
+            except StoreError as exc:
+                self._state_error("put", exc)
+
+        r.spawn(put())
 
     async def _record(self, backend: Backend, engine_id: str | None, num_tokens: int,
-                      expires_in: float) -> None:
+                      expires_in: float, *, readable: int | None = None,
+                      block_size: int = 0) -> None:
         r = self.r
         key = self.key
         assert key is not None
@@ -554,8 +698,8 @@ class Turn:
             if old_engine is not None:
                 event(log, logging.WARNING, "decode_restarted", backend=backend.url,
                       old_engine_id=old_engine, engine_id=engine_id)
-        placement = Placement(decode=backend.url, engine_id=engine_id, num_tokens=num_tokens,
-                              expires_at=r.clock() + expires_in, turn=self.request_id)
+        placement = self._placement_for(backend, engine_id, num_tokens, expires_in,
+                                        readable=readable, block_size=block_size)
         try:
             evicted = await r.store.put(key, placement)
         except StoreError as exc:
@@ -610,6 +754,14 @@ class Turn:
                   prefill=self.prefill_backend.url if self.prefill_backend else None,
                   decode=self.decode_backend.url if self.decode_backend else None,
                   ms=round((time.perf_counter() - self.started) * 1000, 2))
+
+
+def _prompt_tokens(payload: Any) -> int:
+    """``usage.prompt_tokens`` of a vLLM reply (0 when absent)."""
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) \
+        and tokens > 0 else 0
 
 
 def request_id_of(given: str | None) -> str:

@@ -1,0 +1,92 @@
+"""Where a turn runs, decided from what each instance already holds of the conversation.
+
+A conversation's KV lives in two caches: the decode that produced its last answer retains all
+of it (prompt and reply, under a lease), and the prefill that computed its last prefill leg
+still holds that prompt in its prefix cache unless other work pushed it out. Per turn:
+
+1. **The decode continues the turn itself** when it holds the conversation, the request extends
+   the history it holds, and the part it lacks is short (at most ``decode_continue_tokens``,
+   estimated by ``_history.py``): no prefill leg, no transfer, no pin; the decode's own prefix
+   cache supplies the rest, exactly. In agent loops almost every turn is short once the decode
+   holds the conversation (a tool result, a user reply). The decode computes those tokens
+   between its other requests' steps, so the estimated tokens of continued turns in progress
+   on one decode are capped (``decode_continue_budget``); past it a turn takes the prefill
+   path. Conditional disaggregation (Dynamo, llm-d) does this for short prompts; kvturn's
+   retention makes the next turn of a conversation short.
+2. Otherwise **a prefill** is chosen by policy (:func:`choose_prefill`), and the decode's
+   retention is pinned for it only when the retention holds more than that prefill is known to
+   hold (:func:`read_gain`): the prefill's connector then reads the verified blocks it lacks
+   and computes the rest.
+
+Nothing here changes an answer: every path computes or reads exactly the prompt's KV.
+"""
+
+from __future__ import annotations
+
+from kvturn_server.router._history import Transcript, uncached_estimate
+from kvturn_server.router._pool import Backend, Pool
+from kvturn_server.router._state import Placement
+
+
+def choose_prefill(pool: Pool, policy: str, placement: Placement | None, *, slack: int,
+                   exclude: Backend | None = None) -> tuple[Backend | None, str]:
+    """The prefill for a turn and why (``X-KVTurn-Prefill-Choice``): ``holder`` (it computed
+    the conversation's last prefill leg), ``affinity`` (the same, by session affinity),
+    ``load`` (fewest requests in flight) or ``round-robin``."""
+    if policy == "round-robin":
+        return pool.pick_in_turn(exclude=exclude), "round-robin"
+    holder = None
+    if placement is not None and placement.prefill is not None \
+            and policy in ("affinity", "kv-aware"):
+        holder = pool.by_url(placement.prefill)
+    if holder is not None and holder.healthy and holder is not exclude:
+        if policy == "affinity":
+            return holder, "affinity"
+        least = min(b.in_flight for b in pool.members if b.healthy and b is not exclude)
+        if holder.in_flight <= least + slack:
+            return holder, "holder"
+    return pool.pick(exclude=exclude), "load"
+
+
+def read_gain(placement: Placement, prefill: Backend) -> int:
+    """Tokens of the retention beyond what ``prefill`` is known to hold in its prefix cache.
+
+    The router knows only what it sent that prefill: the conversation's last prefill leg. The
+    prefill's connector verifies and measures the real local hit; this only decides whether a
+    pin is worth its round trip.
+    """
+    held = placement.prefill_tokens if placement.prefill == prefill.url else 0
+    if placement.block_size > 0:
+        held -= held % placement.block_size
+    return max(0, placement.cached_tokens - held)
+
+
+def continuation(*, placement: Placement, holder: Backend, transcript: Transcript | None,
+                 now: float, max_tokens: int, budget: int) -> tuple[int, str]:
+    """Whether ``holder`` (the decode retaining the conversation) should continue this turn.
+
+    Returns ``(estimated tokens, "")`` when it should, else ``(0, why not)`` with why one of
+    ``off``, ``unhealthy``, ``stale``, ``expired``, ``no_history``, ``edited``, ``too_long``,
+    ``busy``.
+    """
+    if max_tokens <= 0:
+        return 0, "off"
+    if not holder.healthy:
+        return 0, "unhealthy"
+    if holder.engine_id is not None and placement.engine_id is not None \
+            and holder.engine_id != placement.engine_id:
+        return 0, "stale"  # the decode restarted: it holds nothing of this conversation
+    if placement.expires_at <= now:
+        return 0, "expired"
+    if placement.history is None or transcript is None:
+        return 0, "no_history"
+    estimate = uncached_estimate(placement.history, transcript,
+                                 retained_tokens=placement.num_tokens,
+                                 readable_tokens=placement.cached_tokens)
+    if estimate is None:
+        return 0, "edited"
+    if estimate > max_tokens:
+        return 0, "too_long"
+    if holder.continuing + estimate > budget:
+        return 0, "busy"
+    return estimate, ""

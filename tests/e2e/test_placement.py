@@ -1,0 +1,114 @@
+"""Turns the decode continues itself, through the real stack (router/_placement.py).
+
+A second router over the session's prefill and decode runs with the defaults a user gets
+(kv-aware placement, decode continuation of turns up to 512 new tokens). Every answer is held to
+the plain reference run, text and logprobs.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from kvturn_server.local import Stack, free_port
+from kvturn_server.local._process import ServerSpec, launch, stop_group, wait_healthy
+
+from ._greedy import assert_same_logprobs, assert_same_text
+from ._helpers import Delta, plain_chat
+
+MAX_TOKENS = 64
+SYSTEM = "You are a careful tool agent. " + " ".join(
+    f"Tool {i} reads file {i} and reports line {i}." for i in range(40))
+STEPS = ["Read the first file.", "Now read the second file.", "Compare the two reports.",
+         "Write the summary of both files."]
+
+
+@pytest.fixture(scope="module")
+def router_url(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    cfg = stack.config
+    logs = tmp_path_factory.mktemp("placement-router")
+    port = free_port()
+    spec = ServerSpec(
+        name="placement-router", port=port, health_url=f"http://127.0.0.1:{port}/health",
+        log_path=logs / "router.log", env={"PYTHONUNBUFFERED": "1"},
+        argv=[sys.executable, "-m", "kvturn_server.cli", "router", "--port", str(port),
+              "--prefill", cfg.prefill_url,
+              "--decode", f"{cfg.decode_url},control={cfg.decode_control_url}",
+              "--retention-ttl", f"{cfg.decoder_kv_blocks_ttl:g}"])
+    proc = launch(spec, die_with_parent=True)
+    try:
+        wait_healthy({spec.name: (spec, proc)}, timeout=60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_group(proc.pid)
+
+
+def _turn(client: OpenAI, model: str, conversation: str, messages: list[dict[str, Any]],
+          stream: bool) -> tuple[str, dict[str, str], list[tuple[str, float]]]:
+    kwargs: dict[str, Any] = {"model": model, "messages": messages, "temperature": 0,
+                              "max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 2,
+                              "extra_body": {"conversation_id": conversation}}
+    if stream:
+        with client.chat.completions.with_streaming_response.create(
+                stream=True, **kwargs) as response:
+            headers = dict(response.headers)
+            chunks = [chunk.choices[0] for chunk in response.parse() if chunk.choices]
+        text = "".join(c.delta.content or "" for c in chunks)
+        pairs = [(t.token, t.logprob) for c in chunks for t in
+                 ((c.logprobs.content or []) if c.logprobs else [])]
+        return text, headers, pairs
+    raw = client.chat.completions.with_raw_response.create(**kwargs)
+    choice = raw.parse().choices[0]
+    content = choice.logprobs.content or [] if choice.logprobs else []
+    return choice.message.content or "", dict(raw.headers), [(t.token, t.logprob)
+                                                             for t in content]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+def test_short_turns_run_on_the_decode_alone_and_long_ones_read_what_the_prefill_lacks(
+        stack: Stack, router_url: str, stream: bool) -> None:
+    cfg = stack.config
+    client = OpenAI(base_url=f"{router_url}/v1", api_key="tenant-p", max_retries=0)
+    conversation = f"placement-{uuid.uuid4().hex}"
+    messages: list[dict[str, Any]] = [{"role": "system", "content": f"{conversation}. {SYSTEM}"}]
+    for number, step in enumerate(STEPS, start=1):
+        messages.append({"role": "user", "content": step})
+        reference = plain_chat(cfg.reference_url, cfg.served_model_name, messages, MAX_TOKENS)
+        with Delta(cfg.prefill_url) as p, Delta(cfg.decode_url) as d:
+            text, headers, logprobs = _turn(client, cfg.served_model_name, conversation,
+                                            messages, stream)
+        assert_same_text(text, reference)
+        assert_same_logprobs(logprobs, reference)
+        assert p.value is not None and d.value is not None
+        if number == 1:
+            assert headers["x-kvturn-route"] == "prefill", headers
+        else:
+            # No prefill leg: the prefill saw nothing; the decode computed only the new part
+            # (its partial last block and the new message), the rest from its own cache.
+            assert headers["x-kvturn-route"] == "decode", (number, headers)
+            assert headers["x-kvturn-reuse"] in ("hit", "partial"), headers
+            assert p.value.computed == 0 and p.value.transferred == 0, p.value
+            assert 0 < d.value.computed < 256, d.value
+            assert d.value.local_cache > 0 and d.value.transferred == 0, d.value
+        messages.append({"role": "assistant", "content": text})
+    # A long tool result: past the continuation bound, so a prefill leg computes it, reading
+    # from the decode the blocks its own cache lacks (the turns it never saw).
+    messages.append({"role": "user", "content": " ".join(["file"] * 700)})
+    reference = plain_chat(cfg.reference_url, cfg.served_model_name, messages, MAX_TOKENS)
+    with Delta(cfg.prefill_url) as p:
+        text, headers, logprobs = _turn(client, cfg.served_model_name, conversation, messages,
+                                        stream)
+    assert_same_text(text, reference)
+    assert_same_logprobs(logprobs, reference)
+    assert headers["x-kvturn-route"] == "prefill", headers
+    assert headers["x-kvturn-prefill-choice"] == "holder", headers
+    assert headers["x-kvturn-reuse"] in ("hit", "partial"), headers
+    reused = int(headers["x-kvturn-reused-tokens"])
+    assert p.value is not None and reused > 0 and reused == p.value.transferred, (reused, p.value)
+    # The prefill's own cache supplied the first turn's prompt; the decode what came after.
+    assert p.value.local_cache > 0, p.value

@@ -1,0 +1,287 @@
+"""Where a turn runs: the decode alone, or which prefill, and whether a pin is worth it.
+
+docs/http-api.md (B, "Placement"); router/_placement.py, router/_history.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvturn_server.router._history import History, Transcript, uncached_estimate
+from kvturn_server.router._identity import conversation_key
+from kvturn_server.router._placement import choose_prefill, read_gain
+from kvturn_server.router._pool import Backend, Pool
+from kvturn_server.router._state import Placement
+from tests.server.conftest import MakeHarness
+from tests.server.router_fakes import Cluster
+
+KEY = conversation_key("c", None)
+U1 = {"role": "user", "content": "list the files in the repository"}
+REPLY = {"role": "assistant", "content": "Hello"}
+TOOL = {"role": "tool", "tool_call_id": "call-1", "content": "README.md setup.py"}
+
+
+def turn2(*extra: dict[str, Any]) -> list[dict[str, Any]]:
+    return [U1, REPLY, TOOL, *extra]
+
+
+def metric(h: Any, name: str, **labels: str) -> float:
+    value = h.router.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+# The history the router remembers, and its estimate.
+
+def test_a_transcript_extends_exactly_the_history_it_started_with() -> None:
+    first = Transcript([U1]).history()
+    assert Transcript([U1, REPLY, TOOL]).extends(first)
+    assert Transcript([U1]).extends(first)
+    assert not Transcript([{**U1, "content": "list the files"}, REPLY]).extends(first)
+    assert not Transcript([REPLY, U1]).extends(first)
+    # Message boundaries count: the same characters split differently are another history.
+    a = Transcript([{"c": "ab"}, {"c": "c"}]).history()
+    assert not Transcript([{"c": "a"}, {"c": "bc"}]).extends(a)
+    assert not Transcript([U1]).extends(History(2, 10, first.digest))
+
+
+def test_the_estimate_converts_new_characters_at_the_conversation_s_own_rate() -> None:
+    history = Transcript([U1]).history()
+    t = Transcript([U1, REPLY, TOOL])
+    reply_chars, tool_chars = t.sizes[1], t.sizes[2]
+    retained = 300
+    per_char = retained / (history.chars + reply_chars)
+    estimate = uncached_estimate(history, t, retained_tokens=retained, readable_tokens=256)
+    # What the decode lacks: its partial last block plus the new tool message.
+    assert estimate == pytest.approx(retained - 256 + per_char * tool_chars, abs=1)
+    assert uncached_estimate(history, Transcript([{**U1, "content": "x"}]),
+                             retained_tokens=retained, readable_tokens=256) is None
+    assert uncached_estimate(history, t, retained_tokens=0, readable_tokens=0) is None
+
+
+def test_placements_round_trip_and_old_records_still_read() -> None:
+    history = Transcript([U1]).history()
+    p = Placement(decode="http://d", engine_id="e", num_tokens=300, expires_at=5.0, turn="t",
+                  readable_tokens=256, block_size=128, prefill="http://p", prefill_tokens=200,
+                  history=history)
+    assert Placement.from_json(p.to_json()) == p
+    old = Placement.from_json(b'{"decode": "http://d", "engine_id": null, "num_tokens": 7, '
+                              b'"expires_at": 1.0, "turn": "t"}')
+    assert old.history is None and old.prefill is None and old.cached_tokens == 7
+
+
+# Choosing a prefill.
+
+def _pool(n: int = 2) -> Pool:
+    return Pool("prefill", [Backend("prefill", f"http://p{i}") for i in range(n)],
+                eject_after=1, readmit_after=1)
+
+
+def _held_by(url: str | None) -> Placement:
+    return Placement(decode="http://d", engine_id=None, num_tokens=512, expires_at=1e12,
+                     turn="t", readable_tokens=512, block_size=128, prefill=url,
+                     prefill_tokens=300)
+
+
+def test_kv_aware_prefers_the_holder_until_it_is_busier_than_the_slack() -> None:
+    pool = _pool()
+    p0, p1 = pool.members
+    placement = _held_by(p1.url)
+    assert choose_prefill(pool, "kv-aware", placement, slack=1) == (p1, "holder")
+    p1.in_flight = 1
+    assert choose_prefill(pool, "kv-aware", placement, slack=1) == (p1, "holder")
+    p1.in_flight = 2
+    assert choose_prefill(pool, "kv-aware", placement, slack=1) == (p0, "load")
+    # Session affinity stays whatever the load.
+    assert choose_prefill(pool, "affinity", placement, slack=1) == (p1, "affinity")
+    p1.healthy = False
+    assert choose_prefill(pool, "affinity", placement, slack=1) == (p0, "load")
+
+
+def test_round_robin_and_least_loaded_ignore_the_holder() -> None:
+    pool = _pool()
+    placement = _held_by(pool.members[0].url)
+    picks = [choose_prefill(pool, "round-robin", placement, slack=1)[0] for _ in range(4)]
+    assert picks[0] is not picks[1] and picks[0] is picks[2] and picks[1] is picks[3]
+    pool.members[0].in_flight = 3
+    assert choose_prefill(pool, "least-loaded", placement, slack=1) == (pool.members[1], "load")
+
+
+def test_the_gain_of_a_read_is_what_the_retention_holds_beyond_the_prefill() -> None:
+    pool = _pool()
+    placement = _held_by(pool.members[0].url)
+    # 300 prompt tokens in the holder's cache are 2 full blocks of 128.
+    assert read_gain(placement, pool.members[0]) == 512 - 256
+    assert read_gain(placement, pool.members[1]) == 512
+
+
+# Through the router.
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_short_next_turn_runs_on_the_holding_decode_alone(
+        make_harness: MakeHarness, stream: bool) -> None:
+    cluster = Cluster()
+    h = await make_harness(cluster, decode_continue_tokens=512)
+    first = await h.chat("c", messages=[U1], stream=stream)
+    assert first.headers["X-KVTurn-Route"] == "prefill"
+    assert first.headers["X-KVTurn-Prefill-Choice"] == "load"
+    resp = await h.chat("c", messages=turn2(), stream=stream)
+    assert resp.status_code == 200
+    assert resp.headers["X-KVTurn-Route"] == "decode"
+    assert "X-KVTurn-Prefill-Choice" not in resp.headers
+    assert resp.headers["X-KVTurn-Reuse"] == "hit"
+    assert len(cluster.legs("prefill0")) == 1  # only the first turn had a prefill leg
+    assert not cluster.calls("decode0.control", "POST")  # no pin
+    body = cluster.bodies("decode0")[-1]
+    assert body["kv_transfer_params"] == {"do_remote_prefill": False,
+                                          "kvturn": {"conversation": KEY}}
+    assert body["messages"] == turn2()
+    assert h.router.decodes.members[0].continuing == 0
+    assert metric(h, "kvturn_router_routes_total", route="decode", choice="") == 1
+    # The continued turn is recorded too: the next one continues again.
+    third = await h.chat("c", messages=turn2(REPLY, TOOL), stream=stream)
+    assert third.headers["X-KVTurn-Route"] == "decode"
+
+
+async def test_the_decode_s_own_report_is_the_reuse_value_of_a_continued_turn(
+        make_harness: MakeHarness) -> None:
+    cluster = Cluster()
+    h = await make_harness(cluster, decode_continue_tokens=512)
+    await h.chat("c", messages=[U1])
+
+    def reply(body: dict[str, Any]) -> Any:
+        import httpx2
+        return httpx2.Response(200, json={
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                         "finish_reason": "stop"}],
+            "kv_transfer_params": {"kvturn": {
+                "retained": True, "engine_id": cluster.decodes[0].engine_id,
+                "num_tokens": 400, "expires_in": 480.0,
+                "reuse": {"reason": "partial", "reused_tokens": 128, "local_tokens": 128}}}})
+
+    cluster.decodes[0].fail_next(reply)
+    resp = await h.chat("c", messages=turn2())
+    assert resp.headers["X-KVTurn-Route"] == "decode"
+    assert (resp.headers["X-KVTurn-Reuse"], resp.headers["X-KVTurn-Reused-Tokens"]) == \
+        ("partial", "128")
+    assert "kv_transfer_params" not in resp.json()
+
+
+@pytest.mark.parametrize(("messages", "why"), [
+    ([{**U1, "content": "edited"}, REPLY, TOOL], "edited"),
+    (turn2({"role": "user", "content": "word " * 5000}), "too_long"),
+])
+async def test_edited_or_long_turns_take_the_prefill_path(
+        make_harness: MakeHarness, messages: list[dict[str, Any]], why: str) -> None:
+    cluster = Cluster()
+    h = await make_harness(cluster, decode_continue_tokens=512)
+    await h.chat("c", messages=[U1])
+    resp = await h.chat("c", messages=messages)
+    assert resp.headers["X-KVTurn-Route"] == "prefill"
+    assert len(cluster.legs("prefill0")) == 2
+    assert [e.path.rsplit("/", 1)[-1] for e in cluster.calls("decode0.control", "POST")] == \
+        ["pin"]
+    assert metric(h, "kvturn_router_not_continued_total", why=why) == 1
+
+
+async def test_a_busy_decode_sends_the_turn_to_the_prefill(make_harness: MakeHarness) -> None:
+    cluster = Cluster()
+    h = await make_harness(cluster, decode_continue_tokens=512, decode_continue_budget=600)
+    await h.chat("c", messages=[U1])
+    h.router.decodes.members[0].continuing = 590  # another continued turn is computing
+    resp = await h.chat("c", messages=turn2())
+    assert resp.headers["X-KVTurn-Route"] == "prefill"
+    assert metric(h, "kvturn_router_not_continued_total", why="busy") == 1
+    assert h.router.decodes.members[0].continuing == 590
+
+
+async def test_a_restarted_decode_is_not_asked_to_continue(make_harness: MakeHarness) -> None:
+    cluster = Cluster()
+    h = await make_harness(cluster, decode_continue_tokens=512)
+    await h.chat("c", messages=[U1])
+    cluster.decodes[0].restart()
+    h.router.decodes.members[0].engine_id = cluster.decodes[0].engine_id
+    resp = await h.chat("c", messages=turn2())
+    assert resp.headers["X-KVTurn-Route"] == "prefill"
+    assert resp.headers["X-KVTurn-Reuse"] == "stale"
+    assert metric(h, "kvturn_router_not_continued_total", why="stale") == 1
+
+
+async def test_a_continued_turn_whose_decode_fails_first_takes_the_prefill_path(
+        make_harness: MakeHarness) -> None:
+    cluster = Cluster()
+    h = await make_harness(cluster, decode_continue_tokens=512)
+    await h.chat("c", messages=[U1])
+    cluster.decodes[0].fail_next(("status", 503))
+    resp = await h.chat("c", messages=turn2())
+    assert resp.status_code == 200
+    assert resp.headers["X-KVTurn-Route"] == "prefill"
+    assert len(cluster.legs("prefill0")) == 2
+    assert h.router.decodes.members[0].continuing == 0
+    assert metric(h, "kvturn_router_not_continued_total", why="decode_failed") == 1
+
+
+async def test_kv_aware_placement_returns_to_the_prefill_that_holds_the_conversation(
+        make_harness: MakeHarness) -> None:
+    cluster = Cluster(prefills=2)
+    h = await make_harness(cluster)
+    await h.chat("c", messages=[U1])
+    (holder,) = [p for p in cluster.prefills if cluster.legs(p.name)]
+    for _ in range(3):
+        await h.chat("other")  # round the least-loaded ties
+        resp = await h.chat("c", messages=turn2())
+        assert resp.headers["X-KVTurn-Prefill-Choice"] == "holder"
+    assert len(cluster.legs(holder.name)) >= 4
+
+
+async def test_no_pin_when_the_prefill_already_holds_what_the_decode_would_give(
+        make_harness: MakeHarness) -> None:
+    cluster = Cluster()
+    cluster.prefills[0].prompt_tokens = 100  # the fake decode retains 100 tokens
+    h = await make_harness(cluster)
+    await h.chat("c", messages=[U1])
+    resp = await h.chat("c", messages=turn2())
+    assert resp.headers["X-KVTurn-Route"] == "prefill"
+    assert resp.headers["X-KVTurn-Reuse"] == "below-threshold"
+    assert not cluster.calls("decode0.control", "POST")
+    # The leg carried no retention; the decode still retains the turn.
+    assert cluster.bodies("prefill0")[-1]["kv_transfer_params"]["remote_block_ids"] is None
+    assert cluster.bodies("decode0")[-1]["kv_transfer_params"]["kvturn"] == \
+        {"conversation": KEY}
+
+
+async def test_a_retry_on_a_prefill_that_lacks_the_conversation_pins_for_it(
+        make_harness: MakeHarness) -> None:
+    cluster = Cluster(prefills=2)
+    for p in cluster.prefills:
+        p.prompt_tokens = 100
+    h = await make_harness(cluster)
+    await h.chat("c", messages=[U1])
+    (holder,) = [p for p in cluster.prefills if cluster.legs(p.name)]
+    holder.fail_next(("status", 503))
+    resp = await h.chat("c", messages=turn2())
+    assert resp.status_code == 200
+    assert resp.headers["X-KVTurn-Reuse"] == "hit"
+    assert [e.path.rsplit("/", 1)[-1] for e in cluster.calls("decode0.control", "POST")] == \
+        ["pin"]
+
+
+async def test_stock_mode_keeps_affinity_but_neither_pins_nor_retains(
+        make_harness: MakeHarness) -> None:
+    cluster = Cluster(prefills=2)
+    h = await make_harness(cluster, kv_reuse=False, prefill_policy="affinity",
+                           decode_continue_tokens=512)
+    await h.chat("c", messages=[U1])
+    (holder,) = [p for p in cluster.prefills if cluster.legs(p.name)]
+    for _ in range(3):
+        await h.chat("other")
+        resp = await h.chat("c", messages=turn2())
+        assert resp.headers["X-KVTurn-Route"] == "prefill"
+        assert resp.headers["X-KVTurn-Prefill-Choice"] == "affinity"
+        assert resp.headers["X-KVTurn-Reuse"] == "disabled"
+    assert len(cluster.legs(holder.name)) == 4
+    assert not cluster.calls("decode0.control")
+    assert all("kvturn" not in (b.get("kv_transfer_params") or {})
+               for b in cluster.bodies("decode0"))
+    assert not cluster.decodes[0].retentions

@@ -2,11 +2,14 @@
 
 The agent is ``examples/langgraph_agent.py`` (``create_agent`` with tools that take a while, a
 tool call forced on every turn but the last). It runs twice on the same prefill + decode +
-router: **off**, a stock ``ChatOpenAI`` without conversation ids (plain P/D: every prefill
-computes the whole history), and **on**, ``KVTurnChatOpenAI`` (the thread is a kvturn
-conversation: each prefill reads the history the decode retained). Per model turn it measures
-the time to the first token and where the prompt's KV came from (the instances' metrics), then
-prints a table, writes a PNG plot and stops the stack.
+router, both with vLLM's default settings (prefix caching on): **off**, a stock ``ChatOpenAI``
+without conversation ids (stock P/D: the prefill's own cache holds the previous prompts, and it
+computes the rest: the reply the decode generated and the new message), and **on**,
+``KVTurnChatOpenAI`` (the thread is a kvturn conversation: the decode that holds it continues
+short turns itself, and a prefill reads what it lacks from the decode). Per model turn it
+measures the time to the first token and where the prompt's KV came from (the instances'
+metrics: the prefill's cache, the decode's retained KV, or computed on either), then prints a
+table, writes a PNG plot and stops the stack.
 """
 
 from __future__ import annotations
@@ -41,6 +44,24 @@ class TurnReport:
     reuse: str
     prefill: PromptSources
     decode: PromptSources
+
+    @property
+    def route(self) -> str:
+        """``decode`` when the decode served the turn alone (the prefill saw nothing)."""
+        seen = self.prefill.computed + self.prefill.local_cache + self.prefill.transferred
+        return "prefill" if seen > 0 else "decode"
+
+    @property
+    def computed(self) -> float:
+        """Prompt tokens computed on either instance (a P/D decode computes only what it
+        could not read; one that continues a turn computes what its cache lacks)."""
+        return self.prefill.computed + self.decode.computed
+
+    @property
+    def from_decode(self) -> float:
+        """Prompt tokens whose KV came from the decode's retention: read by the prefill over
+        NIXL, or, on a turn the decode continued, its own cache."""
+        return self.prefill.transferred if self.route == "prefill" else self.decode.local_cache
 
 
 def load_agent() -> ModuleType:
@@ -88,16 +109,19 @@ def _tracer(mode: str, cfg: StackConfig, reports: list[TurnReport]) -> Any:
             info = message.response_metadata.get("kvturn") or {}
             p = prompt_sources(cfg.prefill_url) - p0
             d = prompt_sources(cfg.decode_url) - d0
+            prompt = p.computed + p.local_cache + p.transferred
+            if prompt == 0:  # the decode served the turn alone
+                prompt = d.computed + d.local_cache + d.transferred
             report = TurnReport(
                 mode, len([r for r in reports if r.mode == mode]) + 1,
-                calls[0]["name"] if calls else None,
-                int(p.computed + p.local_cache + p.transferred),
+                calls[0]["name"] if calls else None, int(prompt),
                 ((first or now) - started) * 1000, (now - started) * 1000,
                 info.get("reuse") or "-", p, d)
             reports.append(report)
             print(f"  [{mode}] turn {report.turn}: {report.tool or 'answer':<15} TTFT "
-                  f"{report.ttft_ms:6.0f} ms  prefill computed {p.computed:6.0f}, read from "
-                  f"the decode {p.transferred:6.0f}", file=sys.stderr, flush=True)
+                  f"{report.ttft_ms:6.0f} ms  {report.route:<7} prefill cache "
+                  f"{p.local_cache:6.0f}, from the decode {report.from_decode:6.0f}, computed "
+                  f"{report.computed:6.0f}", file=sys.stderr, flush=True)
 
     return Tracer()
 
@@ -129,15 +153,16 @@ def run_agents(cfg: StackConfig, turns: int, tool_latency: float) -> list[TurnRe
 
 
 def format_table(reports: list[TurnReport]) -> str:
-    head = ("turn", "model call", "prompt", "off: TTFT ms", "computed", "on: TTFT ms",
-            "computed", "from decode", "reuse")
+    head = ("turn", "model call", "prompt", "off: TTFT ms", "P cache", "computed",
+            "on: TTFT ms", "route", "P cache", "from D", "computed", "reuse")
     rows = [head]
     off = [r for r in reports if r.mode == "off"]
     on = [r for r in reports if r.mode == "on"]
     for a, b in zip(off, on, strict=False):
         rows.append((str(b.turn), b.tool or "answer", str(b.prompt_tokens),
-                     f"{a.ttft_ms:.0f}", f"{a.prefill.computed:.0f}", f"{b.ttft_ms:.0f}",
-                     f"{b.prefill.computed:.0f}", f"{b.prefill.transferred:.0f}", b.reuse))
+                     f"{a.ttft_ms:.0f}", f"{a.prefill.local_cache:.0f}", f"{a.computed:.0f}",
+                     f"{b.ttft_ms:.0f}", b.route, f"{b.prefill.local_cache:.0f}",
+                     f"{b.from_decode:.0f}", f"{b.computed:.0f}", b.reuse))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
              for row in rows]
@@ -154,19 +179,24 @@ def summary(reports: list[TurnReport]) -> str:
         return ""
     off_ttft = statistics.median(r.ttft_ms for r in off)
     on_ttft = statistics.median(r.ttft_ms for r in on)
-    off_computed = sum(r.prefill.computed for r in off)
-    on_computed = sum(r.prefill.computed for r in on)
+    off_computed = sum(r.computed for r in off)
+    on_computed = sum(r.computed for r in on)
     return (f"turns 2-{len(off) + 1}: median TTFT {off_ttft:.0f} ms off, {on_ttft:.0f} ms on "
-            f"({off_ttft / on_ttft:.1f}x); the prefill computed {off_computed:.0f} prompt "
-            f"tokens off, {on_computed:.0f} on ({off_computed / max(on_computed, 1):.1f}x "
-            "fewer)")
+            f"({off_ttft / on_ttft:.1f}x); prompt tokens computed (prefill and decode) "
+            f"{off_computed:.0f} off, {on_computed:.0f} on "
+            f"({off_computed / max(on_computed, 1):.1f}x fewer)")
 
 
 LEGEND = """\
-prompt: prompt tokens of the model call. computed: prompt tokens the prefill computed.
-from decode: prompt tokens the prefill read from the decode's retained KV over NIXL instead.
+Both runs use vLLM's defaults: prefix caching on, on the prefill and on the decode.
+off = stock P/D without conversation ids; on = kvturn conversations.
+prompt: prompt tokens of the model call. P cache: of them, found in the prefill's own prefix
+cache. from D: KV from the decode's retention (read by the prefill over NIXL, or, on route
+decode, the decode's own cache). computed: prompt tokens computed, prefill and decode together.
+route: decode = the decode that holds the conversation continued the turn alone (no prefill
+leg, no transfer); prefill = prefill leg, then decode leg.
 reuse: the router's X-KVTurn-Reuse (hit: every full block of the prompt came from retained or
-cached KV; partial: a verified prefix did). off = plain P/D without conversation ids."""
+cached KV; partial: a verified prefix did)."""
 
 
 def write_plot(reports: list[TurnReport], path: Path) -> bool:
@@ -175,7 +205,8 @@ def write_plot(reports: list[TurnReport], path: Path) -> bool:
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
-    for mode, label in (("off", "kvturn off (plain P/D)"), ("on", "kvturn on")):
+    for mode, label in (("off", "kvturn off (stock P/D, prefix caching on)"),
+                        ("on", "kvturn on")):
         rs = [r for r in reports if r.mode == mode]
         ax.plot([r.turn for r in rs], [r.ttft_ms for r in rs], "o-", label=label)
     ax.set_xlabel("model turn of the agent")
@@ -199,11 +230,10 @@ def run_demo(cfg: StackConfig, turns: int = 6, tool_latency: float = 0.5,
         cfg = running.config
         print(f"using the stack already running from {cfg.state_dir}", file=sys.stderr)
     else:
-        # A prefill pool rarely holds a given conversation in its own cache; without one the
-        # comparison shows what reading the decode's KV saves.
-        cfg = replace(cfg, prefill_prefix_caching=False)
-        print("starting the local stack (tiny model; prefill without prefix cache, decode, "
-              "router; about a minute)", file=sys.stderr)
+        # vLLM's defaults (prefix caching on everywhere): the baseline users run.
+        cfg = replace(cfg, prefill_prefix_caching=True)
+        print("starting the local stack (tiny model; prefill and decode with vLLM's default "
+              "prefix caching, router; about a minute)", file=sys.stderr)
         stack = Stack(cfg, die_with_parent=True).start(progress=ProgressLine())
     try:
         reports = run_agents(cfg, turns, tool_latency)

@@ -11,7 +11,7 @@ import pytest
 
 from kvturn_server.router._history import History, Transcript, uncached_estimate
 from kvturn_server.router._identity import conversation_key
-from kvturn_server.router._placement import choose_prefill, read_gain
+from kvturn_server.router._placement import choose_decode, choose_prefill, read_gain
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import Placement
 from tests.server.conftest import MakeHarness
@@ -106,6 +106,20 @@ def test_round_robin_and_least_loaded_ignore_the_holder() -> None:
     assert picks[0] is not picks[1] and picks[0] is picks[2] and picks[1] is picks[3]
     pool.members[0].in_flight = 3
     assert choose_prefill(pool, "least-loaded", placement, slack=1) == (pool.members[1], "load")
+
+
+def test_a_decode_keeps_its_conversations_until_it_is_overloaded() -> None:
+    pool = Pool("decode", [Backend("decode", f"http://d{i}") for i in range(2)],
+                eject_after=1, readmit_after=1)
+    d0, d1 = pool.members
+    assert choose_decode(pool, d1, slack=4) is d1
+    d1.in_flight = 4
+    assert choose_decode(pool, d1, slack=4) is d1
+    d1.in_flight = 5
+    assert choose_decode(pool, d1, slack=4) is d0
+    d1.healthy = False
+    assert choose_decode(pool, d1, slack=4) is d0
+    assert choose_decode(pool, None, slack=4) in (d0, d1)
 
 
 def test_the_gain_of_a_read_is_what_the_retention_holds_beyond_the_prefill() -> None:

@@ -291,12 +291,18 @@ async def test_affinity_sends_the_next_turn_to_the_holder(make_harness: MakeHarn
     h = await make_harness(cluster)
     await h.chat("a")
     [holder] = [d for d in cluster.decodes if "-/a" in d.retentions]
-    # Load the holder: affinity still wins while it is healthy.
-    h.router.decodes.by_url(holder.url).in_flight = 10  # type: ignore[union-attr]
+    # A loaded holder keeps its conversation while within decode_affinity_slack (4)...
+    h.router.decodes.by_url(holder.url).in_flight = 4  # type: ignore[union-attr]
     for _ in range(3):
         await h.chat("a")
     assert all(len(cluster.bodies(d.name)) == (4 if d is holder else 0)
                for d in cluster.decodes)
+    # ... and loses it when busier than that: the turn decodes elsewhere, the old retention
+    # is released once the new one is recorded.
+    h.router.decodes.by_url(holder.url).in_flight = 5  # type: ignore[union-attr]
+    await h.chat("a")
+    [moved] = [d for d in cluster.decodes if "-/a" in d.retentions]
+    assert moved is not holder and len(cluster.bodies(holder.name)) == 4
 
 
 async def test_prefill_and_conversations_without_history_go_by_load(

@@ -131,6 +131,8 @@ class RouterConfig:
             ``least-loaded`` or ``round-robin``.
         prefill_affinity_slack: requests in flight the holding prefill may have beyond the
             least loaded one before ``kv-aware`` sends the turn elsewhere.
+        decode_affinity_slack: requests in flight the decode retaining a conversation may have
+            beyond the least loaded decode before its turn's decode leg goes elsewhere.
         kv_reuse: False runs stock P/D: no pins, no retention on the decodes, no decode
             continuation; conversation ids still give affinity.
         decode_continue_tokens: a turn whose holding decode is estimated to lack at most this
@@ -172,6 +174,7 @@ class RouterConfig:
     log_format: str = "text"
     prefill_policy: str = "kv-aware"
     prefill_affinity_slack: int = 1
+    decode_affinity_slack: int = 4
     kv_reuse: bool = True
     decode_continue_tokens: int = 512
     decode_continue_budget: int = 1024
@@ -206,7 +209,7 @@ class RouterConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise RouterConfigError(f"{name} must be a whole number >= 1, got {value!r}")
-        for name in ("prefill_affinity_slack", "decode_continue_tokens",
+        for name in ("prefill_affinity_slack", "decode_affinity_slack", "decode_continue_tokens",
                      "decode_continue_budget", "min_read_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -361,6 +364,9 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("prefill_affinity_slack", int, "requests in flight the prefill holding a conversation "
                                     "may have beyond the least loaded one before kv-aware "
                                     "placement sends its turn elsewhere"),
+    ("decode_affinity_slack", int, "requests in flight the decode retaining a conversation "
+                                   "may have beyond the least loaded decode before its turn "
+                                   "decodes elsewhere"),
     ("decode_continue_tokens", int, "a turn whose holding decode lacks at most about this "
                                     "many prompt tokens runs on that decode alone (no "
                                     "prefill leg, no transfer); 0: never"),

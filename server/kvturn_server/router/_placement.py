@@ -48,6 +48,19 @@ def choose_prefill(pool: Pool, policy: str, placement: Placement | None, *, slac
     return pool.pick(exclude=exclude), "load"
 
 
+def choose_decode(pool: Pool, holder: Backend | None, *, slack: int) -> Backend | None:
+    """The decode for a turn's decode leg: the one retaining the conversation (its prefix cache
+    holds it, so it reads least from the prefill) unless it has more than ``slack`` requests
+    in flight beyond the least loaded decode; then the least loaded one (the conversation
+    moves, and its old retention is released once the new one is recorded)."""
+    if holder is not None and holder.healthy:
+        healthy = [b for b in pool.members if b.healthy]
+        if holder.in_flight <= min(b.in_flight for b in healthy) + slack:
+            return holder
+        return pool.pick(exclude=holder) or holder
+    return pool.pick()
+
+
 def read_gain(placement: Placement, prefill: Backend) -> int:
     """Tokens of the retention beyond what ``prefill`` is known to hold in its prefix cache.
 

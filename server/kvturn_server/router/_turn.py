@@ -45,7 +45,12 @@ from kvturn_server.router._legs import (
     reuse_report,
 )
 from kvturn_server.router._log import event
-from kvturn_server.router._placement import choose_prefill, continuation, read_gain
+from kvturn_server.router._placement import (
+    choose_decode,
+    choose_prefill,
+    continuation,
+    read_gain,
+)
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import Placement, StoreError
 from kvturn_server.router._stream import RelayResponse, StreamEnd
@@ -431,7 +436,7 @@ class Turn:
     async def _decode(self, params: dict[str, Any] | None) -> Response:
         r = self.r
         data = _json.dumps(decode_body(self.body, params, self.key if self._retains else None))
-        backend = r.decodes.pick(prefer=self.holder)
+        backend = choose_decode(r.decodes, self.holder, slack=r.config.decode_affinity_slack)
         if backend is None:
             r.metrics.request(self.endpoint, "backend_error")
             return error_response(503, "no decode backend is healthy", type_="server_error",

@@ -63,11 +63,14 @@ from kvturn_server.bench._agent_report import (
 )
 from kvturn_server.bench._agent_workload import (
     DECODES,
+    FRAMING_TOKENS,
     MIN_RETENTION_TTL_S,
     MODES,
     PREFILLS,
     PROFILE_TEXT,
     PROFILES,
+    TRACE_KEEPALIVE_PER_TTL,
+    TRACE_RETENTION_TTL_S,
     AgentBenchSettings,
     AgentScript,
     GapDistribution,
@@ -82,12 +85,14 @@ if TYPE_CHECKING:
     import kvturn
     from kvturn_server.local._stack import StackConfig
 
-__all__ = ["MODES", "AgentBenchSettings", "AgentOutcome", "AgentScript", "GapDistribution",
-           "HttpProbe", "ModeRun", "Probe", "Sample", "Sampler", "TurnRecord",
-           "add_agent_bench_parser", "agent_stack_config", "build_results", "build_scripts",
-           "cmd_bench_agent", "compare", "distribution", "measure", "mode_order", "percentile",
-           "run_agent", "run_agent_bench", "run_mode", "settings_from_args", "summarize",
-           "table", "warm_up", "write_json", "write_plot"]
+# Re-exported: the names other benchmarks import from here (bench fleet reuses the workload).
+__all__ = ["FRAMING_TOKENS", "MIN_RETENTION_TTL_S", "MODES", "TRACE_KEEPALIVE_PER_TTL",
+           "TRACE_RETENTION_TTL_S", "AgentBenchSettings", "AgentOutcome", "AgentScript",
+           "GapDistribution", "HttpProbe", "Message", "ModeRun", "Probe", "Sample", "Sampler",
+           "TurnRecord", "add_agent_bench_parser", "agent_stack_config", "build_results",
+           "build_scripts", "cmd_bench_agent", "compare", "distribution", "measure", "mode_order",
+           "percentile", "run_agent", "run_agent_bench", "run_mode", "settings_from_args",
+           "summarize", "table", "warm_up", "write_json", "write_plot"]
 
 
 # The agent loop.

@@ -303,9 +303,24 @@ def test_inter_token_latency_pools_every_gap_and_averages_each_turn() -> None:
     assert off["itl_ms_turn_mean"]["n"] == 3 and off["itl_ms_turn_mean"]["max"] == 30.0
     assert off["content_chunks"] == 8
     # A turn's JSON carries its own ITL summary, not every gap.
-    data = _record("on", 0, 1, 10.0, 10, itl=(5.0, 15.0)).to_json()
+    data = _record("on", 0, 1, 10.0, 10, itl=(5.0, 15.0), completion=3).to_json()
     assert "itl_gaps_ms" not in data
     assert data["itl_ms"]["n"] == 2 and data["itl_ms"]["p50"] == 10.0
+    assert data["tpot_ms"] == 10.0
+
+
+def test_time_per_output_token_does_not_depend_on_how_the_tokens_were_chunked() -> None:
+    # 65 tokens: 64 gaps of 10 ms, or a stall of 330 ms after which 33 tokens came in one
+    # chunk, then 31 gaps of 10 ms: the chunk gaps differ, the time per token does not.
+    steady = _record("off", 0, 1, 100.0, 10, itl=(10.0,) * 64, completion=65)
+    stalled = _record("off", 0, 2, 100.0, 10, itl=(330.0,) + (10.0,) * 31, completion=65)
+    assert steady.tpot_ms == stalled.tpot_ms == 10.0
+    assert _record("off", 0, 3, 1.0, 1, itl=(), completion=1).tpot_ms is None
+    run = ModeRun(mode="off", wall_s=1.0, samples=[], agents=[], records=[steady, stalled])
+    s = summarize(run, 2)
+    assert s["tpot_ms"]["n"] == 2 and s["tpot_ms"]["p50"] == 10.0
+    assert s["itl_ms"]["n"] == 96 and s["itl_ms"]["max"] == 330.0
+    assert s["content_chunks"] == 65 + 33 and s["completion_tokens"] == 130
 
 
 def test_computed_tokens_count_both_instances_and_the_comparison_uses_their_sum() -> None:
@@ -387,6 +402,8 @@ def test_the_verdict_says_whether_kvturn_was_ever_slower() -> None:
     worse = verdict([_ratios(0, 1.2), row])
     assert worse["never_slower"] is False
     assert worse["slower"] == [{"ratio": "ttft_ms_p99_off_over_on", "repeat": 1, "value": 0.97}]
+    barely = verdict([_ratios(0, 0.999)])
+    assert barely["never_slower"] is False and len(barely["slower"]) == 4
     row = _ratios(0, 1.2)
     row["ttft_ms_p90_off_over_on"] = None
     assert verdict([row])["never_slower"] is None  # not measured is not "never slower"
@@ -434,7 +451,7 @@ def test_the_results_document_has_settings_seed_summaries_records_and_samples(
         "mode", "agent", "turn", "conversation_id", "started_s", "message_role",
         "message_words", "prompt_tokens", "completion_tokens", "ttft_ms", "total_ms", "reuse",
         "reused_tokens", "no_reuse_reason", "finish_reason", "gap_after_s", "error", "repeat",
-        "max_tokens", "route", "prefill_choice", "content_chunks", "itl_ms"}
+        "max_tokens", "route", "prefill_choice", "content_chunks", "itl_ms", "tpot_ms"}
     assert set(data["samples"][0]) == {"mode", "t_s", "retained_bytes",
                                        "prefill_computed_tokens", "repeat"}
     assert data["load_average"] == {"start": [], "end": []}
@@ -483,7 +500,8 @@ def test_repeats_report_medians_spreads_and_the_ratio_of_every_repeat() -> None:
     assert "prefill prefix cache OFF" in text and "long profile, 300-1000 tokens" in text
     assert "order off,on / on,off / off,on" in text
     assert "medians over 3 repeat(s)" in text and "spread over the repeats" in text
-    assert "verdict: kvturn was SLOWER in" in text and "(repeat 2)" in text
+    assert "verdict: kvturn was SLOWER in 3 of 12 checks" in text
+    assert "TTFT p50 off/on 0.833 (repeat 2)" in text
     assert "TTFT p50 off/on         5.00 0.83 2.50" in text
 
 

@@ -52,8 +52,11 @@ MODES_NOTE = (
     "has each repeat's own summaries")
 ITL_NOTE = (
     "inter-token latency as the client sees it through the router: the gaps between "
-    "consecutive content chunks of a streamed reply after the first (vLLM streams one token "
-    "per chunk; content_chunks against completion_tokens shows where it did not)")
+    "consecutive content chunks of a streamed reply after the first, as vLLM's own serving "
+    "benchmark counts them; vLLM streams one token per chunk, but after a stall the client "
+    "can receive several tokens in one chunk (content_chunks below completion_tokens shows "
+    "it), which hides the stall's tokens behind one long gap; tpot_ms (per turn: first to "
+    "last content chunk over completion_tokens - 1) does not depend on the chunking")
 
 
 # Records.
@@ -94,9 +97,18 @@ class TurnRecord:
     def ok(self) -> bool:
         return self.error is None
 
+    @property
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first: first to last content chunk over
+        ``completion_tokens - 1`` (None for replies of one token or without usage)."""
+        if not self.itl_gaps_ms or self.completion_tokens is None or self.completion_tokens < 2:
+            return None
+        return round(sum(self.itl_gaps_ms) / (self.completion_tokens - 1), 3)
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["itl_ms"] = distribution(data.pop("itl_gaps_ms"))
+        data["tpot_ms"] = self.tpot_ms
         return data
 
 
@@ -256,6 +268,7 @@ def summarize(run: ModeRun, planned_turns: int) -> dict[str, Any]:
         "itl_ms": distribution(gaps),
         "itl_ms_turn_mean": distribution(
             [statistics.fmean(r.itl_gaps_ms) for r in ok if r.itl_gaps_ms]),
+        "tpot_ms": distribution([r.tpot_ms for r in ok if r.tpot_ms is not None]),
         "prompt_tokens": {"total": sum(prompts), "mean": round(statistics.fmean(prompts), 1)
                           if prompts else None, "max": max(prompts) if prompts else None},
         "completion_tokens": sum(r.completion_tokens or 0 for r in ok),
@@ -300,6 +313,7 @@ def compare(summaries: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         for q in ("p50", "p90", "p99"):
             out[f"{key}_{q}_off_over_on"] = _ratio(off[key][q], on[key][q])
     out["itl_ms_p99_on_over_off"] = _ratio(on["itl_ms"]["p99"], off["itl_ms"]["p99"])
+    out["tpot_ms_p50_on_over_off"] = _ratio(on["tpot_ms"]["p50"], off["tpot_ms"]["p50"])
     out["prefill_computed_off_over_on"] = _ratio(off["prefill_computed_tokens"],
                                                  on["prefill_computed_tokens"])
     out["computed_off_over_on"] = _ratio(off["computed_tokens"], on["computed_tokens"])
@@ -313,7 +327,7 @@ HEADLINE: dict[str, tuple[str, ...]] = {
     "ttft_ms_p50": ("ttft_ms", "p50"), "ttft_ms_p90": ("ttft_ms", "p90"),
     "ttft_ms_p99": ("ttft_ms", "p99"), "ttft_ms_turn2plus_p50": ("ttft_ms_turn2plus", "p50"),
     "itl_ms_p50": ("itl_ms", "p50"), "itl_ms_p90": ("itl_ms", "p90"),
-    "itl_ms_p99": ("itl_ms", "p99"),
+    "itl_ms_p99": ("itl_ms", "p99"), "tpot_ms_p50": ("tpot_ms", "p50"),
     "prefill_computed_tokens": ("prefill_computed_tokens",),
     "decode_computed_tokens": ("decode_computed_tokens",),
     "computed_tokens": ("computed_tokens",), "turns_per_s": ("turns_per_s",),
@@ -509,7 +523,8 @@ def table(results: dict[str, Any]) -> str:
             f"{mode:<5} TTFT p50 {_range(sp['ttft_ms_p50'])}, p90 {_range(sp['ttft_ms_p90'])}, "
             f"p99 {_range(sp['ttft_ms_p99'])}; t2+ p50 {_range(sp['ttft_ms_turn2plus_p50'])}; "
             f"ITL p50 {_range(sp['itl_ms_p50'], '.1f')}, p99 {_range(sp['itl_ms_p99'], '.1f')}"
-            f"; computed {_range(sp['computed_tokens'])}")
+            f"; TPOT p50 {_range(sp['tpot_ms_p50'], '.1f')}; computed "
+            f"{_range(sp['computed_tokens'])}")
     cmp = results.get("comparison")
     if cmp:
         rows.extend(_comparison_rows(cmp))
@@ -523,6 +538,7 @@ def _comparison_rows(cmp: dict[str, Any]) -> list[str]:
               "ttft_ms_turn2plus_p50_off_over_on": "turns 2+ p50 off/on",
               "itl_ms_p50_off_over_on": "ITL p50 off/on",
               "itl_ms_p99_on_over_off": "ITL p99 on/off",
+              "tpot_ms_p50_on_over_off": "TPOT p50 on/off",
               "prefill_computed_off_over_on": "prefill computed off/on",
               "computed_off_over_on": "computed (P+D) off/on",
               "turns_per_s_on_over_off": "turns/s on/off"}
@@ -541,7 +557,8 @@ def _comparison_rows(cmp: dict[str, Any]) -> list[str]:
         rows.append(f"verdict: kvturn was never slower: TTFT p50, p90, p99 and turns 2+ p50 "
                     f"off/on >= 1.00 in all {n} repeat(s)")
     else:
-        worst = ", ".join(f"{labels[s['ratio']]} {s['value']:.2f} (repeat {s['repeat'] + 1})"
+        # Three decimals: a ratio of 0.996 is slower and must not print as 1.00.
+        worst = ", ".join(f"{labels[s['ratio']]} {s['value']:.3f} (repeat {s['repeat'] + 1})"
                           for s in v["slower"])
         rows.append(f"verdict: kvturn was SLOWER in {len(v['slower'])} of "
                     f"{n * len(NEVER_SLOWER)} checks: {worst}")

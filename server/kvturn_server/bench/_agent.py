@@ -604,8 +604,9 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "every repeat with new words. Prints the configuration (prefix cache, "
                     "instances, reply profile, host CPU and AMX), then per mode the medians "
                     "over the repeats and their spread of TTFT p50/p90/p99 and turns 2+ p50, "
-                    "inter-token latency p50/p99, prompt tokens computed by the prefill, by "
-                    "the decode and their sum, turns per second, the decode's retained memory "
+                    "inter-token latency p50/p99 (and time per output token), prompt "
+                    "tokens computed by the prefill, by the decode and their sum, turns per "
+                    "second, the decode's retained memory "
                     "and the router's per-turn reports; then the off/on ratios of every "
                     "repeat and whether kvturn was never slower. Writes every turn and sample "
                     "as JSON and a PNG plot. The default run (3 repeats) takes about 7 "
@@ -644,7 +645,8 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                                                       PROFILE_TEXT.items())
                         + " (default: %(default)s). The local models never end a reply "
                           "early (their LM head only picks words), so replies are as long as "
-                          "asked")
+                          "asked. Six long turns may not fit the tiny model's 8k context: "
+                          "add --turns 5")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens,
                    help="every reply's length in the tool profile (default: %(default)s)")
     p.add_argument("--long-reply-tokens", type=_message_tokens, default=d.long_reply_tokens,

@@ -1,5 +1,7 @@
-"""The agent benchmark without servers: the gap distribution, the workload, the summary math,
-the JSON and the plot, and the agent loop against an in-process fake router."""
+"""The agent benchmark without servers: the gap distribution, the workload (profiles, repeats,
+rotation), the summary math (inter-token latency, computed tokens on both instances, the
+router's route reports, medians and spreads over repeats, the verdict), the host, the JSON,
+the table and the plot, and the agent loop against an in-process fake router."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import asyncio
 import json
 import math
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -28,7 +31,9 @@ from kvturn_server.bench._agent import (
     agent_stack_config,
     build_results,
     build_scripts,
+    compare,
     measure,
+    mode_order,
     percentile,
     settings_from_args,
     summarize,
@@ -36,6 +41,14 @@ from kvturn_server.bench._agent import (
     write_json,
     write_plot,
 )
+from kvturn_server.bench._agent_report import (
+    aggregate_comparison,
+    cdf_points,
+    median_tree,
+    spread,
+    verdict,
+)
+from kvturn_server.bench._host import cpu_info, describe_cpu, host_info
 from kvturn_server.local._metrics import PromptSources
 
 MIB = 1024 * 1024
@@ -87,9 +100,29 @@ def test_settings_derive_the_lease_and_the_keepalive_from_the_time_scale() -> No
         AgentBenchSettings(modes=("fast",))
     with pytest.raises(ValueError):
         AgentBenchSettings(message_tokens=(300, 100))
+    with pytest.raises(ValueError):
+        AgentBenchSettings(repeats=0)
+    with pytest.raises(ValueError, match="profile"):
+        AgentBenchSettings(profile="essay")
+    with pytest.raises(ValueError):
+        AgentBenchSettings(long_reply_tokens=(1000, 300))
     AgentBenchSettings().check_fits(8192)  # the defaults fit the tiny model's context
+    AgentBenchSettings(max_tokens=256).check_fits(8192)
     with pytest.raises(ValueError, match="context"):
         AgentBenchSettings(turns=40).check_fits(8192)
+
+
+def test_the_context_check_counts_the_drawn_reply_lengths() -> None:
+    tool = AgentBenchSettings()
+    long = AgentBenchSettings(profile="long")
+    # The same messages, 64-token replies against 300-1000: the long profile needs more.
+    assert long.context_needed() > tool.context_needed() + 6 * (300 - 64)
+    assert long.context_needed() < tool.context_needed() + 6 * (1000 - 64)
+    assert long.max_prompt_tokens() < long.context_needed()
+    # Six long turns after a 2,500-token system prompt can pass the tiny model's 8k; five fit.
+    with pytest.raises(ValueError, match="long-reply-tokens"):
+        long.check_fits(8192)
+    AgentBenchSettings(profile="long", turns=5).check_fits(8192)
 
 
 def test_scripts_are_deterministic_with_the_requested_sizes() -> None:
@@ -113,6 +146,63 @@ def test_scripts_are_deterministic_with_the_requested_sizes() -> None:
     assert len({a.system for a in on}) == 4  # every agent its own history
     assert build_scripts(AgentBenchSettings(agents=4, turns=5, seed=4), "on")[0].gaps_s \
         != on[0].gaps_s
+    assert all(a.reply_tokens == (64,) * 5 for a in on)  # the tool profile: --max-tokens
+
+
+def test_every_repeat_runs_the_same_scripts_with_new_words() -> None:
+    s = AgentBenchSettings(agents=3, turns=4, system_tokens=200, seed=5)
+    runs = {(mode, repeat): build_scripts(s, mode, repeat)
+            for mode in ("off", "on") for repeat in range(3)}
+    shapes = {key: [(a.message_words, a.gaps_s, a.start_s, a.reply_tokens) for a in scripts]
+              for key, scripts in runs.items()}
+    assert len({repr(v) for v in shapes.values()}) == 1
+    systems = {a.system for scripts in runs.values() for a in scripts}
+    assert len(systems) == 2 * 3 * 3  # no prefix shared between any two runs or agents
+    assert all(a.repeat == repeat for (_, repeat), scripts in runs.items() for a in scripts)
+    assert build_scripts(s, "on", 1) == build_scripts(s, "on", 1)
+    assert build_scripts(s, "on") == build_scripts(s, "on", 0)
+
+
+def test_the_long_profile_draws_reply_lengths_per_turn_and_keeps_the_messages() -> None:
+    tool = AgentBenchSettings(agents=4, turns=6, seed=2)
+    long = replace(tool, profile="long", long_reply_tokens=(300, 1000))
+    tool_scripts, long_scripts = build_scripts(tool, "on"), build_scripts(long, "on")
+    replies = [n for a in long_scripts for n in a.reply_tokens]
+    assert all(300 <= n <= 1000 for n in replies) and len(set(replies)) > 10
+    for a, b in zip(tool_scripts, long_scripts, strict=True):
+        assert (a.message_words, a.gaps_s, a.system) == (b.message_words, b.gaps_s, b.system)
+    # The same draws in every mode and repeat, and in the JSON.
+    assert [a.reply_tokens for a in build_scripts(long, "off", 2)] == [
+        a.reply_tokens for a in long_scripts]
+    assert long.reply_description()["max_tokens_range"] == [300, 1000]
+    assert tool.reply_description()["max_tokens"] == 64
+    assert "300-1000" in long.reply_text() and "64" in tool.reply_text()
+
+
+def test_each_repeat_rotates_the_order_of_the_modes() -> None:
+    assert [mode_order(("off", "on"), r) for r in range(4)] == [
+        ("off", "on"), ("on", "off"), ("off", "on"), ("on", "off")]
+    assert [mode_order(("on", "off"), r) for r in range(2)] == [("on", "off"), ("off", "on")]
+    assert mode_order(("on",), 5) == ("on",)
+
+
+# The host.
+
+def test_the_cpu_model_and_amx_come_from_cpuinfo(tmp_path: Path) -> None:
+    amx = tmp_path / "amx"
+    amx.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+                   "flags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8\n\n"
+                   "processor\t: 1\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n")
+    assert cpu_info(amx) == {"model": "Intel(R) Xeon(R) Platinum 8480+", "amx": True}
+    plain = tmp_path / "plain"
+    plain.write_text("model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f amx_bf16x\n")
+    assert cpu_info(plain) == {"model": "AMD EPYC", "amx": False}
+    assert cpu_info(tmp_path / "missing") == {"model": None, "amx": None}
+    machine = host_info(plain)
+    assert machine["cpu_model"] == "AMD EPYC" and machine["amx"] is False
+    assert machine["cpus"] and machine["python"]
+    assert describe_cpu(machine).startswith("AMD EPYC, ") and "no AMX" in describe_cpu(machine)
+    assert "AMX unknown" in describe_cpu(host_info(tmp_path / "missing"))
 
 
 def test_the_stack_runs_the_router_and_scales_the_lease(tmp_path: Path) -> None:
@@ -122,8 +212,8 @@ def test_the_stack_runs_the_router_and_scales_the_lease(tmp_path: Path) -> None:
     assert cfg.router_port == 9100 and cfg.decode_control_port == 9101
     assert cfg.decoder_kv_blocks_ttl == 96.0
     assert cfg.max_model_len == 32768 and cfg.served_model_name == "kvturn-bench"
-    assert not cfg.prefill_prefix_caching
-    assert agent_stack_config(AgentBenchSettings(prefill_prefix_cache=True), {}) \
+    assert cfg.prefill_prefix_caching  # vLLM's default, what users run
+    assert not agent_stack_config(AgentBenchSettings(prefill_prefix_cache=False), {}) \
         .prefill_prefix_caching
 
 
@@ -137,35 +227,52 @@ def test_percentiles_interpolate_between_order_statistics() -> None:
     assert percentile(values, 0.0) == 1.0 and percentile(values, 1.0) == 10.0
     assert percentile([4.0], 0.99) == 4.0
     assert percentile([], 0.5) is None
+    points = cdf_points(values)
+    assert len(points) == 101 and points[0] == 1.0 and points[50] == 5.5 and points[100] == 10.0
 
 
 def _record(mode: str, agent: int, turn: int, ttft: float | None, prompt: int,
-            reuse: str = "miss", reused: int = 0, error: str | None = None) -> TurnRecord:
+            reuse: str = "miss", reused: int = 0, error: str | None = None,
+            itl: tuple[float, ...] = (), repeat: int = 0, route: str | None = None,
+            choice: str | None = None, completion: int = 64) -> TurnRecord:
     return TurnRecord(mode=mode, agent=agent, turn=turn, conversation_id=None,
                       started_s=float(turn), message_role="tool", message_words=100,
-                      prompt_tokens=prompt, completion_tokens=64, ttft_ms=ttft,
+                      prompt_tokens=prompt, completion_tokens=completion, ttft_ms=ttft,
                       total_ms=None if ttft is None else ttft + 500, reuse=reuse,
-                      reused_tokens=reused, error=error)
+                      reused_tokens=reused, error=error, repeat=repeat, max_tokens=64,
+                      route=route, prefill_choice=choice, content_chunks=len(itl) + 1,
+                      itl_gaps_ms=list(itl))
 
 
-def _runs() -> list[ModeRun]:
+def _runs(repeat: int = 0, on_scale: float = 1.0, on_itl: float = 20.0) -> list[ModeRun]:
+    """One repeat: "off" then "on"; ``on_scale`` multiplies the on mode's TTFTs and
+    ``on_itl`` is its inter-token gap."""
     off = ModeRun(
-        mode="off", wall_s=10.0, agents=[AgentOutcome("off", 0, None, 3)],
-        records=[_record("off", 0, 1, 100.0, 1000), _record("off", 0, 2, 300.0, 1500),
-                 _record("off", 0, 3, 500.0, 2000),
-                 _record("off", 0, 4, None, 0, error="APIError: boom")],
-        samples=[Sample("off", 0.0, 0, 0.0), Sample("off", 5.0, 0, 2500.0)],
+        mode="off", wall_s=10.0, agents=[AgentOutcome("off", 0, None, 3, repeat=repeat)],
+        records=[_record("off", 0, 1, 100.0, 1000, itl=(20.0, 20.0), repeat=repeat),
+                 _record("off", 0, 2, 300.0, 1500, itl=(20.0, 40.0), repeat=repeat),
+                 _record("off", 0, 3, 500.0, 2000, itl=(20.0,), repeat=repeat),
+                 _record("off", 0, 4, None, 0, error="APIError: boom", repeat=repeat)],
+        samples=[Sample("off", 0.0, 0, 0.0, repeat), Sample("off", 5.0, 0, 2500.0, repeat)],
         prefill_before=PromptSources(1000.0, 0.0, 0.0),
-        prefill_after=PromptSources(5500.0, 0.0, 0.0), load_before=(1.0, 1.0, 1.0))
+        prefill_after=PromptSources(5500.0, 0.0, 0.0),
+        decode_before=PromptSources(0.0, 0.0, 0.0),
+        decode_after=PromptSources(0.0, 0.0, 4500.0), load_before=(1.0, 1.0, 1.0),
+        repeat=repeat)
     on = ModeRun(
-        mode="on", wall_s=8.0, agents=[AgentOutcome("on", 0, "kvt-x", 3)],
-        records=[_record("on", 0, 1, 100.0, 1000),
-                 _record("on", 0, 2, 50.0, 1500, "hit", 1024),
-                 _record("on", 0, 3, 60.0, 2000, "partial", 1504)],
-        samples=[Sample("on", 0.0, 0, 0.0), Sample("on", 1.0, 2 * MIB, 1000.0),
-                 Sample("on", 2.0, 4 * MIB, None), Sample("on", 3.0, None, 1500.0)],
+        mode="on", wall_s=8.0, agents=[AgentOutcome("on", 0, "kvt-x", 3, repeat=repeat)],
+        records=[_record("on", 0, 1, 100.0 * on_scale, 1000, itl=(on_itl,), repeat=repeat),
+                 _record("on", 0, 2, 50.0 * on_scale, 1500, "hit", 1024, itl=(on_itl,),
+                         repeat=repeat),
+                 _record("on", 0, 3, 60.0 * on_scale, 2000, "partial", 1504, itl=(on_itl,),
+                         repeat=repeat)],
+        samples=[Sample("on", 0.0, 0, 0.0, repeat), Sample("on", 1.0, 2 * MIB, 1000.0, repeat),
+                 Sample("on", 2.0, 4 * MIB, None, repeat),
+                 Sample("on", 3.0, None, 1500.0, repeat)],
         prefill_before=PromptSources(5500.0, 0.0, 0.0),
-        prefill_after=PromptSources(7000.0, 0.0, 2528.0))
+        prefill_after=PromptSources(7000.0, 0.0, 2528.0),
+        decode_before=PromptSources(0.0, 0.0, 4500.0),
+        decode_after=PromptSources(10.0, 2528.0, 6000.0), repeat=repeat)
     return [off, on]
 
 
@@ -184,13 +291,140 @@ def test_a_mode_summary_counts_only_successful_turns() -> None:
     assert on["prefill_tokens"] == {"computed": 1500.0, "local_cache": 0.0,
                                     "transferred": 2528.0}
     assert on["retained_mib"] == {"max": 4.0, "mean": 2.0, "samples": 3}
-    assert on["decode_tokens"] is None  # not measured
+    assert off["completion_tokens"] == 192 and off["completion_tokens_requested"] == 192
+    assert off["replies_short"] == 0 and off["finish_reasons"] == {"unreported": 3}
+
+
+def test_inter_token_latency_pools_every_gap_and_averages_each_turn() -> None:
+    off = summarize(_runs()[0], planned_turns=4)
+    # Gaps 20, 20 | 20, 40 | 20 (the failed turn has none): pooled, then per turn.
+    assert off["itl_ms"]["n"] == 5 and off["itl_ms"]["p50"] == 20.0
+    assert off["itl_ms"]["max"] == 40.0 and off["itl_ms"]["p99"] == pytest.approx(39.2)
+    assert off["itl_ms_turn_mean"]["n"] == 3 and off["itl_ms_turn_mean"]["max"] == 30.0
+    assert off["content_chunks"] == 8
+    # A turn's JSON carries its own ITL summary, not every gap.
+    data = _record("on", 0, 1, 10.0, 10, itl=(5.0, 15.0), completion=3).to_json()
+    assert "itl_gaps_ms" not in data
+    assert data["itl_ms"]["n"] == 2 and data["itl_ms"]["p50"] == 10.0
+    assert data["tpot_ms"] == 10.0
+
+
+def test_time_per_output_token_does_not_depend_on_how_the_tokens_were_chunked() -> None:
+    # 65 tokens: 64 gaps of 10 ms, or a stall of 330 ms after which 33 tokens came in one
+    # chunk, then 31 gaps of 10 ms: the chunk gaps differ, the time per token does not.
+    steady = _record("off", 0, 1, 100.0, 10, itl=(10.0,) * 64, completion=65)
+    stalled = _record("off", 0, 2, 100.0, 10, itl=(330.0,) + (10.0,) * 31, completion=65)
+    assert steady.tpot_ms == stalled.tpot_ms == 10.0
+    assert _record("off", 0, 3, 1.0, 1, itl=(), completion=1).tpot_ms is None
+    run = ModeRun(mode="off", wall_s=1.0, samples=[], agents=[], records=[steady, stalled])
+    s = summarize(run, 2)
+    assert s["tpot_ms"]["n"] == 2 and s["tpot_ms"]["p50"] == 10.0
+    assert s["itl_ms"]["n"] == 96 and s["itl_ms"]["max"] == 330.0
+    assert s["content_chunks"] == 65 + 33 and s["completion_tokens"] == 130
+
+
+def test_computed_tokens_count_both_instances_and_the_comparison_uses_their_sum() -> None:
+    summaries = {run.mode: summarize(run, 4) for run in _runs()}
+    off, on = summaries["off"], summaries["on"]
+    assert (off["prefill_computed_tokens"], off["decode_computed_tokens"],
+            off["computed_tokens"]) == (4500.0, 0.0, 4500.0)
+    assert (on["prefill_computed_tokens"], on["decode_computed_tokens"],
+            on["computed_tokens"]) == (1500.0, 10.0, 1510.0)
+    cmp = compare(summaries)
+    assert cmp is not None
+    assert cmp["prefill_computed_off_over_on"] == 3.0
+    assert cmp["computed_off_over_on"] == pytest.approx(4500 / 1510, abs=1e-3)
+    # A decode that continues a turn itself computes that turn's new tokens: the sum shows it
+    # where the prefill's count alone would not.
+    decode_heavy = replace(_runs()[1], decode_after=PromptSources(3000.0, 2528.0, 6000.0))
+    cmp = compare({"off": off, "on": summarize(decode_heavy, 4)})
+    assert cmp is not None
+    assert cmp["prefill_computed_off_over_on"] == 3.0 and cmp["computed_off_over_on"] == 1.0
+    unmeasured = replace(_runs()[1], decode_after=None)
+    assert summarize(unmeasured, 4)["computed_tokens"] is None
+
+
+def test_the_routers_route_reports_are_counted_per_mode() -> None:
+    run = ModeRun(mode="on", wall_s=1.0, samples=[], agents=[], records=[
+        _record("on", 0, 1, 100.0, 10, route="prefill", choice="holder"),
+        _record("on", 0, 2, 20.0, 10, route="decode"),
+        _record("on", 0, 3, 30.0, 10, route="decode"),
+        _record("on", 0, 4, 90.0, 10, route="prefill", choice="load"),
+        _record("on", 0, 5, 300.0, 10, route="fallback"),
+        _record("on", 0, 6, 40.0, 10)])  # a router that does not say
+    s = summarize(run, 6)
+    assert s["routes"] == {"decode": 2, "fallback": 1, "prefill": 2, "unreported": 1}
+    # Choices only where a prefill was chosen (or the router did not say).
+    assert s["prefill_choices"] == {"holder": 1, "load": 1, "unreported": 1}
+    assert s["ttft_ms_by_route"]["decode"]["p50"] == 25.0
+    assert s["ttft_ms_by_route"]["prefill"]["n"] == 2
+    assert set(s["ttft_ms_by_route"]) == {"decode", "fallback", "prefill"}
+    today = summarize(_runs()[1], 3)  # no router sends the headers yet
+    assert today["routes"] == {"unreported": 3} and today["prefill_choices"] == {
+        "unreported": 3}
+
+
+def test_medians_over_repeats_go_leaf_by_leaf_and_counters_fill_in_zeros() -> None:
+    merged = median_tree([
+        {"mode": "on", "n": 1, "d": {"p50": 10.0, "p99": None}, "outcomes": {"hit": 4},
+         "load": [1.0], "flag": True},
+        {"mode": "on", "n": 3, "d": {"p50": 30.0, "p99": 5.0}, "outcomes": {"hit": 2,
+                                                                             "miss": 3},
+         "load": [2.0], "flag": True},
+        {"mode": "on", "n": 2, "d": {"p50": 20.0, "p99": 7.0}, "outcomes": {"hit": 3},
+         "load": [3.0], "flag": True}])
+    assert merged == {"mode": "on", "n": 2, "d": {"p50": 20.0, "p99": 6.0},
+                      "outcomes": {"hit": 3, "miss": 0}, "flag": True}
+    assert median_tree([None, None]) is None
+    assert spread([3.0, None, 1.0, 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0,
+                                            "per_repeat": [3.0, None, 1.0, 2.0]}
+    assert spread([None]) == {"min": None, "median": None, "max": None, "per_repeat": [None]}
+
+
+def _ratios(repeat: int, ttft: float, itl_on_over_off: float = 1.0,
+            computed: float = 1.2) -> dict[str, Any]:
+    return {"repeat": repeat, "order": ["off", "on"], "ttft_ms_p50_off_over_on": ttft,
+            "ttft_ms_p90_off_over_on": ttft, "ttft_ms_p99_off_over_on": ttft,
+            "ttft_ms_turn2plus_p50_off_over_on": ttft, "itl_ms_p99_on_over_off": itl_on_over_off,
+            "computed_off_over_on": computed, "prefill_computed_off_over_on": computed}
+
+
+def test_the_verdict_says_whether_kvturn_was_ever_slower() -> None:
+    fine = verdict([_ratios(0, 1.0), _ratios(1, 1.3, 1.09)])
+    assert fine["never_slower"] is True and fine["slower"] == []
+    assert fine["computed_never_more"] is True and fine["itl_p99_within_10pct"] is True
+    assert fine["itl_p99_on_over_off_max"] == 1.09
+    slow = verdict([_ratios(0, 1.1), _ratios(1, 1.1, 1.2, computed=0.9)])
+    assert slow["never_slower"] is True
+    assert slow["itl_p99_within_10pct"] is False and slow["computed_never_more"] is False
+    row = _ratios(1, 1.2)
+    row["ttft_ms_p99_off_over_on"] = 0.97
+    worse = verdict([_ratios(0, 1.2), row])
+    assert worse["never_slower"] is False
+    assert worse["slower"] == [{"ratio": "ttft_ms_p99_off_over_on", "repeat": 1, "value": 0.97}]
+    barely = verdict([_ratios(0, 0.999)])
+    assert barely["never_slower"] is False and len(barely["slower"]) == 4
+    row = _ratios(0, 1.2)
+    row["ttft_ms_p90_off_over_on"] = None
+    assert verdict([row])["never_slower"] is None  # not measured is not "never slower"
+    agg = aggregate_comparison([_ratios(0, 0.9), _ratios(1, 1.5), _ratios(2, 1.1)])
+    assert agg is not None
+    assert agg["ttft_ms_p50_off_over_on"] == 1.1  # the median over the repeats
+    assert agg["spread"]["ttft_ms_p50_off_over_on"] == {
+        "min": 0.9, "median": 1.1, "max": 1.5, "per_repeat": [0.9, 1.5, 1.1]}
+    assert agg["verdict"]["never_slower"] is False and len(agg["per_repeat"]) == 3
+    assert aggregate_comparison([]) is None
+
+
+AMD = {"cpus": 2, "cpu_model": "AMD EPYC", "amx": False, "python": "3.12",
+       "platform": "Linux"}
 
 
 def test_the_results_document_has_settings_seed_summaries_records_and_samples(
         tmp_path: Path) -> None:
-    settings = AgentBenchSettings(agents=1, turns=4, seed=11)
-    results = build_results(settings, _runs(), {"load_average": {"start": [], "end": []}})
+    settings = AgentBenchSettings(agents=1, turns=4, seed=11, repeats=1)
+    results = build_results(settings, _runs(), {"load_average": {"start": [], "end": []}},
+                            machine=AMD)
     path = tmp_path / "out" / "agent.json"
     write_json(results, path)
     data = json.loads(path.read_text())
@@ -201,22 +435,79 @@ def test_the_results_document_has_settings_seed_summaries_records_and_samples(
     assert set(data["modes"]) == {"off", "on"}
     assert data["gaps"]["distribution"] == "lognormal"
     assert len(data["gaps"]["drawn_s"]["0"]) == 3
+    assert data["replies"]["profile"] == "tool"
+    assert data["replies"]["drawn_max_tokens"] == {"0": [64] * 4}
     assert data["comparison"]["prefill_computed_off_over_on"] == 3.0
     assert data["comparison"]["ttft_ms_p50_off_over_on"] == pytest.approx(300.0 / 60.0, abs=1e-3)
+    assert data["machine"] == AMD
+    assert data["configuration"] == {
+        "prefill_prefix_cache": True, "decode_prefix_cache": True, "prefills": 1,
+        "decodes": 1, "router": True, "model": "tiny", "agents": 1, "turns": 4,
+        "system_tokens": 2500, "message_tokens": [100, 300],
+        "reply": settings.reply_description(), "repeats": 1, "orders": [["off", "on"]],
+        "cpu_model": "AMD EPYC", "amx": False, "cpus": 2}
     assert len(data["turns"]) == 7 and len(data["samples"]) == 6
     assert set(data["turns"][0]) == {
         "mode", "agent", "turn", "conversation_id", "started_s", "message_role",
         "message_words", "prompt_tokens", "completion_tokens", "ttft_ms", "total_ms", "reuse",
-        "reused_tokens", "no_reuse_reason", "finish_reason", "gap_after_s", "error"}
+        "reused_tokens", "no_reuse_reason", "finish_reason", "gap_after_s", "error", "repeat",
+        "max_tokens", "route", "prefill_choice", "content_chunks", "itl_ms", "tpot_ms"}
     assert set(data["samples"][0]) == {"mode", "t_s", "retained_bytes",
-                                       "prefill_computed_tokens"}
+                                       "prefill_computed_tokens", "repeat"}
     assert data["load_average"] == {"start": [], "end": []}
+    # One repeat: the medians are that repeat's figures.
+    assert data["modes"]["off"]["ttft_ms"] == data["repeats"][0]["modes"]["off"]["ttft_ms"]
     lines = table(data).splitlines()
-    assert lines[1].startswith("off") and lines[2].startswith("on") and "off/on" in lines[3]
+    assert lines[0].startswith("configuration: prefill prefix cache ON (vLLM default)")
+    assert "1 prefill + 1 decode + router" in lines[0] and "tool profile, 64 tokens" in lines[0]
+    assert "AMD EPYC, 2 CPUs, no AMX" in lines[0]
+    assert lines[3].startswith("off") and lines[4].startswith("on")
+    assert any(line.startswith("verdict: kvturn was never slower") for line in lines)
+
+
+def test_repeats_report_medians_spreads_and_the_ratio_of_every_repeat() -> None:
+    settings = AgentBenchSettings(agents=1, turns=4, repeats=3, prefill_prefix_cache=False,
+                                  profile="long")
+    # Repeat 1 runs on first (rotated) and is slower than off at p50; ITL on/off 1.0, 1.5, 1.0.
+    first, second, third = _runs(0), _runs(1, on_scale=6.0, on_itl=30.0), _runs(2, 2.0)
+    runs = [*first, second[1], second[0], *third]
+    results = build_results(settings, runs, machine=AMD)
+    assert results["order"] == ["off", "on", "on", "off", "off", "on"]
+    assert results["configuration"]["orders"] == [["off", "on"], ["on", "off"], ["off", "on"]]
+    assert [r["order"] for r in results["repeats"]] == results["configuration"]["orders"]
+    on = results["modes"]["on"]
+    assert on["repeats"] == 3 and on["turns_ok_total"] == 9 and on["errors_total"] == 0
+    assert results["modes"]["off"]["errors_total"] == 3
+    # p50 of each repeat's on TTFTs: 60, 360, 120 -> median 120, spread 60-360.
+    assert on["ttft_ms"]["p50"] == 120.0
+    assert on["spread"]["ttft_ms_p50"] == {"min": 60.0, "median": 120.0, "max": 360.0,
+                                           "per_repeat": [60.0, 360.0, 120.0]}
+    assert on["spread"]["itl_ms_p99"]["per_repeat"] == [20.0, 30.0, 20.0]
+    assert on["itl_ms_pooled"]["n"] == 9 and len(on["itl_ms_pooled"]["cdf_pct"]) == 101
+    assert on["spread"]["computed_tokens"]["per_repeat"] == [1510.0] * 3
+    cmp = results["comparison"]
+    assert [row["repeat"] for row in cmp["per_repeat"]] == [0, 1, 2]
+    assert cmp["per_repeat"][1]["order"] == ["on", "off"]
+    p50 = cmp["spread"]["ttft_ms_p50_off_over_on"]["per_repeat"]
+    assert p50 == [5.0, pytest.approx(0.833, abs=1e-3), 2.5]
+    assert cmp["ttft_ms_p50_off_over_on"] == 2.5
+    assert cmp["spread"]["itl_ms_p99_on_over_off"]["per_repeat"] == [
+        pytest.approx(20 / 39.2, abs=1e-3), pytest.approx(30 / 39.2, abs=1e-3),
+        pytest.approx(20 / 39.2, abs=1e-3)]
+    assert cmp["verdict"]["never_slower"] is False
+    assert {s["repeat"] for s in cmp["verdict"]["slower"]} == {1}
+    text = table(results)
+    assert "prefill prefix cache OFF" in text and "long profile, 300-1000 tokens" in text
+    assert "order off,on / on,off / off,on" in text
+    assert "medians over 3 repeat(s)" in text and "spread over the repeats" in text
+    assert "verdict: kvturn was SLOWER in 3 of 12 checks" in text
+    assert "TTFT p50 off/on 0.833 (repeat 2)" in text
+    assert "TTFT p50 off/on         5.00 0.83 2.50" in text
 
 
 def test_the_plot_is_a_png(tmp_path: Path) -> None:
-    results = build_results(AgentBenchSettings(agents=1, turns=4), _runs())
+    results = build_results(AgentBenchSettings(agents=1, turns=4, repeats=2),
+                            [*_runs(0), *reversed(_runs(1))], machine=AMD)
     path = tmp_path / "agent.png"
     assert write_plot(results, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -239,32 +530,41 @@ class _FixedProbe:
 
 def test_the_sampler_always_has_a_first_and_a_last_point() -> None:
     ticks = iter(range(100))
-    sampler = Sampler(_FixedProbe(), "on", interval=3600.0, clock=lambda: float(next(ticks)))
+    sampler = Sampler(_FixedProbe(), "on", interval=3600.0, clock=lambda: float(next(ticks)),
+                      repeat=2)
     sampler.start(t0=0.0)
     samples = sampler.stop()
     assert [s.retained_bytes for s in samples] == [MIB, 2 * MIB]
-    assert [s.mode for s in samples] == ["on", "on"]
+    assert [(s.mode, s.repeat) for s in samples] == [("on", 2), ("on", 2)]
     assert samples[0].t_s < samples[1].t_s
 
 
 def test_the_command_line_maps_onto_the_settings(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
-    add_agent_bench_parser(parser.add_subparsers())
+    agent_parser = add_agent_bench_parser(parser.add_subparsers())
     args = parser.parse_args(["agent", "--json", str(tmp_path / "a.json")])
     s = settings_from_args(args)
     assert callable(args.func)
     assert (s.agents, s.turns, s.time_scale, s.seed, s.size, s.modes) == (
         8, 6, 0.1, 0, "tiny", ("off", "on"))
+    assert (s.prefill_prefix_cache, s.repeats, s.profile, s.max_tokens) == (True, 3, "tool", 64)
     assert s.json_path == tmp_path / "a.json" and s.plot_path is None
     args = parser.parse_args(["agent", "--json", "x.json", "--modes", "on,off", "--agents", "2",
                               "--message-tokens", "50,60", "--max-gap", "0", "--size", "bench",
-                              "--prefill-prefix-cache", "--retention-ttl", "90"])
+                              "--no-prefill-prefix-cache", "--retention-ttl", "90",
+                              "--repeats", "5", "--profile", "long",
+                              "--long-reply-tokens", "400,500"])
     s = settings_from_args(args)
     assert s.modes == ("on", "off") and s.agents == 2 and s.message_tokens == (50, 60)
-    assert s.gap_cap_s is None and s.size == "bench" and s.prefill_prefix_cache
+    assert s.gap_cap_s is None and s.size == "bench" and not s.prefill_prefix_cache
     assert s.retention_ttl == 90.0
+    assert (s.repeats, s.profile, s.long_reply_tokens) == (5, "long", (400, 500))
     with pytest.raises(SystemExit):
         parser.parse_args(["agent", "--json", "x.json", "--modes", "on,slow"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["agent", "--json", "x.json", "--profile", "essay"])
+    text = agent_parser.format_help()
+    assert "--no-prefill-prefix-cache" in text and "vLLM" in text and "--repeats" in text
 
 
 # The agent loop against an in-process fake router.
@@ -275,11 +575,16 @@ def _sse(data: dict[str, Any]) -> str:
 
 class FakeRouter:
     """Answers streamed chat completions with reuse headers the way the router does (hit
-    after a conversation's first turn, miss without an id), plus the conversation endpoints."""
+    after a conversation's first turn, miss without an id), plus the conversation endpoints.
+    With ``routes`` it also reports each turn's route the way the next router version will:
+    a conversation's later turns continue on the decode (which then computes their new
+    tokens), every other turn takes a prefill leg chosen by round-robin or affinity."""
 
     REPLY = ("Sure", ",", " looking", " into", " it", ".")
 
-    def __init__(self) -> None:
+    def __init__(self, routes: bool = False) -> None:
+        self.routes = routes
+        self.decode_computed = 0
         self.requests: list[dict[str, Any]] = []
         self.keepalives: list[str] = []
         self.released: list[str] = []
@@ -318,7 +623,15 @@ class FakeRouter:
         if conversation is not None:
             self.last_prompt[conversation] = prompt
             self.live.add(conversation)
-        self.computed += prompt - reused
+        route: dict[str, str] = {}
+        if self.routes and reuse == "hit":
+            route = {"X-KVTurn-Route": "decode"}
+            self.decode_computed += prompt - reused
+        else:
+            if self.routes:
+                route = {"X-KVTurn-Route": "prefill", "X-KVTurn-Prefill-Choice":
+                         "round-robin" if conversation is None else "affinity"}
+            self.computed += prompt - reused
         base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
                 "model": body["model"]}
         events = [_sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant",
@@ -335,7 +648,7 @@ class FakeRouter:
             "total_tokens": prompt + len(self.REPLY)}}))
         events.append("data: [DONE]\n\n")
         headers = {"content-type": "text/event-stream", "X-KVTurn-Reuse": reuse,
-                   "X-KVTurn-Reused-Tokens": str(reused), "x-request-id": "fake"}
+                   "X-KVTurn-Reused-Tokens": str(reused), "x-request-id": "fake", **route}
         if conversation is not None:
             headers["X-KVTurn-Conversation"] = conversation
         return httpx2.Response(200, headers=headers, content="".join(events).encode())
@@ -354,7 +667,7 @@ class FakeProbe:
         return PromptSources(float(self.router.computed), 0.0, 0.0)
 
     def decode_sources(self) -> PromptSources | None:
-        return None
+        return PromptSources(float(self.router.decode_computed), 0.0, 0.0)
 
 
 def _client(router: FakeRouter) -> kvturn.AsyncOpenAI:
@@ -367,7 +680,7 @@ async def test_both_modes_run_every_turn_and_read_usage_and_reuse_headers() -> N
     router = FakeRouter()
     settings = AgentBenchSettings(agents=2, turns=3, system_tokens=50, message_tokens=(10, 20),
                                   stagger_s=0.0, time_scale=0.001, progress_interval_s=0,
-                                  sample_interval_s=3600.0)
+                                  sample_interval_s=3600.0, repeats=1)
     slept: list[float] = []
 
     async def sleep(seconds: float) -> None:
@@ -434,14 +747,18 @@ async def test_both_modes_run_every_turn_and_read_usage_and_reuse_headers() -> N
     drawn = [g for agent in results["gaps"]["drawn_s"].values() for g in agent]
     assert sorted(round(s, 4) for s in slept if s > 0) == sorted(
         [g for g in drawn if g > 0] * 2)
-    assert any(line.startswith("[on] done") for line in said)
+    assert any(line.startswith("[on 1/1] done") for line in said)
+    # Today's router sends no route report: recorded as such.
+    assert all(t["route"] is None and t["prefill_choice"] is None for t in turns)
+    assert summary["on"]["routes"] == {"unreported": 6}
+    assert summary["off"]["decode_computed_tokens"] == 0.0
 
 
 async def test_an_on_agent_keeps_its_lease_alive_during_each_tool_gap() -> None:
     router = FakeRouter()
     settings = AgentBenchSettings(agents=1, turns=3, system_tokens=20, message_tokens=(5, 5),
                                   modes=("on",), warmup=False, keepalive_interval_s=0.001,
-                                  progress_interval_s=0, sample_interval_s=3600.0)
+                                  progress_interval_s=0, sample_interval_s=3600.0, repeats=1)
     gaps_waited = 0
 
     async def until_a_keepalive(seconds: float) -> None:
@@ -484,7 +801,7 @@ async def test_a_failed_turn_is_recorded_and_stops_that_agent_only() -> None:
 
     settings = AgentBenchSettings(agents=1, turns=3, system_tokens=20, message_tokens=(5, 5),
                                   modes=("off",), warmup=False, progress_interval_s=0,
-                                  sample_interval_s=3600.0)
+                                  sample_interval_s=3600.0, repeats=1)
     http = httpx2.AsyncClient(transport=httpx2.MockTransport(flaky))
     client = kvturn.AsyncOpenAI(base_url="http://router.test/v1", api_key="bench",
                                 max_retries=0, http_client=http)
@@ -502,3 +819,64 @@ async def test_a_failed_turn_is_recorded_and_stops_that_agent_only() -> None:
     assert "BadRequestError" in turns[1]["error"]
     assert results["modes"]["off"]["errors"] == 1 and results["modes"]["off"]["turns_ok"] == 1
     assert results["agents"][0]["error"].startswith("turn 2:")
+
+
+async def test_repeats_rotate_the_modes_and_record_routes_gaps_and_reply_lengths() -> None:
+    router = FakeRouter(routes=True)
+    settings = AgentBenchSettings(agents=1, turns=3, system_tokens=20, message_tokens=(5, 5),
+                                  warmup=False, progress_interval_s=0, sample_interval_s=3600.0,
+                                  repeats=3, profile="long", long_reply_tokens=(300, 400))
+    ticks = 0.0
+
+    def clock() -> float:
+        # Every reading is 10 ms after the previous: the gaps between content chunks (one
+        # reading each, nothing else reads the clock between two) are exactly 10 ms.
+        nonlocal ticks
+        ticks += 0.01
+        return ticks
+
+    async def instant(seconds: float) -> None:
+        await asyncio.sleep(0)
+
+    said: list[str] = []
+    client = _client(router)
+    try:
+        results = await measure(settings, client, "kvturn-tiny", FakeProbe(router),
+                                say=said.append, sleep=instant, clock=clock)
+    finally:
+        await client.close()
+    assert results["order"] == ["off", "on", "on", "off", "off", "on"]
+    assert [line.split()[0:2] for line in said if " done in " in line] == [
+        ["[off", "1/3]"], ["[on", "1/3]"], ["[on", "2/3]"], ["[off", "2/3]"], ["[off", "3/3]"],
+        ["[on", "3/3]"]]
+    turns = results["turns"]
+    assert [(t["repeat"], t["mode"]) for t in turns[::3]] == [
+        (0, "off"), (0, "on"), (1, "on"), (1, "off"), (2, "off"), (2, "on")]
+    # The drawn reply lengths, the same in every run, are what was asked for.
+    drawn = results["replies"]["drawn_max_tokens"]["0"]
+    assert all(300 <= n <= 400 for n in drawn)
+    assert [r["body"]["max_tokens"] for r in router.requests] == drawn * 6
+    assert [t["max_tokens"] for t in turns] == drawn * 6
+    # The fake replies 6 tokens: every turn came back short, and the summary says so.
+    assert results["modes"]["on"]["replies_short"] == 3
+    # New words every run: six distinct system prompts.
+    assert len({r["body"]["messages"][0]["content"] for r in router.requests}) == 6
+    # Inter-token latency: 6 chunks, 5 gaps of 10 ms per turn.
+    assert all(t["content_chunks"] == 6 and t["itl_ms"]["n"] == 5 and t["itl_ms"]["p50"]
+               == pytest.approx(10.0) and t["itl_ms"]["max"] == pytest.approx(10.0)
+               for t in turns)
+    on, off = results["modes"]["on"], results["modes"]["off"]
+    assert on["itl_ms"]["p99"] == pytest.approx(10.0) and on["itl_ms_pooled"]["n"] == 45
+    assert results["comparison"]["itl_ms_p99_on_over_off"] == pytest.approx(1.0)
+    assert results["comparison"]["verdict"]["itl_p99_within_10pct"] is True
+    # Routes: off always takes a prefill leg (round-robin); on continues turns 2+ on the
+    # decode, which then computes their new tokens.
+    assert [t["route"] for t in turns if t["mode"] == "on"] == ["prefill", "decode",
+                                                                  "decode"] * 3
+    assert off["routes"] == {"prefill": 3} and off["prefill_choices"] == {"round-robin": 3}
+    assert on["routes"] == {"decode": 2, "prefill": 1}
+    assert on["prefill_choices"] == {"affinity": 1}
+    assert off["decode_computed_tokens"] == 0 and on["decode_computed_tokens"] > 0
+    assert on["computed_tokens"] == on["prefill_computed_tokens"] + on[
+        "decode_computed_tokens"]
+    assert [len(results["retained_bytes_at_mode_start"][m]) for m in ("off", "on")] == [3, 3]

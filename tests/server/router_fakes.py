@@ -175,10 +175,13 @@ class FakeBackend:
             return self.stream_response(body)
         retention = self._finish(body)
         params: dict[str, Any] = {"do_remote_decode": True}
-        if self.report_retained:
-            params["kvturn"] = ({"retained": True, "engine_id": self.engine_id,
-                                 "num_tokens": retention.num_tokens, "expires_in": 480.0}
-                                if retention else {"retained": False})
+        if self.report_retained and retention is not None:
+            # As the connector answers: the retention's published params, and the report.
+            params = {**retention.params, "kvturn": {
+                **retention.params["kvturn"], "retained": True, "engine_id": self.engine_id,
+                "num_tokens": retention.num_tokens, "expires_in": 480.0}}
+        elif self.report_retained:
+            params["kvturn"] = {"retained": False}
         return httpx2.Response(200, json={
             "id": f"cmpl-{self.name}", "object": "chat.completion",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"},

@@ -255,9 +255,12 @@ async def test_no_pin_when_the_prefill_already_holds_what_the_decode_would_give(
     cluster.prefills[0].prompt_tokens = 100  # the fake decode retains 100 tokens
     h = await make_harness(cluster)
     await h.chat("c", messages=[U1])
+    # The prefill's own cache covered the prompt's full blocks (block size 16, 100 tokens).
+    cluster.prefills[0].report = {"reason": "miss", "reused_tokens": 0, "local_tokens": 96}
     resp = await h.chat("c", messages=turn2())
     assert resp.headers["X-KVTurn-Route"] == "prefill"
-    assert resp.headers["X-KVTurn-Reuse"] == "below-threshold"
+    assert (resp.headers["X-KVTurn-Reuse"], resp.headers["X-KVTurn-Reused-Tokens"]) == \
+        ("hit", "0")
     assert not cluster.calls("decode0.control", "POST")
     # The leg carried no retention; the decode still retains the turn.
     assert cluster.bodies("prefill0")[-1]["kv_transfer_params"]["remote_block_ids"] is None

@@ -37,6 +37,7 @@ from kvturn_server.router._errors import ApiError, error_response, retry_headers
 from kvturn_server.router._history import Transcript
 from kvturn_server.router._identity import Identity, resolve_identity
 from kvturn_server.router._legs import (
+    ReuseReport,
     client_body,
     decode_body,
     prefill_body,
@@ -87,7 +88,7 @@ class Turn:
     """The state of one completion request while it runs."""
 
     __slots__ = ("body", "continued", "decode_backend", "endpoint", "holder", "identity",
-                 "key", "no_reuse", "path", "pin", "placement", "prefill_backend",
+                 "key", "no_reuse", "path", "pin", "pin_skipped", "placement", "prefill_backend",
                  "prefill_choice", "prefill_tokens", "r", "reason", "request_id",
                  "retention_sent", "reused_tokens", "route", "started", "stream",
                  "transcript", "upstream_headers")
@@ -110,6 +111,9 @@ class Turn:
         self.holder: Backend | None = None
         self.pin: Retention | None = None
         self.retention_sent = False
+        # A pin skipped because the chosen prefill holds what the retention would add: the
+        # reuse value then comes from that prefill's own cache (``_settle_reuse``).
+        self.pin_skipped = False
         self.reason = "miss"
         self.reused_tokens = 0
         self.prefill_backend: Backend | None = None
@@ -209,7 +213,9 @@ class Turn:
             return False
         gain = read_gain(placement, prefill)
         if gain >= max(1, self.r.config.min_read_tokens):
+            self.pin_skipped = False
             return True
+        self.pin_skipped = gain == 0
         self.reason = "below-threshold"
         return False
 
@@ -332,6 +338,7 @@ class Turn:
             pin = self.pin
             data = self._prefill_data()
         elif pin is None and self.reason == "below-threshold" and self._worth_pinning(second):
+            self.pin_skipped = False
             # The first prefill held the conversation; this one may lack what the decode has.
             self.reason = "miss"
             await self._take_pin()
@@ -420,7 +427,23 @@ class Turn:
                 self.reused_tokens = report.reused_tokens
             else:
                 self.reason = "miss"
+        elif params is not None and self.pin_skipped:
+            self.reason = self._local_coverage(reuse_report(params))
         self._count_turn()
+
+    def _local_coverage(self, report: ReuseReport | None) -> str:
+        """The reuse value of a turn whose prefill held everything the retention offered:
+        ``hit`` when its own cache covered every full block of the prompt (all but the last
+        token, which is always computed), ``partial`` when some, ``miss`` when none."""
+        local = report.local_tokens if report is not None else 0
+        placement = self.placement
+        block = placement.block_size if placement is not None else 0
+        if local <= 0:
+            return "miss"
+        if block > 0 and self.prefill_tokens > 0 \
+                and local >= (self.prefill_tokens - 1) // block * block:
+            return "hit"
+        return "partial"
 
     def _count_turn(self) -> None:
         self.r.metrics.reuse(self.reason, self.reused_tokens)

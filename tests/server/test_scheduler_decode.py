@@ -59,6 +59,9 @@ def base_scheduler(**config: Any) -> KVTurnPullScheduler:
     sched._heartbeat_req_engine = {}
     sched._heartbeat_by_engine = {}
     sched._reuse = {}
+    sched._local_hits = {}
+    sched.is_decode = True
+    sched.calibration = None
     sched._stats = KVTurnStats()
     sched._gauges = (0, 0, 0)
     sched.keeper = None

@@ -46,6 +46,9 @@ def scheduler(threshold: int = 0, enabled: bool = True) -> KVTurnPullScheduler:
     sched.kv_recompute_threshold = threshold
     sched.is_bidirectional_kv_xfer_enabled = enabled
     sched._reuse = {}
+    sched._local_hits = {}
+    sched.is_decode = False
+    sched.calibration = None
     sched._stats = KVTurnStats()
     sched._gauges = (0, 0, 0)
     sched.keeper = None

@@ -58,9 +58,10 @@ class CostSource(StrEnum):
 class RunningMean:
     """An exponentially weighted mean that starts as a plain mean.
 
-    The first ``warmup`` observations are averaged with equal weight (so the first one does not
-    stay at weight 1 until many others outvote it); after that each new one has weight
-    ``alpha``. :attr:`value` is None until ``warmup`` observations exist.
+    Observation ``k`` weighs ``max(1/k, alpha)``: the first ``1/alpha`` are averaged with equal
+    weight (so the first one, often a start-up outlier, does not dominate until many others
+    outvote it), later ones each weigh ``alpha``. :attr:`value` is None until ``warmup``
+    observations exist.
     """
 
     def __init__(self, *, warmup: int, alpha: float = ALPHA) -> None:

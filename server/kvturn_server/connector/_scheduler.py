@@ -256,13 +256,14 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         calibration = self.calibration
         assert calibration is not None
         calibration.step_reported()
-        calibration.read_finished(getattr(connector_output, "finished_recving", None) or (),
-                                  failed)
         # The workers' NIXL stats ride on this output; reading them leaves them for vLLM.
+        # Bandwidth first: a read's fixed cost is what its transfer does not explain.
         data = getattr(getattr(connector_output, "kv_connector_stats", None), "data", None)
         if isinstance(data, dict):
             calibration.transfers(data.get("bytes_transferred") or (),
                                   data.get("transfer_duration") or ())
+        calibration.read_finished(getattr(connector_output, "finished_recving", None) or (),
+                                  failed)
 
     def take_stats(self) -> KVTurnStats | None:
         """kvturn's stats since the last call (vLLM calls this every step)."""

@@ -21,6 +21,12 @@ RETENTION_TTL = 12.0
 # with the tiny model; retentions may hold a quarter of it.
 DECODE_BLOCKS = 400
 RETENTION_BUDGET = 0.25
+# The prefill's reuse cost model, pinned so that every verified range is read: these tests
+# prove reads and their outcomes, and on the tiny CPU model computing a block is so cheap that
+# the calibrated ("auto") model would decline many of them. At 1 token/s computing is always
+# dearer. Only compute is pinned: the read side still calibrates from the real reads and NIXL
+# telemetry, which test_connector checks; the decisions of "auto" are unit-tested.
+PREFILL_CONNECTOR_EXTRA = {"compute_tokens_per_s": 1.0}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -58,7 +64,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory,
     cfg = StackConfig(state_dir=state, model_dir=Path(state) / "model", with_reference=True,
                       kv_read_timeout=KV_READ_TIMEOUT, decoder_kv_blocks_ttl=RETENTION_TTL,
                       retention_max_hold=10 * RETENTION_TTL, retention_budget=RETENTION_BUDGET,
-                      decode_num_blocks=DECODE_BLOCKS, **ports)
+                      decode_num_blocks=DECODE_BLOCKS,
+                      prefill_connector_extra=PREFILL_CONNECTOR_EXTRA, **ports)
     started = time.monotonic()
     with Stack(cfg, die_with_parent=True) as running:
         running.start(progress=progress)

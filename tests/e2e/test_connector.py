@@ -83,9 +83,11 @@ def test_six_turns_read_the_history_from_the_decode(stack: Stack) -> None:
             assert p.value.computed == len(prompt) - retained, (turn, p.value)
             assert result.reuse["reused_tokens"] == retained - local, (turn, result.reuse)
             assert result.reuse["reason"] in ("hit", "partial"), result.reuse
-            # The cost model weighed the read (compute pinned: conftest.PREFILL_CONNECTOR_EXTRA).
+            # The cost model weighed the read (compute pinned: conftest.PREFILL_CONNECTOR_EXTRA;
+            # the read side is a default until calibrated, which makes the source "default").
             cost = result.reuse["cost"]
-            assert cost["tokens"] == retained - local and cost["source"] == "configured", cost
+            assert cost["tokens"] == retained - local, cost
+            assert cost["source"] in ("default", "configured"), cost
             assert cost["read_ms"] < cost["compute_ms"], cost
             assert_same_ids(result.token_ids, reference)
         else:

@@ -21,6 +21,13 @@ RETENTION_TTL = 12.0
 # with the tiny model; retentions may hold a quarter of it.
 DECODE_BLOCKS = 400
 RETENTION_BUDGET = 0.25
+# The prefill's reuse cost model, pinned so that every verified range is read: these tests
+# prove reads and their outcomes, which must not hang on timings. Measured on this stack
+# (scripts/measure_reuse_cost.py), "auto" read every verified 128-token block too, at 4-7 ms
+# against 9-25 ms to compute it: a margin that a loaded 2-core host could flip. At 1 token/s
+# computing is always dearer. Only compute is pinned: the read side still calibrates from the
+# real reads and NIXL telemetry, which test_connector checks; "auto" is unit-tested.
+PREFILL_CONNECTOR_EXTRA = {"compute_tokens_per_s": 1.0}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -62,7 +69,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory,
                       # The session router exercises the prefill path (pins, verified reads):
                       # most tests assert what the prefill read. Turns the decode continues
                       # itself are tested through a second router (test_placement.py).
-                      router_args=("--decode-continue-tokens", "0"), **ports)
+                      router_args=("--decode-continue-tokens", "0"),
+                      prefill_connector_extra=PREFILL_CONNECTOR_EXTRA, **ports)
     started = time.monotonic()
     with Stack(cfg, die_with_parent=True) as running:
         running.start(progress=progress)

@@ -83,12 +83,30 @@ def test_six_turns_read_the_history_from_the_decode(stack: Stack) -> None:
             assert p.value.computed == len(prompt) - retained, (turn, p.value)
             assert result.reuse["reused_tokens"] == retained - local, (turn, result.reuse)
             assert result.reuse["reason"] in ("hit", "partial"), result.reuse
+            # The cost model weighed the read (compute pinned: conftest.PREFILL_CONNECTOR_EXTRA;
+            # the read side is a default until calibrated, which makes the source "default").
+            cost = result.reuse["cost"]
+            assert cost["tokens"] == retained - local, cost
+            assert cost["source"] in ("default", "configured"), cost
+            assert cost["read_ms"] < cost["compute_ms"], cost
             assert_same_ids(result.token_ids, reference)
         else:
             assert result.gone == "no_retention" and result.reuse["reason"] == "miss"
+            assert "cost" not in result.reuse
         previous = prompt
         prompt = prompt + result.token_ids + _tokens(100 + turn, 70)
     assert conv.release()[0] == 200
+    # The prefill calibrated its cost model on its own engine steps and reads: the first read
+    # from a decode (the NIXL handshake) is left out, so this test's five reads give four or
+    # more samples.
+    status, stats = control(cfg.prefill_control_url, "GET", "/kvturn/v1/stats")
+    assert status == 200, stats
+    model = stats["cost_model"]
+    assert model["compute_tokens_per_s"]["samples"] >= 5, model
+    assert model["compute_tokens_per_s"]["calibrated"] > 0, model
+    assert model["read_fixed_ms"]["samples"] >= 4, model
+    assert model["read_fixed_ms"]["source"] == "calibrated", model
+    assert model["compute_tokens_per_s"]["source"] == "configured", model
 
 
 def test_an_edit_inside_the_history_reads_only_the_verified_prefix(stack: Stack) -> None:
@@ -109,8 +127,9 @@ def test_an_edit_inside_the_history_reads_only_the_verified_prefix(stack: Stack)
     assert p.value.local_cache == 2 * BLOCK, p.value
     assert p.value.transferred == 1 * BLOCK, p.value
     assert p.value.computed == len(second) - 3 * BLOCK, p.value
-    assert result.reuse == {"reason": "partial", "reused_tokens": BLOCK,
-                            "local_tokens": 2 * BLOCK}
+    report = dict(result.reuse)
+    assert report.pop("cost")["tokens"] == BLOCK, result.reuse
+    assert report == {"reason": "partial", "reused_tokens": BLOCK, "local_tokens": 2 * BLOCK}
     conv.release()
 
 

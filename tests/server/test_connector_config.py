@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvturn_server.connector import ConnectorConfig, ConnectorConfigError
+from kvturn_server.connector._cost import CostSettings
 
 
 def test_defaults() -> None:
@@ -66,3 +67,63 @@ def test_bad_retention_values_name_the_key(key: str, bad: object, message: str) 
 def test_max_hold_below_the_ttl_is_refused() -> None:
     with pytest.raises(ConnectorConfigError, match=r"retention_max_hold .* must be at least"):
         ConnectorConfig.from_extra({"decoder_kv_blocks_ttl": 600, "retention_max_hold": 60})
+
+
+# The reuse cost model.
+
+
+def test_cost_model_defaults_to_auto_with_every_parameter_calibrated() -> None:
+    cfg = ConnectorConfig()
+    assert cfg.reuse_cost_model == "auto"
+    assert cfg.cost_settings == CostSettings()
+    assert (cfg.read_fixed_ms, cfg.read_gbps, cfg.compute_tokens_per_s,
+            cfg.compute_attention_tokens) == (None, None, None, None)
+
+
+def test_cost_model_values() -> None:
+    cfg = ConnectorConfig.from_extra({
+        "reuse_cost_model": "auto", "read_fixed_ms": 0, "read_gbps": 12.5,
+        "compute_tokens_per_s": 8000, "compute_attention_tokens": 4096})
+    assert cfg.cost_settings == CostSettings(read_fixed_ms=0.0, read_gbps=12.5,
+                                             compute_tokens_per_s=8000.0,
+                                             compute_attention_tokens=4096)
+    assert isinstance(cfg.compute_tokens_per_s, float)
+    assert ConnectorConfig.from_extra({"reuse_cost_model": "off"}).reuse_cost_model == "off"
+
+
+def test_null_means_calibrate() -> None:
+    cfg = ConnectorConfig.from_extra({"read_fixed_ms": None, "read_gbps": None,
+                                      "compute_tokens_per_s": None,
+                                      "compute_attention_tokens": None})
+    assert cfg.cost_settings == CostSettings()
+
+
+@pytest.mark.parametrize(("key", "bad", "message"), [
+    ("reuse_cost_model", "on", "reuse_cost_model must be one of 'auto', 'off', got 'on'"),
+    ("reuse_cost_model", True, "reuse_cost_model must be one of"),
+    ("reuse_cost_model", None, "reuse_cost_model must be one of"),
+    ("read_fixed_ms", -1, "read_fixed_ms must be a number of milliseconds >= 0"),
+    ("read_fixed_ms", "2", "read_fixed_ms must be a number of milliseconds"),
+    ("read_fixed_ms", float("inf"), "read_fixed_ms must be a number of milliseconds"),
+    ("read_fixed_ms", False, "read_fixed_ms must be a number of milliseconds"),
+    ("read_gbps", 0, "read_gbps must be a positive number, or null to calibrate it"),
+    ("read_gbps", float("nan"), "read_gbps must be a positive number"),
+    ("compute_tokens_per_s", -5, "compute_tokens_per_s must be a positive number"),
+    ("compute_tokens_per_s", True, "compute_tokens_per_s must be a positive number"),
+    ("compute_attention_tokens", 0, "compute_attention_tokens must be a positive whole"),
+    ("compute_attention_tokens", 4096.0, "compute_attention_tokens must be a positive whole"),
+])
+def test_bad_cost_model_values_name_the_key(key: str, bad: object, message: str) -> None:
+    with pytest.raises(ConnectorConfigError, match=message):
+        ConnectorConfig.from_extra({key: bad})
+
+
+def test_cost_parameters_with_the_cost_model_off_are_refused() -> None:
+    with pytest.raises(ConnectorConfigError,
+                       match="read_gbps has no effect with reuse_cost_model 'off'"):
+        ConnectorConfig.from_extra({"reuse_cost_model": "off", "read_gbps": 10})
+
+
+def test_a_bad_cost_model_name_is_refused_when_built_directly_too() -> None:
+    with pytest.raises(ConnectorConfigError, match="reuse_cost_model must be one of"):
+        ConnectorConfig(reuse_cost_model="fast")

@@ -164,6 +164,7 @@ def test_observe_counts_kvturn_samples(metrics: KVTurnPromMetrics,
         stats.record("kvturn_reused_tokens", tokens)
     stats.record("kvturn_fallbacks", "read-failed")
     stats.record("kvturn_fallbacks", "unverified")
+    stats.record("kvturn_fallbacks", "cheaper-to-compute")
     stats.record("kvturn_read_timeouts", 1)
     for _ in range(3):
         stats.record("kvturn_reads_served", 1)
@@ -179,6 +180,7 @@ def test_observe_counts_kvturn_samples(metrics: KVTurnPromMetrics,
     assert value(registry, "kvturn:reused_tokens_total") == 160
     assert value(registry, "kvturn:fallbacks_total", reason="read-failed") == 2
     assert value(registry, "kvturn:fallbacks_total", reason="unverified") == 2
+    assert value(registry, "kvturn:fallbacks_total", reason="cheaper-to-compute") == 2
     assert value(registry, "kvturn:read_timeouts_total") == 2
     assert value(registry, "kvturn:reads_served_total") == 6
 
@@ -187,13 +189,19 @@ def test_gauges_take_the_last_sample(metrics: KVTurnPromMetrics,
                                      registry: CollectorRegistry) -> None:
     stats = KVTurnStats()
     for key, samples in (("kvturn_retentions", [3, 2]), ("kvturn_retained_blocks", [30, 12]),
-                         ("kvturn_retained_bytes", [30720, 12288])):
+                         ("kvturn_retained_bytes", [30720, 12288]),
+                         ("kvturn_cost_read_fixed_seconds", [0.004, 0.002]),
+                         ("kvturn_cost_read_bytes_per_second", [1e9, 5e9]),
+                         ("kvturn_cost_compute_tokens_per_second", [900.0, 2500.0])):
         for sample in samples:
             stats.record(key, sample)
     metrics.observe(stats.data)
     assert value(registry, "kvturn:retentions") == 2
     assert value(registry, "kvturn:retained_blocks") == 12
     assert value(registry, "kvturn:retained_bytes") == 12288
+    assert value(registry, "kvturn:cost_read_fixed_seconds") == 0.002
+    assert value(registry, "kvturn:cost_read_bytes_per_second") == 5e9
+    assert value(registry, "kvturn:cost_compute_tokens_per_second") == 2500.0
     metrics.observe(KVTurnStats().data)  # no sample: the gauge keeps its value
     assert value(registry, "kvturn:retentions") == 2
 

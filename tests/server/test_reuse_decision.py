@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kvturn_server.connector._cost import CostSource, ReadCost
 from kvturn_server.connector._hashing import block_hashes
 from kvturn_server.connector._reuse import ReuseDecision, ReuseReason, decide_reuse
 
@@ -198,6 +199,68 @@ def test_threshold_larger_than_the_whole_range() -> None:
 def test_empty_range_is_never_below_threshold() -> None:
     d = decide(HISTORY, HISTORY, local_hit_tokens=16, threshold=64)
     assert d.reason is ReuseReason.HIT and not d.reused
+
+
+# The cost model: above the threshold, read only what is expected to be faster to read.
+
+
+class Costs:
+    """A cost model stand-in: reading costs ``fixed_ms`` plus 1 ms a token, computing 2 ms a
+    token plus 1 ms per token of context; records what it was asked."""
+
+    def __init__(self, fixed_ms: float) -> None:
+        self.fixed_ms = fixed_ms
+        self.asked: list[tuple[int, int]] = []
+
+    def __call__(self, tokens: int, context: int) -> ReadCost:
+        self.asked.append((tokens, context))
+        return ReadCost(tokens, self.fixed_ms + tokens, 2.0 * tokens + context,
+                        CostSource.CALIBRATED)
+
+
+def test_a_range_cheaper_to_read_is_read_and_carries_the_estimate() -> None:
+    costs = Costs(fixed_ms=5.0)
+    d = decide(HISTORY, HISTORY, local_hit_tokens=BS, cost=costs)
+    assert costs.asked == [(12, BS)]  # the range, at the local hit's context
+    assert d == ReuseDecision(ReuseReason.HIT, ids(1, 4), 1, 12,
+                              ReadCost(12, 17.0, 28.0, CostSource.CALIBRATED))
+    assert d.reused and not d.cheaper_to_compute
+
+
+def test_a_range_cheaper_to_compute_is_below_threshold_and_reads_nothing() -> None:
+    d = decide(HISTORY, HISTORY, local_hit_tokens=BS, cost=Costs(fixed_ms=20.0))
+    assert d.reason is ReuseReason.BELOW_THRESHOLD
+    assert (d.remote_blocks, d.first_block, d.num_tokens) == ((), 1, 0)
+    assert d.cost == ReadCost(12, 32.0, 28.0, CostSource.CALIBRATED)
+    assert d.cheaper_to_compute and not d.reused
+
+
+def test_equal_costs_are_computed() -> None:
+    d = decide(HISTORY, HISTORY, local_hit_tokens=BS, cost=Costs(fixed_ms=16.0))
+    assert d.reason is ReuseReason.BELOW_THRESHOLD and d.cheaper_to_compute
+
+
+def test_the_threshold_is_a_floor_the_cost_model_is_not_asked_below() -> None:
+    costs = Costs(fixed_ms=0.0)  # reading would win
+    d = decide(HISTORY, HISTORY, local_hit_tokens=BS, threshold=13, cost=costs)
+    assert d == ReuseDecision(ReuseReason.BELOW_THRESHOLD, (), 1, 0)
+    assert costs.asked == [] and d.cost is None and not d.cheaper_to_compute
+
+
+def test_the_cost_model_is_not_asked_when_nothing_would_be_read() -> None:
+    costs = Costs(fixed_ms=0.0)
+    assert decide(HISTORY, HISTORY, local_hit_tokens=16, cost=costs) == ReuseDecision(
+        ReuseReason.HIT, (), 4, 0)
+    for flags in ({"enabled": False}, {"expired": True}, {"engine_known": False}):
+        assert decide(HISTORY, HISTORY, cost=costs, **flags).cost is None
+    assert decide([999, *HISTORY[1:]], HISTORY, cost=costs).cost is None
+    assert costs.asked == []
+
+
+def test_a_declined_partial_range_is_below_threshold_too() -> None:
+    prompt = [*HISTORY, *range(200, 208)]
+    d = decide(prompt, HISTORY, cost=Costs(fixed_ms=100.0))
+    assert d.reason is ReuseReason.BELOW_THRESHOLD and d.cheaper_to_compute
 
 
 # Types and malformed input.

@@ -59,6 +59,9 @@ def base_scheduler(**config: Any) -> KVTurnPullScheduler:
     sched._heartbeat_req_engine = {}
     sched._heartbeat_by_engine = {}
     sched._reuse = {}
+    sched._local_hits = {}
+    sched.is_decode = True
+    sched.calibration = None
     sched._stats = KVTurnStats()
     sched._gauges = (0, 0, 0)
     sched.keeper = None
@@ -362,3 +365,95 @@ def test_take_stats_reports_events_and_gauges_only_when_they_change(
     assert stats is not None
     assert stats.data["kvturn_retention_events"] == ["released"]
     assert stats.data["kvturn_retentions"] == [0]
+
+
+# A decode leg that computes its own prompt reports its local prefix-cache hit.
+
+
+def own_prompt_leg(key: str | None = KEY) -> dict[str, Any]:
+    """The router's decode leg without a prefill: "decode continues the turn", or the
+    fallback after a failed prefill."""
+    params: dict[str, Any] = {"do_remote_prefill": False}
+    if key is not None:
+        params[KVTURN_FIELD] = {"conversation": key}
+    return params
+
+
+def run_own_prompt(sched: KVTurnPullScheduler, pool: FakeBlockPool, prompt_len: int,
+                   local_hits: list[int], params: dict[str, Any] | None = None,
+                   request_id: str = "own") -> Any:
+    """vLLM asks for each local hit in turn (more than one: re-admission after preemption),
+    then the request finishes with the prompt and one generated token computed."""
+    ids = pool.allocate(-(-(prompt_len + 1) // BS))
+    request = FakeRequest(request_id, tokens(prompt_len + 1), prompt_len,
+                          own_prompt_leg() if params is None else params,
+                          prompt_token_ids=tokens(prompt_len))
+    for local in local_hits:
+        assert sched.get_num_new_matched_tokens(request, local) == (0, False)
+    try:
+        _, out = sched.request_finished(request, (list(ids),))
+    finally:
+        pool.release(ids)
+    return out
+
+
+@pytest.mark.parametrize(("prompt_len", "local", "reason"), [
+    (13, 12, "hit"),  # every full block of the first 12 tokens came from the local cache
+    (12, 8, "hit"),  # all but the last token: 11 tokens, 2 full blocks
+    (17, 8, "partial"),
+    (17, 0, "miss"),
+    (3, 0, "miss"),  # no full block to hit
+])
+def test_a_decode_leg_without_remote_prefill_reports_its_local_hit(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool, prompt_len: int, local: int,
+        reason: str) -> None:
+    out = run_own_prompt(sched, pool, prompt_len, [local])
+    assert out[KVTURN_FIELD]["reuse"] == {"reason": reason, "reused_tokens": local,
+                                          "local_tokens": local}
+    assert sched._local_hits == {}
+
+
+def test_only_the_first_ask_counts(sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
+    # After a preemption vLLM asks again with whatever the request had computed meanwhile.
+    out = run_own_prompt(sched, pool, 17, [4, 16])
+    assert out[KVTURN_FIELD]["reuse"]["reused_tokens"] == 4
+
+
+def test_a_not_retained_turn_still_reports_its_local_hit(pool: FakeBlockPool) -> None:
+    out = run_own_prompt(base_scheduler(), pool, 13, [8])  # no keeper: nothing retained
+    assert out == {KVTURN_FIELD: {"conversation": KEY, "retained": False,
+                                  "reuse": {"reason": "partial", "reused_tokens": 8,
+                                            "local_tokens": 8}}}
+
+
+def test_a_leg_that_loads_its_prompt_from_a_prefill_reports_no_local_hit(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(NixlPullConnectorScheduler, "get_num_new_matched_tokens",
+                        lambda self, request, num_computed: (0, False))
+    params = {**decode_leg(), "do_remote_prefill": True}
+    del params["_remote_blocks_processed"]
+    request = FakeRequest("pd", tokens(13), 12, params, prompt_token_ids=tokens(12))
+    sched.get_num_new_matched_tokens(request, 8)
+    params.update(do_remote_prefill=False, _remote_blocks_processed=True)  # vLLM, on alloc
+    sched.get_num_new_matched_tokens(request, 12)  # asked again (preempted)
+    assert sched._local_hits == {}
+    _, out = finish(sched, pool, request_id="pd", params=params)
+    assert "reuse" not in out[KVTURN_FIELD]
+
+
+def test_a_request_without_a_conversation_records_nothing(
+        sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
+    assert run_own_prompt(sched, pool, 13, [8], params=own_prompt_leg(None)) is None
+    plain = FakeRequest("plain", tokens(13), 12, None)
+    sched.get_num_new_matched_tokens(plain, 8)
+    assert sched._local_hits == {}
+
+
+def test_a_prefill_records_no_local_hit_for_its_own_legs() -> None:
+    prefill = base_scheduler()
+    prefill.is_decode = False
+    prefill.is_bidirectional_kv_xfer_enabled = True
+    request = FakeRequest("p", [], 0, own_prompt_leg(), prompt_token_ids=tokens(13))
+    prefill.get_num_new_matched_tokens(request, 8)
+    assert prefill._local_hits == {}

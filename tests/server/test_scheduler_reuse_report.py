@@ -9,7 +9,9 @@ which is replaced by a stub returning the P->D params vLLM would.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,13 +20,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
+from kvturn_server.connector._calibration import Calibration
+from kvturn_server.connector._config import ConnectorConfig
+from kvturn_server.connector._cost import COMPUTE_WARMUP, READ_WARMUP, CostModel, CostSettings
 from kvturn_server.connector._hashing import block_hashes
 from kvturn_server.connector._reuse import ReuseReason
 from kvturn_server.connector._scheduler import (
+    COST_GAUGE_INTERVAL,
     FORMAT,
     KVTURN_FIELD,
     KVTurnPullScheduler,
     ReuseRecord,
+    _chunks,
 )
 from kvturn_server.connector._stats import KVTurnStats
 
@@ -46,6 +53,10 @@ def scheduler(threshold: int = 0, enabled: bool = True) -> KVTurnPullScheduler:
     sched.kv_recompute_threshold = threshold
     sched.is_bidirectional_kv_xfer_enabled = enabled
     sched._reuse = {}
+    sched._local_hits = {}
+    sched.is_decode = False
+    sched.calibration = None
+    sched._cost_gauges_at = -COST_GAUGE_INTERVAL
     sched._stats = KVTurnStats()
     sched._gauges = (0, 0, 0)
     sched.keeper = None
@@ -280,3 +291,256 @@ def test_take_stats_is_none_until_something_happened_then_hands_over_once() -> N
     assert stats is not None
     assert stats.data["kvturn_reuse"] == ["miss"]
     assert sched.take_stats() is None
+
+
+# The cost model in the scheduler: the decision, the report, the fallback metric, calibration.
+
+# Per-token KV of the fake instance: 4 tokens a block, 1 MB a block.
+BLOCK_BYTES = 1_000_000
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def costed(clock: Clock | None = None, threshold: int = 0,
+           **settings: float | None) -> KVTurnPullScheduler:
+    """A prefill with the cost model on. Reading costs ``read_fixed_ms`` + 0.25 ms a token (1 GB/s
+    by default); computing 1 ms a token at 1,000 tokens/s (attention negligible at these
+    contexts)."""
+    sched = scheduler(threshold)
+    values: dict[str, Any] = {"read_fixed_ms": 1.0, "read_gbps": 1.0,
+                              "compute_tokens_per_s": 1000.0,
+                              "compute_attention_tokens": 10**9}
+    values.update(settings)
+    model = CostModel(CostSettings(**values), bytes_per_token=BLOCK_BYTES / BS)
+    sched.calibration = Calibration(model, clock=clock or Clock())
+    return sched
+
+
+def test_a_range_worth_reading_is_read_and_the_report_says_why() -> None:
+    sched = costed(read_fixed_ms=2.0)
+    params = retention_params()
+    plan(sched, [*RETAINED, 7, 8], 4, params)  # 12 tokens: read 5 ms, compute 12 ms
+    record = sched._reuse["req-1"]
+    assert (record.reason, record.reused_tokens) == (ReuseReason.HIT, 12)
+    assert params["remote_block_ids"] == [[41, 42, 43]]
+    assert record.report() == {
+        "reason": "hit", "reused_tokens": 12, "local_tokens": 4,
+        "cost": {"tokens": 12, "read_ms": 5.0, "compute_ms": 12.0, "source": "configured"}}
+    sched._record_outcome(record)
+    assert sched._stats.data["kvturn_fallbacks"] == []
+
+
+def test_a_range_cheaper_to_compute_is_reported_below_threshold_with_its_costs() -> None:
+    sched = costed(read_fixed_ms=20.0)
+    params = retention_params()
+    plan(sched, [*RETAINED, 7, 8], 4, params)
+    assert params["remote_block_ids"] == [[]]
+    assert params["remote_num_tokens"] == 0
+    assert params[KVTURN_FIELD]["decision"] == "below-threshold"
+    record = sched._reuse["req-1"]
+    assert record.cheaper_to_compute
+    assert record.report() == {
+        "reason": "below-threshold", "reused_tokens": 0, "local_tokens": 4,
+        "cost": {"tokens": 12, "read_ms": 23.0, "compute_ms": 12.0, "source": "configured"}}
+    assert sched.calibration is not None and sched.calibration._reads == {}
+    sched._record_outcome(record)
+    assert sched._stats.data["kvturn_reuse"] == ["below-threshold"]
+    assert sched._stats.data["kvturn_fallbacks"] == ["cheaper-to-compute"]
+
+
+@pytest.mark.parametrize(("fixed_ms", "loaded"), [(20.0, (0, False)), (2.0, (12, True))])
+def test_vllm_loads_exactly_what_the_cost_model_accepted(
+        fixed_ms: float, loaded: tuple[int, bool]) -> None:
+    sched = costed(read_fixed_ms=fixed_ms)
+    prompt = [*RETAINED, 7, 8]
+    request: Any = SimpleNamespace(prompt_token_ids=prompt, num_prompt_tokens=len(prompt),
+                                   kv_transfer_params=retention_params(), request_id="req-1")
+    assert sched.get_num_new_matched_tokens(request, 4) == loaded
+
+
+def test_below_the_recompute_threshold_no_cost_is_reported() -> None:
+    sched = costed(threshold=64, read_fixed_ms=0.0)
+    plan(sched, [*RETAINED, 1], 0, retention_params())
+    record = sched._reuse["req-1"]
+    assert record == ReuseRecord(ReuseReason.BELOW_THRESHOLD, 0, 0)
+    assert "cost" not in record.report()
+    sched._record_outcome(record)
+    assert sched._stats.data["kvturn_fallbacks"] == ["below-threshold"]
+
+
+def test_with_the_cost_model_off_reports_carry_no_cost() -> None:
+    sched = scheduler()  # calibration None: what reuse_cost_model "off" builds
+    plan(sched, [*RETAINED, 7, 8], 4, retention_params())
+    assert "cost" not in sched._reuse["req-1"].report()
+
+
+def test_an_uncalibrated_model_reports_default_as_its_source() -> None:
+    sched = scheduler()
+    sched.calibration = Calibration(CostModel(CostSettings(), bytes_per_token=1000.0))
+    plan(sched, [*RETAINED, 7, 8], 4, retention_params())
+    cost = sched._reuse["req-1"].report()["cost"]
+    assert cost["source"] == "default" and cost["tokens"] == 12
+
+
+def test_a_failed_read_keeps_its_cost_in_the_report() -> None:
+    sched = costed(read_fixed_ms=2.0)
+    plan(sched, [*RETAINED, 7, 8], 4, retention_params())
+    sched.update_connector_output(KVConnectorOutput(failed_recving={"req-1"}))
+    report = sched._reuse["req-1"].report()
+    assert report["read_failed"] is True and report["reason"] == "stale"
+    assert report["cost"]["tokens"] == 12
+
+
+# Calibration through the hooks vLLM calls.
+
+
+@dataclass
+class FakeNewRequest:
+    req_id: str
+    num_computed_tokens: int
+
+
+def scheduler_output(**chunks: tuple[int, int]) -> Any:
+    """A SchedulerOutput's fields the calibration reads: ``name=(tokens, context)``; the first
+    request is new, the others cached."""
+    names = list(chunks)
+    return SimpleNamespace(
+        num_scheduled_tokens={name: n for name, (n, _) in chunks.items()},
+        scheduled_new_reqs=[FakeNewRequest(name, chunks[name][1]) for name in names[:1]],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=names[1:], num_computed_tokens=[chunks[name][1] for name in names[1:]]))
+
+
+@pytest.fixture
+def vllm_meta(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stub vLLM's build_connector_meta (it needs a whole engine's request state)."""
+    monkeypatch.setattr(NixlPullConnectorScheduler, "build_connector_meta",
+                        lambda self, scheduler_output: "meta")
+
+
+def test_chunks_are_read_from_the_scheduler_output() -> None:
+    out = scheduler_output(a=(100, 0), b=(16, 4000), c=(1, 77))
+    assert _chunks(out) == [(100, 0), (16, 4000), (1, 77)]
+
+
+def test_steps_calibrate_the_compute_rate(vllm_meta: None) -> None:
+    clock = Clock()
+    sched = costed(clock, compute_tokens_per_s=None)
+    assert sched.calibration is not None
+    for _ in range(COMPUTE_WARMUP):
+        assert sched.build_connector_meta(scheduler_output(a=(300, 0), b=(100, 500))) == "meta"
+        clock.now += 0.2  # 400 tokens in 0.2 s
+        sched.update_connector_output(KVConnectorOutput())
+    rate = sched.calibration.model.snapshot()["compute_tokens_per_s"]
+    assert rate["source"] == "calibrated"
+    assert rate["value"] == pytest.approx(2000.0, rel=1e-6)
+
+
+def test_reads_and_nixl_transfers_calibrate_the_read_cost(vllm_meta: None) -> None:
+    clock = Clock()
+    sched = costed(clock, read_fixed_ms=None, read_gbps=None)
+    assert sched.calibration is not None
+    for i in range(READ_WARMUP + 1):  # the first read from the decode pays the handshake
+        req = f"req-{i}"
+        plan(sched, [*RETAINED, 7, 8], 4, retention_params(), request_id=req)
+        clock.now += 0.004
+        stats = KVTurnStats()
+        stats.record_transfer(SimpleNamespace(xferDuration=1500, postDuration=100,
+                                              totalBytes=3 * BLOCK_BYTES, descCount=3))
+        sched.update_connector_output(KVConnectorOutput(finished_recving={req},
+                                                        kv_connector_stats=stats))
+    snap = sched.calibration.model.snapshot()
+    assert snap["read_gbps"]["value"] == pytest.approx(2.0)  # 3 MB in 1.5 ms
+    assert snap["read_gbps"]["source"] == "calibrated"
+    # 4 ms waited; 1.5 ms of it is the transfer at the bandwidth in use (default at first).
+    assert snap["read_fixed_ms"]["samples"] == READ_WARMUP
+    assert snap["read_fixed_ms"]["source"] == "calibrated"
+    assert 2.0 < snap["read_fixed_ms"]["value"] < 4.0
+    plan(sched, [*RETAINED, 7, 8], 4, retention_params(), request_id="next")
+    cost = sched._reuse["next"].report()["cost"]
+    assert cost["source"] == "configured"  # the read side calibrated, compute configured
+
+
+def test_a_calibrated_read_cost_turns_the_decision(vllm_meta: None) -> None:
+    """Reads turn out slow: the next short range is computed instead."""
+    clock = Clock()
+    sched = costed(clock, read_fixed_ms=None)
+    assert sched.calibration is not None
+    for i in range(READ_WARMUP + 1):
+        plan(sched, [*RETAINED, 7, 8], 4, retention_params(), request_id=f"r{i}")
+        assert sched._reuse[f"r{i}"].reused_tokens == 12
+        clock.now += 0.050  # each read kept its request waiting 50 ms
+        sched.update_connector_output(KVConnectorOutput(finished_recving={f"r{i}"}))
+    plan(sched, [*RETAINED, 7, 8], 4, retention_params(), request_id="next")
+    record = sched._reuse["next"]
+    assert record.cheaper_to_compute
+    assert record.report()["cost"]["read_ms"] > 40
+
+
+def test_a_finished_request_stops_its_read_timing(vllm_finish: dict[str, Any]) -> None:
+    sched = costed(read_fixed_ms=2.0)
+    request = plan(sched, [*RETAINED, 7, 8], 4, retention_params())
+    assert sched.calibration is not None and "req-1" in sched.calibration._reads
+    sched.request_finished(request, ([1, 2, 3, 4, 5],))
+    assert sched.calibration._reads == {}
+
+
+def test_control_stats_show_the_cost_model_on_a_prefill_only() -> None:
+    assert scheduler()._control_stats() == {}
+    stats = costed()._control_stats()
+    assert stats["cost_model"]["read_fixed_ms"] == {"value": 1.0, "source": "configured",
+                                                    "calibrated": None, "samples": 0}
+
+
+def test_cost_gauges_are_sampled_at_most_once_an_interval() -> None:
+    sched = costed()
+    stats = sched.take_stats()
+    assert stats is not None
+    assert stats.data["kvturn_cost_read_fixed_seconds"] == [pytest.approx(0.001)]
+    assert stats.data["kvturn_cost_read_bytes_per_second"] == [pytest.approx(1e9)]
+    assert stats.data["kvturn_cost_compute_tokens_per_second"] == [pytest.approx(1000.0)]
+    assert sched.take_stats() is None  # within COST_GAUGE_INTERVAL of the last sample
+    sched._cost_gauges_at -= COST_GAUGE_INTERVAL
+    assert sched.take_stats() is not None
+
+
+# Building the cost model from vLLM's configs.
+
+
+def configs(hidden_size: int = 896) -> tuple[Any, Any]:
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(
+        get_hidden_size=lambda: hidden_size))
+    kv_cache_config = SimpleNamespace(
+        num_blocks=10, kv_cache_tensors=[SimpleNamespace(size=10 * 4096)] * 2)
+    return vllm_config, kv_cache_config
+
+
+def test_the_cost_model_gets_this_instances_kv_bytes_per_token_and_hidden_size() -> None:
+    sched = scheduler()
+    sched.kvturn_config = ConnectorConfig()
+    calibration = sched._make_calibration(*configs())
+    assert calibration is not None
+    assert calibration.model.bytes_per_token == 2 * 4096 / BS
+    assert calibration.model.attention_tokens == 6 * 896
+
+
+def test_reuse_cost_model_off_builds_no_cost_model() -> None:
+    sched = scheduler()
+    sched.kvturn_config = ConnectorConfig(reuse_cost_model="off")
+    assert sched._make_calibration(*configs()) is None
+
+
+def test_an_empty_kv_cache_falls_back_to_the_threshold(caplog: pytest.LogCaptureFixture) -> None:
+    sched = scheduler()
+    sched.kvturn_config = ConnectorConfig()
+    vllm_config, _ = configs()
+    empty = SimpleNamespace(num_blocks=0, kv_cache_tensors=[])
+    with caplog.at_level(logging.WARNING, logger="kvturn.connector"):
+        assert sched._make_calibration(vllm_config, empty) is None
+    assert "recompute threshold alone decides" in caplog.text

@@ -27,6 +27,7 @@ def scheduler(threshold: int = 0) -> KVTurnPullScheduler:
     sched.block_size = BS
     sched.kv_recompute_threshold = threshold
     sched.is_bidirectional_kv_xfer_enabled = True
+    sched.calibration = None  # the threshold alone decides here (cost model: elsewhere)
     return sched
 
 

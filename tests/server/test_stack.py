@@ -149,6 +149,15 @@ def test_retention_and_prefix_cache_switches(tmp_path: Path) -> None:
     assert prefill == {"kv_read_timeout": 20.0, "control_port": 8101}
 
 
+def test_prefill_connector_extra_reaches_the_prefill_only() -> None:
+    cfg = StackConfig(prefill_connector_extra={"compute_tokens_per_s": 1.0,
+                                               "kv_read_timeout": 7})
+    prefill = kv_transfer_config(cfg, "kv_producer")["kv_connector_extra_config"]
+    assert prefill == {"kv_read_timeout": 7, "control_port": 8101, "compute_tokens_per_s": 1.0}
+    decode = kv_transfer_config(cfg, "kv_consumer")["kv_connector_extra_config"]
+    assert "compute_tokens_per_s" not in decode and decode["kv_read_timeout"] == 20.0
+
+
 def test_free_ports_are_distinct_and_outside_the_ephemeral_range() -> None:
     # Binding port 0 (as UCX does dozens of times in every NIXL worker) takes ports from the
     # ephemeral range: a port handed out from there could be gone before our server binds it.

@@ -176,3 +176,34 @@ def test_worker_stats_object_and_prom_metrics_constructor() -> None:
     assert "self.nixl_wrapper = nixl_wrapper_cls(" in init
     assert list(inspect.signature(NixlPromMetrics.__init__).parameters) == [
         "self", "vllm_config", "metric_types", "labelnames", "per_engine_labelvalues"]
+
+
+def test_what_the_prefills_cost_model_reads() -> None:
+    from vllm.config import ModelConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+
+    # Sizes: one worker's KV per token, and the hidden size behind the attention term.
+    assert list(inspect.signature(ModelConfig.get_hidden_size).parameters) == ["self"]
+    assert {"num_blocks", "kv_cache_tensors"} <= set(KVCacheConfig.__dataclass_fields__)
+    # Steps: what each request computes and after how many tokens, read when the step is
+    # scheduled, before vLLM advances num_computed_tokens.
+    assert "num_scheduled_tokens" in SchedulerOutput.__dataclass_fields__
+    assert "scheduled_new_reqs" in SchedulerOutput.__dataclass_fields__
+    assert "scheduled_cached_reqs" in SchedulerOutput.__dataclass_fields__
+    assert {"req_id", "num_computed_tokens"} <= set(NewRequestData.__dataclass_fields__)
+    assert {"req_ids", "num_computed_tokens"} <= set(CachedRequestData.__dataclass_fields__)
+    schedule = _source(Scheduler.schedule)
+    assert schedule.index("_build_kv_connector_meta(") < schedule.index(
+        "self._update_after_schedule(scheduler_output)")
+    # Step outputs and reads: the workers' stats ride on the output the connector sees.
+    assert "self.connector.update_connector_output(kv_connector_output)" in _source(
+        Scheduler._update_from_kv_xfer_finished)
+    assert {"finished_recving", "failed_recving", "kv_connector_stats"} <= set(
+        KVConnectorOutput.__dataclass_fields__)
+    record = _source(NixlKVConnectorStats.record_transfer)
+    assert 'self.data["transfer_duration"].append(res.xferDuration / 1e6)' in record
+    assert 'self.data["bytes_transferred"].append(res.totalBytes)' in record

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
+
+from kvturn_server.connector._cost import CostSettings
+
+COST_MODELS = ("auto", "off")
 
 
 class ConnectorConfigError(ValueError):
@@ -33,6 +38,18 @@ class ConnectorConfig:
         retention_budget: fraction of the decode's KV blocks retentions may hold; 0 turns
             retention off. Live requests that need blocks evict retentions whatever the budget.
         retention_max_pin: cap, in seconds, on a read pin's lifetime.
+        reuse_cost_model: ``"auto"``: a prefill reads a verified range only when the cost model
+            (``_cost.py``) expects the read to be faster than computing it; ``"off"``: vLLM's
+            ``kv_recompute_threshold`` alone decides. The threshold is a floor either way.
+        read_fixed_ms: the cost of one read whatever its size, in ms (setup, the engine steps
+            the request waits, the completion notice); unset: calibrated from this instance's
+            reads.
+        read_gbps: read bandwidth per worker in GB/s (10^9 bytes); unset: calibrated from NIXL's
+            transfer telemetry.
+        compute_tokens_per_s: prompt tokens this instance computes per second at context 0;
+            unset: calibrated from its engine steps.
+        compute_attention_tokens: the context length at which attention costs a token as much
+            as the dense layers; unset: 6 x the model's hidden size.
     """
 
     kv_read_timeout: float = 20.0
@@ -45,12 +62,33 @@ class ConnectorConfig:
     retention_max_hold: float = 3600.0
     retention_budget: float = 0.5
     retention_max_pin: float = 300.0
+    reuse_cost_model: str = "auto"
+    read_fixed_ms: float | None = None
+    read_gbps: float | None = None
+    compute_tokens_per_s: float | None = None
+    compute_attention_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.retention_max_hold < self.decoder_kv_blocks_ttl:
             raise ConnectorConfigError(
                 f"kv_connector_extra_config.retention_max_hold ({self.retention_max_hold:g} s) "
                 f"must be at least decoder_kv_blocks_ttl ({self.decoder_kv_blocks_ttl:g} s)")
+        if self.reuse_cost_model not in COST_MODELS:
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config.reuse_cost_model must be one of "
+                f"{', '.join(map(repr, COST_MODELS))}, got {self.reuse_cost_model!r}")
+        if self.reuse_cost_model == "off":
+            pinned = [f.name for f in fields(CostSettings) if getattr(self, f.name) is not None]
+            if pinned:
+                raise ConnectorConfigError(
+                    f"kv_connector_extra_config.{pinned[0]} has no effect with "
+                    f"reuse_cost_model 'off' (the recompute threshold alone decides); remove "
+                    f"it or set reuse_cost_model to 'auto'")
+
+    @property
+    def cost_settings(self) -> CostSettings:
+        """The cost model's configured parameters (None: calibrated)."""
+        return CostSettings(**{f.name: getattr(self, f.name) for f in fields(CostSettings)})
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -101,6 +139,44 @@ def _port(name: str, raw: Any) -> int | None:
     return raw
 
 
+def _choice(name: str, raw: Any) -> str:
+    if raw not in COST_MODELS:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{name} must be one of "
+            f"{', '.join(map(repr, COST_MODELS))}, got {raw!r}")
+    return str(raw)
+
+
+def _rate(name: str, raw: Any) -> float | None:
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0 < raw < math.inf:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{name} must be a positive number, or null to "
+            f"calibrate it, got {raw!r}")
+    return float(raw)
+
+
+def _milliseconds(name: str, raw: Any) -> float | None:
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0 <= raw < math.inf:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{name} must be a number of milliseconds >= 0, or null "
+            f"to calibrate it, got {raw!r}")
+    return float(raw)
+
+
+def _tokens(name: str, raw: Any) -> int | None:
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{name} must be a positive whole number of tokens, or "
+            f"null for the model's default, got {raw!r}")
+    return raw
+
+
 def _fraction(name: str, raw: Any) -> float:
     if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0 <= raw <= 1:
         raise ConnectorConfigError(
@@ -119,4 +195,9 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "retention_max_hold": _seconds,
     "retention_budget": _fraction,
     "retention_max_pin": _seconds,
+    "reuse_cost_model": _choice,
+    "read_fixed_ms": _milliseconds,
+    "read_gbps": _rate,
+    "compute_tokens_per_s": _rate,
+    "compute_attention_tokens": _tokens,
 }

@@ -13,10 +13,11 @@ logits it samples from, so a hit never leaves the prefill with nothing to comput
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kvturn_server.connector._cost import ReadCost
 from kvturn_server.connector._hashing import HASH_SIZE, verified_prefix_blocks
 
 
@@ -33,7 +34,8 @@ class ReuseReason(StrEnum):
     - ``unverified``: the retention exists but its first block differs from the prompt's: the
       history diverged at block 0 (another system prompt, template or tokenizer).
     - ``below-threshold``: a verified remote range exists but is shorter than the recompute
-      threshold, so reading it would cost more than recomputing it.
+      threshold, or the cost model expects computing it to be faster than reading it (then
+      :attr:`ReuseDecision.cost` says why): the effective threshold is the larger of the two.
     - ``hit``: every full block of the prompt is covered by the local prefix-cache hit plus the
       verified remote range.
     - ``partial``: some but not all full blocks are covered (edited or stripped history, or new
@@ -66,17 +68,25 @@ class ReuseDecision:
             number of blocks covered by the local prefix-cache hit, so the remote range is
             ``first_block .. first_block + len(remote_blocks)`` even when it is empty.
         num_tokens: tokens that will be read (``len(remote_blocks) * block_size``).
+        cost: the cost model's estimate, when it was asked: a verified range at least the
+            recompute threshold long was weighed (read or declined). None otherwise.
     """
 
     reason: ReuseReason
     remote_blocks: tuple[int, ...]
     first_block: int
     num_tokens: int
+    cost: ReadCost | None = None
 
     @property
     def reused(self) -> bool:
         """True when the prefill reads at least one block from the retention."""
         return self.num_tokens > 0
+
+    @property
+    def cheaper_to_compute(self) -> bool:
+        """The range passed the recompute threshold and the cost model declined it."""
+        return self.cost is not None and not self.cost.worth_reading
 
 
 def decide_reuse(
@@ -90,6 +100,7 @@ def decide_reuse(
     expired: bool,
     engine_known: bool,
     enabled: bool,
+    cost: Callable[[int, int], ReadCost] | None = None,
 ) -> ReuseDecision:
     """Decide which retained blocks a prefill reads for one request.
 
@@ -106,6 +117,10 @@ def decide_reuse(
         expired: the retention's lease has run out.
         engine_known: the retention's decode engine is one this prefill can read from.
         enabled: reuse is on for this request.
+        cost: the cost model (:meth:`~kvturn_server.connector._cost.CostModel.estimate`),
+            asked ``cost(tokens, context)`` for a range that passed the threshold, with the
+            local hit as its context; the range is read only if reading is expected to be
+            faster. None: the threshold alone decides.
 
     All inputs are validated before any rule applies, so malformed input fails the same way
     whatever the flags say. The retention fields arrive over the network, and a wrong block id
@@ -151,11 +166,14 @@ def decide_reuse(
     remote_tokens = remote_count * block_size
     if 0 < remote_tokens < threshold:
         return nothing(ReuseReason.BELOW_THRESHOLD)
+    estimate = cost(remote_tokens, local_hit_tokens) if cost and remote_tokens else None
+    if estimate is not None and not estimate.worth_reading:
+        return ReuseDecision(ReuseReason.BELOW_THRESHOLD, (), local_blocks, 0, estimate)
 
     covered = max(local_blocks, verified)
     reason = ReuseReason.HIT if covered == len(prompt_hashes) else ReuseReason.PARTIAL
     remote = tuple(retained_block_ids[local_blocks:local_blocks + remote_count])
-    return ReuseDecision(reason, remote, local_blocks, remote_tokens)
+    return ReuseDecision(reason, remote, local_blocks, remote_tokens, estimate)
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

@@ -7,17 +7,22 @@ block list, assuming the new prompt extends the decode's sequence block for bloc
 blocks and silently changes the answer (vLLM issue #43094). Here the decode publishes a chained
 content hash per full block it retains, and the prefill reads only the blocks whose hashes equal
 those of its own prompt, block by block from the start, beyond its local prefix-cache hit; the
-rest is computed. The outcome goes back in the response's ``kvturn.reuse``.
+rest is computed, and so is a range the cost model (``_cost.py``, calibrated from this
+prefill's own steps and reads) expects to compute faster than to read. The outcome goes back in
+the response's ``kvturn.reuse``.
 
 On a **decode** (``kv_consumer``), a finished request whose params name a conversation
 (``kvturn.conversation``) is retained under that key by the :class:`RetentionKeeper`, which also
 makes room for live requests and serves the control endpoint. vLLM's own bidirectional pinning
 stays off on decodes: it would pin every finished request, single-use, with a fixed TTL.
+A decode leg that computes its own prompt (no remote prefill) reports its local prefix-cache hit
+in the same shape as a prefill's ``kvturn.reuse``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,14 +30,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
 
+from kvturn_server.connector._calibration import Calibration
 from kvturn_server.connector._config import ConnectorConfig
 from kvturn_server.connector._control import ControlServer
+from kvturn_server.connector._cost import CostModel, ReadCost
 from kvturn_server.connector._engine import EngineWaker, Housekeeper
 from kvturn_server.connector._hashing import block_hashes
 from kvturn_server.connector._keeper import RetentionKeeper
 from kvturn_server.connector._retention import Retention
 from kvturn_server.connector._reuse import ReuseReason, decide_reuse
-from kvturn_server.connector._stats import KVTurnStats
+from kvturn_server.connector._stats import COST_GAUGES, KVTurnStats
 
 log = logging.getLogger("kvturn.connector")
 
@@ -45,6 +52,11 @@ and the decode's worker recognises (and drops) it instead of freeing a vLLM requ
 # Outcomes where a retention was offered and the prefill computed instead.
 _FALLBACKS = frozenset({ReuseReason.EXPIRED, ReuseReason.STALE, ReuseReason.UNVERIFIED,
                         ReuseReason.BELOW_THRESHOLD})
+CHEAPER_TO_COMPUTE = "cheaper-to-compute"
+"""The fallback reason (metrics only) of a range the cost model declined; on the wire it is
+``below-threshold``, whose threshold is then the break-even length."""
+COST_GAUGE_INTERVAL = 1.0
+"""Seconds between samples of the cost model's gauges (they change with every step)."""
 
 
 @dataclass
@@ -55,15 +67,25 @@ class ReuseRecord:
     reused_tokens: int
     local_tokens: int
     read_failed: bool = False
+    cost: ReadCost | None = None
+    """The cost model's estimate, when it weighed a read (see ``ReuseDecision.cost``)."""
+
+    @property
+    def cheaper_to_compute(self) -> bool:
+        return self.cost is not None and not self.cost.worth_reading
 
     def report(self) -> dict[str, Any]:
         if self.read_failed:
             # The read was planned and failed (NIXL error, timeout, decode gone): vLLM's
             # recompute policy computed those blocks, so nothing was reused.
-            return {"reason": ReuseReason.STALE.value, "reused_tokens": 0,
-                    "local_tokens": self.local_tokens, "read_failed": True}
-        return {"reason": self.reason.value, "reused_tokens": self.reused_tokens,
-                "local_tokens": self.local_tokens}
+            report: dict[str, Any] = {"reason": ReuseReason.STALE.value, "reused_tokens": 0,
+                                      "local_tokens": self.local_tokens, "read_failed": True}
+        else:
+            report = {"reason": self.reason.value, "reused_tokens": self.reused_tokens,
+                      "local_tokens": self.local_tokens}
+        if self.cost is not None:
+            report["cost"] = self.cost.report()
+        return report
 
 
 class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
@@ -75,8 +97,12 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self.kvturn_config = config = config or ConnectorConfig()
         self.is_decode = vllm_config.kv_transfer_config.kv_role == "kv_consumer"
         self._reuse: dict[str, ReuseRecord] = {}
+        self._local_hits: dict[str, int] = {}
         self._stats = KVTurnStats()
         self._gauges: tuple[int, int, int] = (0, 0, 0)
+        self._cost_gauges_at = -COST_GAUGE_INTERVAL
+        self.calibration = None if self.is_decode else self._make_calibration(
+            vllm_config, kv_cache_config)
         self.keeper: RetentionKeeper | None = None
         self.control: ControlServer | None = None
         self._housekeeper: Housekeeper | None = None
@@ -90,7 +116,28 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             self.keeper = self._make_keeper(kv_cache_config)
         port = config.control_port + vllm_config.parallel_config.data_parallel_index
         self.control = ControlServer(config.control_host, port, engine_id=engine_id, role=role,
-                                     keeper=self.keeper).start()
+                                     keeper=self.keeper, extra_stats=self._control_stats).start()
+
+    def _make_calibration(self, vllm_config: Any, kv_cache_config: Any) -> Calibration | None:
+        cfg = self.kvturn_config
+        if cfg.reuse_cost_model == "off":
+            return None
+        # One worker's KV per token, the way _make_keeper sizes a block.
+        total = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+        per_token = total / max(kv_cache_config.num_blocks, 1) / self.block_size
+        try:
+            model = CostModel(cfg.cost_settings, bytes_per_token=per_token,
+                              hidden_size=vllm_config.model_config.get_hidden_size())
+        except ValueError as exc:
+            log.warning("kvturn: no reuse cost model, the recompute threshold alone decides: %s",
+                        exc)
+            return None
+        return Calibration(model)
+
+    def _control_stats(self) -> dict[str, Any]:
+        if self.calibration is None:
+            return {}
+        return {"cost_model": self.calibration.model.snapshot()}
 
     def _make_keeper(self, kv_cache_config: Any) -> RetentionKeeper | None:
         cfg = self.kvturn_config
@@ -133,6 +180,9 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
         delay_free, out = super().request_finished(request, block_ids)
+        if self.calibration is not None:
+            self.calibration.forget(request.request_id)
+        local_hit = self._local_hits.pop(request.request_id, None)
         if not isinstance(params, dict):
             return delay_free, out
         if params.get("do_remote_decode"):
@@ -146,18 +196,27 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         key = info.get("conversation") if isinstance(info, dict) else None
         if not isinstance(key, str) or not key:
             return delay_free, out
-        return delay_free, self._retain(request, key, block_ids, out)
+        result = self._retain(request, key, block_ids, out)
+        if local_hit is not None and result is not None:
+            result[KVTURN_FIELD]["reuse"] = self._local_report(request, local_hit)
+        return delay_free, result
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode"):
             self._plan_reuse(request, num_computed_tokens, params)
-        elif self.keeper is not None:
+            return self._matched(request, num_computed_tokens)
+        if self.is_decode:
+            self._note_local_hit(request, num_computed_tokens, params)
+        if self.keeper is not None:
             # A waiting request is about to ask for blocks: retentions make way first.
             bs = self.block_size
             needed = -(-request.num_tokens // bs) - num_computed_tokens // bs + 1
             self.keeper.make_room(needed)
+        return self._matched(request, num_computed_tokens)
+
+    def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         result: tuple[int | None, bool] = super().get_num_new_matched_tokens(
             request, num_computed_tokens)
         return result
@@ -179,14 +238,32 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         if self.keeper is not None:
             self.keeper.service()
+        if self.calibration is not None:
+            self.calibration.step_scheduled(_chunks(scheduler_output))
         return super().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
-        for req_id in getattr(connector_output, "failed_recving", None) or ():
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        for req_id in failed:
             record = self._reuse.get(req_id)
             if record is not None and record.reused_tokens:
                 record.read_failed = True
+        if self.calibration is not None:
+            self._calibrate(connector_output, failed)
+
+    def _calibrate(self, connector_output: Any, failed: set[str]) -> None:
+        calibration = self.calibration
+        assert calibration is not None
+        calibration.step_reported()
+        # The workers' NIXL stats ride on this output; reading them leaves them for vLLM.
+        # Bandwidth first: a read's fixed cost is what its transfer does not explain.
+        data = getattr(getattr(connector_output, "kv_connector_stats", None), "data", None)
+        if isinstance(data, dict):
+            calibration.transfers(data.get("bytes_transferred") or (),
+                                  data.get("transfer_duration") or ())
+        calibration.read_finished(getattr(connector_output, "finished_recving", None) or (),
+                                  failed)
 
     def take_stats(self) -> KVTurnStats | None:
         """kvturn's stats since the last call (vLLM calls this every step)."""
@@ -200,6 +277,13 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                 for key, value in zip(("kvturn_retentions", "kvturn_retained_blocks",
                                        "kvturn_retained_bytes"), gauges, strict=True):
                     stats.record(key, value)
+        if self.calibration is not None:
+            now = time.monotonic()
+            if now - self._cost_gauges_at >= COST_GAUGE_INTERVAL:
+                self._cost_gauges_at = now
+                for key, estimate in zip(COST_GAUGES, self.calibration.model.gauges(),
+                                         strict=True):
+                    stats.record(key, estimate)
         if stats.is_empty():
             return None
         self._stats = KVTurnStats()
@@ -221,6 +305,13 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         if params.get("remote_block_ids"):
             record = self._restrict_to_verified_blocks(request, num_computed_tokens, params)
         self._reuse[request.request_id] = record
+        if self.calibration is not None:
+            if record.reused_tokens:
+                # The request waits for the read from now (vLLM parks it once allocated).
+                self.calibration.read_planned(request.request_id, record.reused_tokens,
+                                              str(params.get("remote_engine_id")))
+            else:
+                self.calibration.forget(request.request_id)
 
     def _restrict_to_verified_blocks(self, request: Any, num_computed_tokens: int,
                                      params: dict[str, Any]) -> ReuseRecord:
@@ -229,6 +320,9 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         Idempotent: vLLM may ask again in a later step, so the decode's original block list is
         kept in the kvturn field and every call starts from it. What to read is
         ``decide_reuse``'s answer; vLLM's own threshold check then sees exactly that range.
+        With the cost model on, a range that passes the threshold is read only if reading it is
+        expected to be faster than computing it; the estimate is asked anew on every call, so
+        the last call (the one whose answer vLLM allocates for) decides.
         """
         info = params.get(KVTURN_FIELD)
         params["remote_num_tokens"] = 0
@@ -249,7 +343,8 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                 retained_block_ids=retained_ids[:len(retained_hashes)],
                 block_size=bs, threshold=self.kv_recompute_threshold,
                 expired=False, engine_known=True,
-                enabled=bool(self.is_bidirectional_kv_xfer_enabled))
+                enabled=bool(self.is_bidirectional_kv_xfer_enabled),
+                cost=self.calibration.model.estimate if self.calibration is not None else None)
         except ValueError as exc:
             log.warning("request %s: unusable retention, recomputing: %s",
                         request.request_id, exc)
@@ -260,9 +355,11 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         if decision.num_tokens:
             params["remote_num_tokens"] = (
                 (decision.first_block + len(decision.remote_blocks)) * bs)
-        log.debug("request %s: reuse %s, %d tokens from the decode", request.request_id,
-                  decision.reason.value, decision.num_tokens)
-        return ReuseRecord(decision.reason, decision.num_tokens, num_computed_tokens)
+        log.debug("request %s: reuse %s, %d tokens from the decode%s", request.request_id,
+                  decision.reason.value, decision.num_tokens,
+                  f" ({decision.cost})" if decision.cost is not None else "")
+        return ReuseRecord(decision.reason, decision.num_tokens, num_computed_tokens,
+                           cost=decision.cost)
 
     def _record_outcome(self, record: ReuseRecord) -> None:
         report = record.report()
@@ -270,10 +367,40 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._stats.record("kvturn_reused_tokens", report["reused_tokens"])
         if record.read_failed:
             self._stats.record("kvturn_fallbacks", "read-failed")
+        elif record.cheaper_to_compute:
+            self._stats.record("kvturn_fallbacks", CHEAPER_TO_COMPUTE)
         elif record.reason in _FALLBACKS:
             self._stats.record("kvturn_fallbacks", record.reason.value)
 
     # Decode side.
+
+    def _note_local_hit(self, request: Any, num_computed_tokens: int, params: Any) -> None:
+        """Remember a decode leg's local prefix-cache hit when it computes its own prompt.
+
+        Only the first ask counts: vLLM asks again after a preemption, by then with whatever the
+        request had computed. A leg that loads its prompt from a prefill is not recorded, also
+        after its one transfer (vLLM then clears ``do_remote_prefill``).
+        """
+        if not isinstance(params, dict) or params.get("do_remote_prefill") \
+                or params.get("_remote_blocks_processed"):
+            return
+        info = params.get(KVTURN_FIELD)
+        key = info.get("conversation") if isinstance(info, dict) else None
+        if isinstance(key, str) and key:
+            self._local_hits.setdefault(request.request_id, num_computed_tokens)
+
+    def _local_report(self, request: Any, local_hit: int) -> dict[str, Any]:
+        """A decode leg's ``kvturn.reuse``: its own cache is where the history came from."""
+        # As on a prefill: the full blocks of all but the last prompt token can be reused.
+        full_tokens = max(len(request.prompt_token_ids or ()) - 1, 0) // self.block_size \
+            * self.block_size
+        if local_hit <= 0 or full_tokens == 0:
+            reason = ReuseReason.MISS
+        elif local_hit >= full_tokens:
+            reason = ReuseReason.HIT
+        else:
+            reason = ReuseReason.PARTIAL
+        return {"reason": reason.value, "reused_tokens": local_hit, "local_tokens": local_hit}
 
     def _retain(self, request: Any, key: str, block_ids: Any,
                 out: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -335,6 +462,18 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                 "control": self.control.url if self.control is not None else None,
             },
         }
+
+
+def _chunks(scheduler_output: Any) -> list[tuple[int, int]]:
+    """``(tokens, context)`` of each request in a step: what it computes, after how many."""
+    scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
+    chunks = [(scheduled.get(req.req_id, 0), req.num_computed_tokens)
+              for req in scheduler_output.scheduled_new_reqs]
+    cached = scheduler_output.scheduled_cached_reqs
+    chunks.extend((scheduled.get(req_id, 0), computed)
+                  for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens,
+                                              strict=False))
+    return chunks
 
 
 def _parse(info: dict[str, Any], block_size: int,

@@ -14,7 +14,10 @@ Keys (all lists, one item per observation; aggregation concatenates):
 - ``kvturn_reuse``: the reuse outcome of each finished prefill (``X-KVTurn-Reuse`` values).
 - ``kvturn_reused_tokens``: prompt tokens read from a decode per finished prefill.
 - ``kvturn_fallbacks``: why a prefill recomputed what a retention offered (``expired``,
-  ``stale``, ``unverified``, ``below-threshold``, ``read-failed``).
+  ``stale``, ``unverified``, ``below-threshold``, ``cheaper-to-compute``, ``read-failed``).
+- ``kvturn_cost_read_fixed_seconds`` / ``kvturn_cost_read_bytes_per_second`` /
+  ``kvturn_cost_compute_tokens_per_second``: the prefill's cost-model parameters in use, gauge
+  samples (at most one a second while the engine steps).
 - ``kvturn_read_timeouts``: reads abandoned at ``kv_read_timeout`` (any instance).
 - ``kvturn_reads_served``: completed reads of this decode's retentions (decode).
 """
@@ -29,9 +32,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
     NixlPromMetrics,
 )
 
+COST_GAUGES = ("kvturn_cost_read_fixed_seconds", "kvturn_cost_read_bytes_per_second",
+               "kvturn_cost_compute_tokens_per_second")
 KVTURN_KEYS = ("kvturn_retention_events", "kvturn_retentions", "kvturn_retained_blocks",
                "kvturn_retained_bytes", "kvturn_reuse", "kvturn_reused_tokens",
-               "kvturn_fallbacks", "kvturn_read_timeouts", "kvturn_reads_served")
+               "kvturn_fallbacks", "kvturn_read_timeouts", "kvturn_reads_served", *COST_GAUGES)
 _NIXL_KEYS = frozenset(NixlKVConnectorStats().data)
 
 
@@ -95,6 +100,21 @@ class KVTurnPromMetrics(NixlPromMetrics):  # type: ignore[misc]
                 name="kvturn:retained_bytes", labelnames=labelnames,
                 multiprocess_mode="mostrecent",
                 documentation="Bytes of KV cache held by retentions."),
+            "kvturn_cost_read_fixed_seconds": gauge(
+                name="kvturn:cost_read_fixed_seconds", labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+                documentation="Prefill cost model: expected fixed cost of one read of retained "
+                              "KV, whatever its size (in use: calibrated, configured or "
+                              "default)."),
+            "kvturn_cost_read_bytes_per_second": gauge(
+                name="kvturn:cost_read_bytes_per_second", labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+                documentation="Prefill cost model: read bandwidth per worker."),
+            "kvturn_cost_compute_tokens_per_second": gauge(
+                name="kvturn:cost_compute_tokens_per_second", labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+                documentation="Prefill cost model: prompt tokens computed per second at "
+                              "context 0."),
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

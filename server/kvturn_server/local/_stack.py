@@ -64,6 +64,9 @@ class StackConfig:
     decode_num_blocks: int | None = None
     extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
     router_args: tuple[str, ...] = field(default_factory=tuple)
+    prefill_connector_extra: dict[str, Any] = field(default_factory=dict)
+    """More keys for the prefill's ``kv_connector_extra_config`` (e.g. the reuse cost model's,
+    docs/connector.md); they override the stack's own."""
 
     @property
     def model_path(self) -> Path:
@@ -159,6 +162,8 @@ def kv_transfer_config(cfg: StackConfig, role: str) -> dict[str, Any]:
         extra.update(decoder_kv_blocks_ttl=cfg.decoder_kv_blocks_ttl,
                      retention_max_hold=cfg.retention_max_hold,
                      retention_budget=cfg.retention_budget)
+    else:
+        extra.update(cfg.prefill_connector_extra)
     return {
         "kv_connector": "KVTurnConnector",
         "kv_connector_module_path": "kvturn_server.connector",

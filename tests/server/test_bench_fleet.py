@@ -8,6 +8,8 @@ import argparse
 import asyncio
 import json
 import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -21,6 +23,7 @@ from kvturn_server.bench._fleet_agents import (
     AgentResult,
     Counters,
     FleetTurn,
+    HttpFleetProbe,
     ModeRun,
     Sample,
     run_mode,
@@ -49,6 +52,7 @@ from kvturn_server.bench._fleet_report import (
     write_json,
     write_plot,
 )
+from kvturn_server.local import free_port
 
 MIB = 1024 * 1024
 
@@ -557,3 +561,57 @@ async def test_a_failed_turn_stops_that_agent_only(small: Scenario) -> None:
     assert sum(a.turns_ok for a in run.agents) == 6 - (4 - failed[0].turn)
     assert sorted(a.turns_ok for a in run.agents)[1] == 3
     assert summarize(run)["errors"] == 1
+
+
+# The probe against instances' real endpoints, served by a thread on loopback.
+
+METRICS_TEXT = """\
+# HELP vllm:prompt_tokens_by_source_total Prompt tokens by source.
+# TYPE vllm:prompt_tokens_by_source_total counter
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 1200.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 300.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 40.0
+kvturn:reused_tokens_total{engine="0",model_name="m"} 512.0
+vllm:cache_config_info{block_size="128",num_gpu_blocks="66",enable_prefix_caching="True",\
+engine="0",gpu_memory_utilization="0.92"} 1.0
+"""
+
+
+class _Instance(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        if self.path == "/metrics":
+            body, kind = METRICS_TEXT.encode(), "text/plain"
+        elif self.path == "/kvturn/v1/stats":
+            body = json.dumps({"retention": {"held_bytes": 3 * MIB}}).encode()
+            kind = "application/json"
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("content-type", kind)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_the_http_probe_reads_counters_retention_and_cache_info() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Instance)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+        probe = HttpFleetProbe([("prefill0", url), ("gone", gone)],
+                               [("decode0", url), ("gone", gone)])
+        assert probe.counters() == {"prefill0": Counters(1200.0, 300.0, 40.0, 512.0),
+                                    "gone": None}
+        assert probe.retained() == {"decode0": 3 * MIB, "gone": None}
+        assert probe.cache_info() == {"prefill0": {"block_size": "128", "num_gpu_blocks": "66",
+                                                   "enable_prefix_caching": "True"},
+                                      "gone": None}
+    finally:
+        server.shutdown()
+        server.server_close()

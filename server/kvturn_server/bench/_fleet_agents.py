@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 MIB = 1024 * 1024
 HEADER_CONVERSATION_ID = "X-Conversation-ID"
+# What the results keep of vllm:cache_config_info (it has some forty labels).
+CACHE_INFO_KEYS = frozenset({"block_size", "num_gpu_blocks", "num_gpu_blocks_override",
+                             "enable_prefix_caching", "kv_cache_size_tokens", "cache_dtype",
+                             "kv_cache_max_concurrency"})
 
 
 # Per-turn records.
@@ -298,7 +302,8 @@ class HttpFleetProbe:
                 out[instance] = None
                 continue
             labels = next((dict(ls) for (n, ls) in s if n == "vllm:cache_config_info"), None)
-            out[instance] = labels
+            out[instance] = None if labels is None else {
+                k: v for k, v in sorted(labels.items()) if k in CACHE_INFO_KEYS}
         return out
 
 

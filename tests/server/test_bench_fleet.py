@@ -346,7 +346,7 @@ def test_the_command_line_maps_onto_the_settings(tmp_path: Path) -> None:
     s = settings_from_args(args)
     assert callable(args.func)
     assert (s.prefills, s.decodes, s.modes, s.profiles, s.sizings, s.repeats, s.agents) == (
-        2, 1, tuple(MODES), ("tool",), ("tight",), 2, 12)
+        2, 1, tuple(MODES), ("tool", "long"), ("tight",), 2, 12)
     assert not s.omit_router_flags and s.decode_continue_tokens is None
     args = parser.parse_args([
         "fleet", "--json", "x.json", "--prefills", "3", "--decodes", "2", "--modes",

@@ -166,6 +166,7 @@ def run_scenario(scenario: Scenario, settings: FleetBenchSettings, counter: list
     """Start the scenario's fleet, warm it up, run every repeat of every mode, stop it."""
     from kvturn_server.cli import ProgressLine
     from kvturn_server.local._fleet import Fleet
+    from kvturn_server.local._process import StackError
 
     cfg = fleet_config(settings, scenario)
     say(f"[{scenario.name}] starting {cfg.prefills} prefill(s) + {cfg.decodes} decode(s) "
@@ -195,7 +196,12 @@ def run_scenario(scenario: Scenario, settings: FleetBenchSettings, counter: list
                 args = settings.router_args(mode_name)
                 say(f"run {counter[0]}/{total_runs}: {scenario.name} repeat {repeat} "
                     f"{mode_name} (router {' '.join(args) or 'defaults'})")
-                router = fleet.start_router(f"router-{mode_name}-r{repeat}", args)
+                try:
+                    router = fleet.start_router(f"router-{mode_name}-r{repeat}", args)
+                except StackError as error:
+                    raise StackError(f"{error}\n(the {mode_name} mode starts its router with "
+                                     f"{' '.join(args) or 'no flags'}; see MODE_TABLE in "
+                                     "kvturn_server/bench/_fleet_plan.py)") from error
                 plans = scenario.agents(mode_name, repeat)
 
                 async def main(url: str = router.url, mode: FleetMode = mode,
@@ -333,8 +339,9 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "fresh fleet each. Prints per mode TTFT p50/p90/p99, inter-token latency "
                     "p50/p99, prompt tokens computed (all instances), tokens read from decodes, "
                     "retained memory and turns/s (median and range over repeats) with the "
-                    "configuration; writes JSON and a PNG. The defaults (tool/tight, 2 "
-                    "repeats) take about 15 minutes on a 2-core machine.")
+                    "configuration; writes JSON and a PNG. The defaults (tool and long on "
+                    "tight, 2 repeats: 16 runs) take about 20 minutes on a 2-core machine; "
+                    "each scenario adds about 8 (tool) or 11 (long) minutes per 2 repeats.")
     p.add_argument("--json", type=Path, required=True, help="where to write the results")
     p.add_argument("--plot", type=Path, default=None,
                    help="PNG path (default: the JSON path with .png)")

@@ -127,7 +127,7 @@ class FleetBenchSettings:
     prefills: int = 2
     decodes: int = 1
     modes: tuple[str, ...] = tuple(MODES)
-    profiles: tuple[str, ...] = ("tool",)
+    profiles: tuple[str, ...] = tuple(PROFILES)
     sizings: tuple[str, ...] = (TIGHT,)
     repeats: int = 2
     agents: int = 12

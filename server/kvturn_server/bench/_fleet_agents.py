@@ -256,23 +256,27 @@ class HttpFleetProbe:
         self.instances = list(instances)  # (name, url)
         self.decode_controls = list(decode_controls)  # (name, control url)
 
-    def counters(self) -> Snapshot:
-        from kvturn_server.local._metrics import scrape, total
+    def _scrape_all(self) -> dict[str, Any]:
+        from kvturn_server.local._metrics import scrape
 
-        out: Snapshot = {}
-        name = "vllm:prompt_tokens_by_source_total"
+        out: dict[str, Any] = {}
         for instance, url in self.instances:
             try:
-                s = scrape(url)
+                out[instance] = scrape(url)
             except (OSError, ValueError):
                 out[instance] = None
-                continue
-            out[instance] = Counters(
-                computed=total(s, name, source="local_compute"),
-                local_cache=total(s, name, source="local_cache_hit"),
-                transferred=total(s, name, source="external_kv_transfer"),
-                reused=total(s, "kvturn:reused_tokens_total"))
         return out
+
+    def counters(self) -> Snapshot:
+        from kvturn_server.local._metrics import total
+
+        name = "vllm:prompt_tokens_by_source_total"
+        return {instance: None if s is None else Counters(
+            computed=total(s, name, source="local_compute"),
+            local_cache=total(s, name, source="local_cache_hit"),
+            transferred=total(s, name, source="external_kv_transfer"),
+            reused=total(s, "kvturn:reused_tokens_total"))
+            for instance, s in self._scrape_all().items()}
 
     def retained(self) -> dict[str, int | None]:
         from kvturn_server.local._direct import control
@@ -292,16 +296,10 @@ class HttpFleetProbe:
     def cache_info(self) -> dict[str, dict[str, Any] | None]:
         """Each instance's ``vllm:cache_config_info`` labels (block size, number of blocks,
         prefix caching), as the instance itself reports them."""
-        from kvturn_server.local._metrics import scrape
-
         out: dict[str, dict[str, Any] | None] = {}
-        for instance, url in self.instances:
-            try:
-                s = scrape(url)
-            except (OSError, ValueError):
-                out[instance] = None
-                continue
-            labels = next((dict(ls) for (n, ls) in s if n == "vllm:cache_config_info"), None)
+        for instance, s in self._scrape_all().items():
+            labels = None if s is None else next(
+                (dict(ls) for (n, ls) in s if n == "vllm:cache_config_info"), None)
             out[instance] = None if labels is None else {
                 k: v for k, v in sorted(labels.items()) if k in CACHE_INFO_KEYS}
         return out

@@ -16,9 +16,6 @@ from typing import Any
 
 from kvturn_server.bench._agent import (
     FRAMING_TOKENS,
-    MIN_RETENTION_TTL_S,
-    TRACE_KEEPALIVE_PER_TTL,
-    TRACE_RETENTION_TTL_S,
     AgentBenchSettings,
     AgentScript,
     GapDistribution,
@@ -186,14 +183,17 @@ class FleetBenchSettings:
 
     @property
     def retention_ttl(self) -> float:
-        """The decodes' lease: 480 s scaled like the tool gaps (at least 30 s), unless set."""
-        if self.retention_ttl_s is not None:
-            return self.retention_ttl_s
-        return max(TRACE_RETENTION_TTL_S * self.time_scale, MIN_RETENTION_TTL_S)
+        """The decodes' lease: 480 s scaled like the tool gaps (at least 30 s), unless set;
+        the same rule as ``kvturn bench agent``."""
+        return self._agent_lease().retention_ttl
 
     @property
     def keepalive_interval(self) -> float:
-        return self.retention_ttl / TRACE_KEEPALIVE_PER_TTL
+        """The SDK's renewal period during a pause: an eighth of the lease."""
+        return self._agent_lease().keepalive_interval
+
+    def _agent_lease(self) -> AgentBenchSettings:
+        return AgentBenchSettings(time_scale=self.time_scale, retention_ttl_s=self.retention_ttl_s)
 
     def profile(self, name: str) -> ReplyProfile:
         """The named profile with this run's overrides applied."""

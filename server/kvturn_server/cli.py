@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvturn_server.bench._agent import add_agent_bench_parser
+from kvturn_server.bench._fleet import add_fleet_bench_parser
 from kvturn_server.bench._router import add_router_bench_parser
 from kvturn_server.bench._sdk import add_sdk_bench_parser
 from kvturn_server.local import (
@@ -281,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_bench_parser(bench_sub)
     add_sdk_bench_parser(bench_sub)
     add_agent_bench_parser(bench_sub)
+    add_fleet_bench_parser(bench_sub)
     return parser
 
 

@@ -5,6 +5,8 @@ from kvturn_server.bench._agent import (
     add_agent_bench_parser,
     run_agent_bench,
 )
+from kvturn_server.bench._fleet import add_fleet_bench_parser, run_fleet_bench
+from kvturn_server.bench._fleet_plan import FleetBenchSettings
 from kvturn_server.bench._reuse import (
     SizeResult,
     bench_config,
@@ -19,6 +21,7 @@ from kvturn_server.bench._router import (
 )
 from kvturn_server.bench._sdk import add_sdk_bench_parser, run_sdk_bench
 
-__all__ = ["AgentBenchSettings", "RouterBenchSettings", "SizeResult", "add_agent_bench_parser",
-           "add_router_bench_parser", "add_sdk_bench_parser", "bench_config", "run_agent_bench",
+__all__ = ["AgentBenchSettings", "FleetBenchSettings", "RouterBenchSettings", "SizeResult",
+           "add_agent_bench_parser", "add_fleet_bench_parser", "add_router_bench_parser",
+           "add_sdk_bench_parser", "bench_config", "run_agent_bench", "run_fleet_bench",
            "run_reuse_bench", "run_router_bench", "run_sdk_bench", "write_json", "write_plot"]

@@ -1,5 +1,6 @@
 """The local stack: a locally built model, vLLM prefill + decode on CPU, and the router."""
 
+from kvturn_server.local._fleet import Fleet, FleetConfig, Instance, Router
 from kvturn_server.local._metrics import PromptSources, prompt_sources, scrape
 from kvturn_server.local._model import SIZES, ModelSize, build_model, is_built
 from kvturn_server.local._process import StackError, free_port
@@ -17,8 +18,12 @@ from kvturn_server.local._stack import (
 __all__ = [
     "INSTALL_HINT",
     "SIZES",
+    "Fleet",
+    "FleetConfig",
+    "Instance",
     "ModelSize",
     "PromptSources",
+    "Router",
     "RunningStack",
     "Stack",
     "StackConfig",

@@ -1,0 +1,399 @@
+"""``kvturn bench fleet``: several prefills and decodes, prefix caching on everywhere, concurrent
+tool-using agents, and four ways to run them, side by side in one run.
+
+The modes (``MODE_TABLE`` in ``_fleet_plan.py``: the router's flags and what the client sends):
+
+- ``stock-rr``: stock P/D (``--no-kv-reuse``) without conversation ids, prefill chosen
+  round-robin: vLLM's example disaggregation proxy.
+- ``stock-affinity``: stock P/D with session affinity to a prefill (the client sends
+  ``X-Conversation-ID``; the router uses it for placement only): what Dynamo, llm-d and
+  production-stack offer.
+- ``kvturn-ll``: kvturn conversations (the SDK, paused during tool gaps), least-loaded prefill.
+- ``kvturn-kv``: kvturn conversations with the router's defaults (kv-aware placement).
+
+A scenario is a reply profile (``tool``: 64-token replies; ``long``: 300-1000) on a KV sizing
+(``tight``: each prefill's cache holds a few of the active conversations, set with vLLM's
+``--num-gpu-blocks-override``; ``roomy``: it holds all of them). Each scenario gets a fresh
+fleet, a warm-up conversation on every prefill/decode pair, then ``repeats`` rounds of every
+mode (same seed, other words, order rotated), each run through a router started for it.
+
+Measured per run: TTFT p50/p90/p99, inter-token latency p50/p99 (gaps between streamed content
+chunks), prompt tokens computed (``vllm:prompt_tokens_by_source_total{source="local_compute"}``
+summed over every instance, and per instance), tokens the prefills read from decodes
+(``kvturn:reused_tokens_total``, and the ``X-KVTurn-Reused-Tokens`` headers), the decodes'
+retained memory (``/kvturn/v1/stats``), turns per second; the routers' ``X-KVTurn-Route`` and
+``X-KVTurn-Prefill-Choice`` per turn. Reported per mode as the median and range over repeats.
+
+Temporary: ``--omit-router-flags`` (not in ``--help``) starts every router without the mode
+flags, for smoke runs against a router that does not have them yet; the results say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvturn_server.bench._agent import AgentBenchSettings, GapDistribution, build_scripts
+from kvturn_server.bench._fleet_agents import (
+    AgentResult,
+    FleetTurn,
+    HttpFleetProbe,
+    Live,
+    ModeRun,
+    loadavg,
+    run_agent,
+    run_mode,
+)
+from kvturn_server.bench._fleet_plan import (
+    CPU_BLOCK_SIZE,
+    KVTURN,
+    MODE_TABLE,
+    MODES,
+    PROFILES,
+    SIZINGS,
+    AgentPlan,
+    FleetBenchSettings,
+    FleetMode,
+    Scenario,
+    run_order,
+    scenarios,
+)
+from kvturn_server.bench._fleet_report import (
+    build_results,
+    scenario_result,
+    table,
+    write_json,
+    write_plot,
+)
+
+if TYPE_CHECKING:
+    import kvturn
+    from kvturn_server.local._fleet import Fleet, Instance
+
+WARM_UP = FleetMode("warm-up", (), KVTURN, "warm-up conversation (not counted)")
+
+
+def fleet_config(settings: FleetBenchSettings, scenario: Scenario) -> Any:
+    """The fleet of one scenario: its context, its prefills' blocks, the scaled lease."""
+    from kvturn_server.local._fleet import FleetConfig
+
+    slug = scenario.name.replace("/", "-")
+    return FleetConfig(
+        state_dir=settings.state_dir / slug,
+        model_dir=settings.state_dir / "models" / settings.size,
+        prefills=settings.prefills, decodes=settings.decodes, model_size=settings.size,
+        kv_cache_gib=settings.kv_cache_gib, max_model_len=scenario.max_model_len,
+        prefill_prefix_caching=True, prefill_num_blocks=scenario.prefill_num_blocks,
+        decoder_kv_blocks_ttl=settings.retention_ttl)
+
+
+def _client(url: str, settings: FleetBenchSettings) -> kvturn.AsyncOpenAI:
+    import httpx2
+
+    import kvturn
+
+    http = httpx2.AsyncClient(timeout=settings.request_timeout_s)
+    return kvturn.AsyncOpenAI(base_url=f"{url}/v1", api_key="kvturn-bench",
+                              max_retries=settings.max_retries,
+                              timeout=settings.request_timeout_s, http_client=http)
+
+
+def warm_up_plan(settings: FleetBenchSettings) -> AgentPlan:
+    """A two-turn conversation long enough that its second turn reads from the decode."""
+    small = AgentBenchSettings(agents=1, turns=2, system_tokens=600, message_tokens=(50, 50),
+                               stagger_s=0.0, seed=settings.seed)
+    script = replace(build_scripts(small, "fleet-warm-up")[0], mode=WARM_UP.name,
+                     gaps_s=(0.0,))
+    return AgentPlan(script, (8, 8))
+
+
+async def _warm_pair(url: str, plan: AgentPlan, settings: FleetBenchSettings,
+                     model: str) -> tuple[AgentResult, list[FleetTurn]]:
+    records: list[FleetTurn] = []
+    client = _client(url, settings)
+    try:
+        result = await run_agent(plan, WARM_UP, "warm-up", 0, client, model, 60.0,
+                                 time.perf_counter(), records, [], Live(1, 2), nonce="warmup")
+    finally:
+        await client.close()
+    return result, records
+
+
+def warm_up(fleet: Fleet, settings: FleetBenchSettings, say: Callable[[str], None]) -> dict[
+        str, Any]:
+    """One kvturn conversation on every prefill/decode pair, each through a router of its own
+    that knows only that pair: NIXL handshakes both ways and first-request costs, before any
+    measured run. Returns each pair's TTFTs (ms), not counted anywhere else."""
+    args = () if settings.omit_router_flags else ("--decode-continue-tokens", "0")
+    out: dict[str, Any] = {}
+    plan = warm_up_plan(settings)
+    for p in fleet.prefills:
+        for d in fleet.decodes:
+            name = f"warmup-{p.name}-{d.name}"
+            router = fleet.start_router(name, args, prefills=[p], decodes=[d])
+            try:
+                result, records = asyncio.run(_warm_pair(router.url, plan, settings,
+                                                         fleet.config.model_name))
+            finally:
+                fleet.stop_router(name)
+            if result.error is not None:
+                raise RuntimeError(f"the warm-up conversation on {p.name}/{d.name} failed: "
+                                   f"{result.error} (logs: {fleet.config.state_dir / 'logs'})")
+            out[f"{p.name}/{d.name}"] = [r.ttft_ms for r in records]
+    say("warm-up done: " + "; ".join(f"{k} TTFT {v} ms" for k, v in out.items()))
+    return out
+
+
+def _instance_blocks(info: dict[str, dict[str, Any] | None]) -> dict[str, int | None]:
+    out: dict[str, int | None] = {}
+    for name, labels in info.items():
+        try:
+            out[name] = int(labels["num_gpu_blocks"]) if labels else None
+        except (KeyError, ValueError, TypeError):
+            out[name] = None
+    return out
+
+
+def run_scenario(scenario: Scenario, settings: FleetBenchSettings, counter: list[int],
+                 total_runs: int, say: Callable[[str], None]) -> tuple[dict[str, Any],
+                                                                       list[ModeRun]]:
+    """Start the scenario's fleet, warm it up, run every repeat of every mode, stop it."""
+    from kvturn_server.cli import ProgressLine
+    from kvturn_server.local._fleet import Fleet
+    from kvturn_server.local._process import StackError
+
+    cfg = fleet_config(settings, scenario)
+    say(f"[{scenario.name}] starting {cfg.prefills} prefill(s) + {cfg.decodes} decode(s) "
+        f"({cfg.model_size} model, max_model_len {cfg.context}, prefill blocks "
+        f"{cfg.prefill_num_blocks or 'from --kv-cache-gib'}); logs in {cfg.state_dir / 'logs'}")
+    runs: list[ModeRun] = []
+    with Fleet(cfg, die_with_parent=True) as fleet:
+        fleet.start(progress=ProgressLine())
+        instances: list[Instance] = fleet.instances
+        probe = HttpFleetProbe([(i.name, i.url) for i in instances],
+                               [(d.name, d.control_url) for d in fleet.decodes])
+        info = probe.cache_info()
+        blocks = _instance_blocks(info)
+        block_size = next((int(v["block_size"]) for v in info.values()
+                           if v and "block_size" in v), CPU_BLOCK_SIZE)
+        prefill_blocks = blocks.get(fleet.prefills[0].name) or cfg.prefill_num_blocks or 0
+        kv = scenario.kv_statement(prefill_blocks, block_size)
+        say(f"[{scenario.name}] each prefill holds {kv['conversations_a_prefill_holds']:g} "
+            f"conversations of {kv['active_per_prefill']:g} active per prefill; stands for "
+            f"{kv['stands_for']}")
+        warm = warm_up(fleet, settings, say) if settings.warmup else {}
+        order = run_order(settings)
+        for repeat, modes in order:
+            for position, mode_name in enumerate(modes):
+                counter[0] += 1
+                mode = MODES[mode_name]
+                args = settings.router_args(mode_name)
+                say(f"run {counter[0]}/{total_runs}: {scenario.name} repeat {repeat} "
+                    f"{mode_name} (router {' '.join(args) or 'defaults'})")
+                try:
+                    router = fleet.start_router(f"router-{mode_name}-r{repeat}", args)
+                except StackError as error:
+                    raise StackError(f"{error}\n(the {mode_name} mode starts its router with "
+                                     f"{' '.join(args) or 'no flags'}; see MODE_TABLE in "
+                                     "kvturn_server/bench/_fleet_plan.py)") from error
+                plans = scenario.agents(mode_name, repeat)
+
+                async def main(url: str = router.url, mode: FleetMode = mode,
+                               repeat: int = repeat, position: int = position,
+                               plans: list[AgentPlan] = plans,
+                               args: tuple[str, ...] = args) -> ModeRun:
+                    client = _client(url, settings)
+                    try:
+                        return await run_mode(
+                            mode, scenario.name, repeat, position, plans, client,
+                            cfg.model_name, probe,
+                            keepalive_interval=settings.keepalive_interval,
+                            sample_interval=settings.sample_interval_s,
+                            progress_interval=settings.progress_interval_s,
+                            settle_s=settings.settle_s, drain_timeout=settings.drain_timeout_s,
+                            router_args=args, say=say)
+                    finally:
+                        await client.close()
+
+                try:
+                    run = asyncio.run(main())
+                finally:
+                    fleet.stop_router(router.name)
+                run.extra["router_startup_s"] = round(router.startup_s, 3)
+                runs.append(run)
+        doc = scenario_result(
+            scenario.name, asdict(scenario.profile), scenario.sizing, kv,
+            {**cfg.describe(), "startup_s": fleet.startup_seconds},
+            [list(m) for _, m in order], runs,
+            extra={"instance_blocks": blocks, "cache_info": info, "warmup_ttft_ms": warm})
+    return doc, runs
+
+
+def run_fleet_bench(settings: FleetBenchSettings,
+                    say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every scenario, one fresh fleet each; print the table, write the JSON (after every
+    scenario, so a late failure keeps the earlier ones) and the plot."""
+    plans = scenarios(settings)
+    gaps = GapDistribution(time_scale=settings.time_scale)
+    total_runs = len(plans) * settings.repeats * len(settings.modes)
+    say(f"kvturn bench fleet: {len(plans)} scenario(s) ({', '.join(s.name for s in plans)}) x "
+        f"{settings.repeats} repeats x {len(settings.modes)} modes = {total_runs} runs; tool "
+        f"gaps p50 {gaps.quantile(0.5):.2f} s, p90 {gaps.quantile(0.9):.2f} s; lease "
+        f"{settings.retention_ttl:g} s")
+    if settings.omit_router_flags:
+        say("NOTE: --omit-router-flags: every router runs with today's defaults; the modes are "
+            "not what their names say (a temporary setting for smoke runs)")
+    load_start = loadavg()
+    counter = [0]
+    docs: list[dict[str, Any]] = []
+    all_runs: list[ModeRun] = []
+    results: dict[str, Any] = {}
+    for scenario in plans:
+        doc, runs = run_scenario(scenario, settings, counter, total_runs, say)
+        docs.append(doc)
+        all_runs.extend(runs)
+        results = build_results(settings, docs, all_runs, {
+            "gaps": gaps.describe(),
+            "load_average": {"start": list(load_start), "end": list(loadavg())}})
+        if settings.json_path is not None:
+            write_json(results, settings.json_path)
+    say(table(results))
+    if settings.json_path is not None:
+        plot = settings.plot_path or settings.json_path.with_suffix(".png")
+        if write_plot(results, plot):
+            say(f"wrote {settings.json_path} and {plot}")
+        else:
+            say(f"wrote {settings.json_path}; no plot: matplotlib is not installed (extra "
+                "[bench])")
+    return results
+
+
+# The command line.
+
+def _choices(known: Any, what: str) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(v.strip() for v in text.split(",") if v.strip())
+        if not values or any(v not in known for v in values) or len(set(values)) != len(
+                values):
+            raise argparse.ArgumentTypeError(
+                f"expected a comma list of distinct {what} ({', '.join(known)}), got {text!r}")
+        return values
+    return parse
+
+
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        low, _, high = text.partition(",")
+        return int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX token counts, got {text!r}") from None
+
+
+def settings_from_args(args: argparse.Namespace) -> FleetBenchSettings:
+    return FleetBenchSettings(
+        prefills=args.prefills, decodes=args.decodes, modes=args.modes,
+        profiles=args.profiles, sizings=args.kv, repeats=args.repeats, agents=args.agents,
+        turns=args.turns, system_tokens=args.system_tokens,
+        message_tokens=args.message_tokens, prefill_holds=args.prefill_holds,
+        time_scale=args.time_scale, seed=args.seed, stagger_s=args.stagger, size=args.size,
+        state_dir=args.state_dir, kv_cache_gib=args.kv_cache_gib,
+        retention_ttl_s=args.retention_ttl,
+        decode_continue_tokens=args.decode_continue_tokens,
+        omit_router_flags=args.omit_router_flags, json_path=args.json, plot_path=args.plot)
+
+
+def cmd_bench_fleet(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+        scenarios(settings)  # every scenario fits the model's context
+    except ValueError as error:
+        raise SystemExit(f"kvturn bench fleet: {error}") from None
+    # Flushed: a run takes many minutes and is often followed in a log file.
+    run_fleet_bench(settings, say=functools.partial(print, flush=True))
+    return 0
+
+
+def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``fleet`` to ``kvturn bench``'s subcommands (sets ``func``)."""
+    from kvturn_server.local._model import SIZES
+
+    d = FleetBenchSettings()
+    modes = "; ".join(f"{m.name}: {m.stands_for} (router "
+                      f"{' '.join(m.router_args) or 'with no flags'})" for m in MODE_TABLE)
+    p: argparse.ArgumentParser = bench_subparsers.add_parser(
+        "fleet", help="several prefills and decodes, prefix caching on: stock P/D "
+                      "(round-robin, session affinity) against kvturn (least-loaded, kv-aware)",
+        description="Start N prefills + M decodes on 127.0.0.1 (prefix caching on everywhere) "
+                    "and run concurrent tool-using agents (tool gaps from production traces, "
+                    "scaled by --time-scale) in each mode, each through a router of its own, "
+                    "same seed, order rotated, --repeats times. Modes: " + modes + ". "
+                    "Scenarios: every --profiles (tool: 64-token replies; long: 300-1000) on "
+                    "every --kv sizing (tight: each prefill's KV cache holds --prefill-holds "
+                    "conversations while many more are active; roomy: it holds all of them), a "
+                    "fresh fleet each. Prints per mode TTFT p50/p90/p99, inter-token latency "
+                    "p50/p99, prompt tokens computed (all instances), tokens read from decodes, "
+                    "retained memory and turns/s (median and range over repeats) with the "
+                    "configuration; writes JSON and a PNG. The defaults (tool and long on "
+                    "tight, 2 repeats: 16 runs) take about 20 minutes on a 2-core machine; "
+                    "each scenario adds about 8 (tool) or 11 (long) minutes per 2 repeats.")
+    p.add_argument("--json", type=Path, required=True, help="where to write the results")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="PNG path (default: the JSON path with .png)")
+    p.add_argument("--prefills", type=int, default=d.prefills,
+                   help="prefill instances (default: %(default)s)")
+    p.add_argument("--decodes", type=int, default=d.decodes,
+                   help="decode instances (default: %(default)s)")
+    p.add_argument("--modes", type=_choices(MODES, "modes"), default=d.modes,
+                   metavar="MODE,...",
+                   help=f"which modes, in this order for the first repeat (default: "
+                        f"{','.join(d.modes)})")
+    p.add_argument("--profiles", type=_choices(PROFILES, "profiles"), default=d.profiles,
+                   metavar="tool,long",
+                   help=f"reply profiles (default: {','.join(d.profiles)})")
+    p.add_argument("--kv", type=_choices(SIZINGS, "KV sizings"), default=d.sizings,
+                   metavar="tight,roomy",
+                   help=f"prefill KV sizings (default: {','.join(d.sizings)})")
+    p.add_argument("--repeats", type=int, default=d.repeats,
+                   help="rounds of every mode, the order rotated by one each round; as many as "
+                        "modes puts every mode in every position (default: %(default)s)")
+    p.add_argument("--agents", type=int, default=d.agents,
+                   help="concurrent agents (default: %(default)s)")
+    p.add_argument("--turns", type=int, default=None,
+                   help="turns per agent (default: the profile's, tool 6, long 4)")
+    p.add_argument("--system-tokens", type=int, default=None,
+                   help="system prompt length (default: the profile's, tool 2500, long 1500)")
+    p.add_argument("--message-tokens", type=_pair, default=None, metavar="MIN,MAX",
+                   help="each turn's new user/tool message (default: 100,300)")
+    p.add_argument("--prefill-holds", type=float, default=d.prefill_holds,
+                   help="tight sizing: how many average conversations each prefill's KV cache "
+                        "holds (at least one longest request) (default: %(default)s)")
+    p.add_argument("--time-scale", type=float, default=d.time_scale,
+                   help="factor on the traces' tool gaps (p50 2 s, p90 24 s) and on the 480 s "
+                        "lease (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of sizes, gaps, reply lengths and words (default: %(default)s)")
+    p.add_argument("--stagger", type=float, default=d.stagger_s,
+                   help="seconds between two agents' starts (default: %(default)s)")
+    p.add_argument("--size", choices=sorted(SIZES), default=d.size,
+                   help="model (default: %(default)s)")
+    p.add_argument("--state-dir", type=Path, default=d.state_dir,
+                   help="model, logs (per scenario) of the fleet (default: %(default)s)")
+    p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib,
+                   help="KV cache per vLLM instance in GiB where no block count is set: the "
+                        "decodes, and the prefills when roomy (default: %(default)s)")
+    p.add_argument("--retention-ttl", type=float, default=None,
+                   help="the decodes' lease in seconds (default: 480 x --time-scale, at least "
+                        "30)")
+    p.add_argument("--decode-continue-tokens", type=int, default=None,
+                   help="passed to the kvturn modes' routers (default: the router's, 512; 0: "
+                        "the decode never continues a turn itself)")
+    # Temporary (see the module docstring): until the router has the mode flags.
+    p.add_argument("--omit-router-flags", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_bench_fleet)
+    return p

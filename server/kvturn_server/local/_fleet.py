@@ -1,0 +1,296 @@
+"""A local fleet: N prefills and M decodes of one model with the kvturn connector, and routers in
+front of them, all on 127.0.0.1 (``kvturn bench fleet``; e2e tests with several instances).
+
+Each instance is launched exactly as the ``Stack`` launches its prefill or decode
+(``_vllm_spec``: same flags, same connector config), only with ports of its own, so a fleet and
+the stack differ in how many instances run, not in how one runs. Routers are started and stopped
+separately (``start_router``), any number of them against the same instances, each with its own
+flags: a benchmark can give every mode a fresh router on the same warm backends.
+
+    with Fleet(FleetConfig(state_dir=tmp, prefills=2), die_with_parent=True) as fleet:
+        fleet.start()
+        router = fleet.start_router("router", ["--prefill-policy", "kv-aware"])
+        ...  # router.url, fleet.prefills[i].url, fleet.decodes[j].control_url
+
+Logs go to ``<state_dir>/logs/<name>.log``; ports come from ``free_port()``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvturn_server.local._model import SIZES, build_model, is_built
+from kvturn_server.local._process import (
+    ServerSpec,
+    StackError,
+    free_port,
+    launch,
+    stop_group,
+    wait_healthy,
+)
+from kvturn_server.local._stack import (
+    INSTALL_HINT,
+    Progress,
+    StackConfig,
+    _vllm_spec,
+    vllm_is_installed,
+)
+
+PREFILL, DECODE = "prefill", "decode"
+_ROLES = {PREFILL: "kv_producer", DECODE: "kv_consumer"}
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """What shapes a fleet. The vLLM settings mean what they mean in ``StackConfig``.
+
+    ``prefill_num_blocks`` / ``decode_num_blocks`` fix the number of KV blocks of every prefill
+    / decode (vLLM's ``--num-gpu-blocks-override``; None: what ``kv_cache_gib`` gives). vLLM
+    refuses to start when the blocks cannot hold one ``max_model_len`` request.
+    """
+
+    state_dir: Path
+    prefills: int = 2
+    decodes: int = 1
+    model_size: str = "tiny"
+    model_dir: Path | None = None
+    served_model_name: str | None = None
+    kv_cache_gib: float = 1.0
+    max_model_len: int | None = None
+    kv_read_timeout: float = 20.0
+    prefill_prefix_caching: bool = True
+    prefill_num_blocks: int | None = None
+    decode_num_blocks: int | None = None
+    decoder_kv_blocks_ttl: float = 480.0
+    retention_max_hold: float = 3600.0
+    retention_budget: float = 0.5
+    startup_timeout: float = 600.0
+    extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.prefills < 1 or self.decodes < 1:
+            raise StackError("a fleet needs at least one prefill and one decode")
+        if self.model_size not in SIZES:
+            raise StackError(f"unknown model size {self.model_size!r}; one of {sorted(SIZES)}")
+        for name in ("prefill_num_blocks", "decode_num_blocks"):
+            value = getattr(self, name)
+            if value is not None and value < 2:
+                raise StackError(f"{name} must be at least 2, got {value}")
+
+    @property
+    def model_path(self) -> Path:
+        return self.model_dir or self.state_dir / "models" / self.model_size
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or f"kvturn-{self.model_size}"
+
+    @property
+    def context(self) -> int:
+        return self.max_model_len or SIZES[self.model_size].max_positions
+
+    def stack_config(self) -> StackConfig:
+        """The ``StackConfig`` every instance's command line is built from (ports aside)."""
+        return StackConfig(
+            state_dir=self.state_dir, model_size=self.model_size, model_dir=self.model_path,
+            served_model_name=self.model_name, kv_cache_gib=self.kv_cache_gib,
+            max_model_len=self.context, kv_read_timeout=self.kv_read_timeout,
+            prefill_prefix_caching=self.prefill_prefix_caching,
+            decoder_kv_blocks_ttl=self.decoder_kv_blocks_ttl,
+            retention_max_hold=self.retention_max_hold, retention_budget=self.retention_budget,
+            startup_timeout=self.startup_timeout, with_router=False,
+            decode_num_blocks=self.decode_num_blocks, extra_vllm_args=self.extra_vllm_args)
+
+    def describe(self) -> dict[str, Any]:
+        return {"prefills": self.prefills, "decodes": self.decodes, "model": self.model_size,
+                "served_model_name": self.model_name, "max_model_len": self.context,
+                "kv_cache_gib": self.kv_cache_gib,
+                "prefill_prefix_caching": self.prefill_prefix_caching,
+                "prefill_num_blocks": self.prefill_num_blocks,
+                "decode_num_blocks": self.decode_num_blocks,
+                "decoder_kv_blocks_ttl": self.decoder_kv_blocks_ttl,
+                "retention_budget": self.retention_budget,
+                "kv_read_timeout": self.kv_read_timeout,
+                "extra_vllm_args": list(self.extra_vllm_args)}
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One vLLM instance of the fleet."""
+
+    name: str
+    role: str
+    port: int
+    side_channel_port: int
+    control_port: int
+    spec: ServerSpec
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def control_url(self) -> str:
+        return f"http://127.0.0.1:{self.control_port}"
+
+
+@dataclass(frozen=True)
+class Router:
+    """A router process in front of the fleet."""
+
+    name: str
+    port: int
+    argv: tuple[str, ...]
+    pid: int
+    startup_s: float
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def instance_spec(cfg: FleetConfig, name: str, role: str, port: int, side_channel_port: int,
+                  control_port: int) -> ServerSpec:
+    """The Stack's prefill or decode command line with this instance's ports and block count."""
+    base = cfg.stack_config()
+    if role == PREFILL:
+        extra = base.extra_vllm_args
+        if cfg.prefill_num_blocks is not None:
+            extra = (*extra, "--num-gpu-blocks-override", str(cfg.prefill_num_blocks))
+        stack = replace(base, prefill_control_port=control_port, extra_vllm_args=extra)
+    elif role == DECODE:
+        stack = replace(base, decode_control_port=control_port)
+    else:
+        raise ValueError(f"role must be {PREFILL!r} or {DECODE!r}, got {role!r}")
+    return _vllm_spec(stack, name, port, _ROLES[role], side_channel_port)
+
+
+def plan_instances(cfg: FleetConfig, port: Callable[[], int] = free_port) -> list[Instance]:
+    """``prefill0..`` then ``decode0..``, each with three ports of its own."""
+    out = []
+    for role, count in ((PREFILL, cfg.prefills), (DECODE, cfg.decodes)):
+        for i in range(count):
+            name = f"{role}{i}"
+            http, side, control = port(), port(), port()
+            out.append(Instance(name, role, http, side, control,
+                                instance_spec(cfg, name, role, http, side, control)))
+    ports = [p for i in out for p in (i.port, i.side_channel_port, i.control_port)]
+    if len(set(ports)) != len(ports):
+        raise StackError(f"fleet ports must all differ: {ports}")
+    return out
+
+
+def router_argv(prefills: Sequence[Instance], decodes: Sequence[Instance], port: int,
+                retention_ttl: float, args: Sequence[str] = ()) -> list[str]:
+    """``kvturn router`` over these instances; ``args`` are appended (policy flags, ...)."""
+    argv = [sys.executable, "-m", "kvturn_server.cli", "router", "--host", "127.0.0.1",
+            "--port", str(port), "--retention-ttl", f"{retention_ttl:g}"]
+    for p in prefills:
+        argv += ["--prefill", p.url]
+    for d in decodes:
+        argv += ["--decode", f"{d.url},control={d.control_url}"]
+    return [*argv, *args]
+
+
+class Fleet:
+    """Start and stop the fleet's vLLM instances and routers (a context manager: leaving it
+    stops everything it started)."""
+
+    def __init__(self, config: FleetConfig, *, die_with_parent: bool = False,
+                 port: Callable[[], int] = free_port) -> None:
+        self.config = config
+        self.die_with_parent = die_with_parent
+        self._port = port
+        self.instances = plan_instances(config, port)
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.routers: dict[str, Router] = {}
+        self.startup_seconds: float | None = None
+
+    @property
+    def prefills(self) -> list[Instance]:
+        return [i for i in self.instances if i.role == PREFILL]
+
+    @property
+    def decodes(self) -> list[Instance]:
+        return [i for i in self.instances if i.role == DECODE]
+
+    def instance(self, name: str) -> Instance:
+        for i in self.instances:
+            if i.name == name:
+                return i
+        raise KeyError(name)
+
+    def start(self, progress: Progress | None = None) -> Fleet:
+        """Launch every vLLM instance and wait until all are healthy; stop them all on any
+        failure."""
+        if not vllm_is_installed():
+            raise StackError(INSTALL_HINT)
+        cfg = self.config
+        if not is_built(cfg.model_path, cfg.model_size):
+            build_model(cfg.model_size, cfg.model_path)
+        started = time.monotonic()
+        try:
+            for i in self.instances:
+                self._procs[i.name] = launch(i.spec, die_with_parent=self.die_with_parent)
+            wait_healthy({i.name: (i.spec, self._procs[i.name]) for i in self.instances},
+                         timeout=cfg.startup_timeout, progress=progress)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - started
+        return self
+
+    def pid(self, name: str) -> int:
+        if name in self.routers:
+            return self.routers[name].pid
+        return self._procs[name].pid
+
+    def start_router(self, name: str, args: Sequence[str] = (), *, timeout: float = 60.0,
+                     prefills: Sequence[Instance] | None = None,
+                     decodes: Sequence[Instance] | None = None) -> Router:
+        """A router over every instance (or the ones given) with ``args`` added; returns once
+        it answers ``/health``. Its log is ``logs/<name>.log``."""
+        if name in self.routers or name in self._procs:
+            raise StackError(f"{name!r} is already running")
+        port = self._port()
+        argv = router_argv(self.prefills if prefills is None else prefills,
+                           self.decodes if decodes is None else decodes, port,
+                           self.config.decoder_kv_blocks_ttl, args)
+        spec = ServerSpec(name=name, argv=argv, port=port,
+                          health_url=f"http://127.0.0.1:{port}/health",
+                          log_path=self.config.state_dir / "logs" / f"{name}.log",
+                          env={"PYTHONUNBUFFERED": "1"})
+        proc = launch(spec, die_with_parent=self.die_with_parent)
+        try:
+            seconds = wait_healthy({name: (spec, proc)}, timeout=timeout)
+        except BaseException:
+            stop_group(proc.pid)
+            raise
+        router = Router(name, port, tuple(argv), proc.pid, seconds)
+        self.routers[name] = router
+        return router
+
+    def stop_router(self, name: str) -> None:
+        router = self.routers.pop(name, None)
+        if router is not None:
+            stop_group(router.pid)
+
+    def stop(self) -> None:
+        # Routers first, so that no new request reaches a stopping vLLM.
+        for name in list(self.routers):
+            self.stop_router(name)
+        for proc in self._procs.values():
+            stop_group(proc.pid)
+        self._procs.clear()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,99 @@
+"""The local fleet's plan and command lines (no vLLM started): every instance is the Stack's
+prefill or decode with ports of its own, and its routers take the flags of the real router."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvturn_server.cli import build_parser
+from kvturn_server.local import Fleet, FleetConfig, StackConfig, StackError
+from kvturn_server.local._fleet import instance_spec, plan_instances, router_argv
+from kvturn_server.local._stack import server_specs
+from kvturn_server.router import router_config_from_args
+
+
+def _ports() -> Callable[[], int]:
+    counter = iter(range(20000, 21000))
+    return lambda: next(counter)
+
+
+def _kv(argv: list[str]) -> dict[str, object]:
+    return dict(json.loads(argv[argv.index("--kv-transfer-config") + 1]))
+
+
+def test_the_plan_names_instances_by_role_with_ports_of_their_own(tmp_path: Path) -> None:
+    cfg = FleetConfig(state_dir=tmp_path, prefills=3, decodes=2)
+    instances = plan_instances(cfg, _ports())
+    assert [i.name for i in instances] == ["prefill0", "prefill1", "prefill2", "decode0",
+                                           "decode1"]
+    ports = [p for i in instances for p in (i.port, i.side_channel_port, i.control_port)]
+    assert len(set(ports)) == 15
+    for i in instances:
+        assert i.url == f"http://127.0.0.1:{i.port}"
+        assert i.spec.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(i.side_channel_port)
+        assert i.spec.log_path == tmp_path / "logs" / f"{i.name}.log"
+        assert _kv(list(i.spec.argv))["kv_connector_extra_config"]["control_port"] == \
+            i.control_port  # type: ignore[index]
+    with pytest.raises(StackError, match="differ"):
+        plan_instances(cfg, lambda: 20000)
+
+
+def test_an_instance_is_the_stacks_prefill_or_decode_with_its_block_count(
+        tmp_path: Path) -> None:
+    cfg = FleetConfig(state_dir=tmp_path, prefill_num_blocks=66, decode_num_blocks=400,
+                      max_model_len=4480, decoder_kv_blocks_ttl=48.0)
+    prefill = list(instance_spec(cfg, "prefill0", "prefill", 9100, 9101, 9102).argv)
+    decode = list(instance_spec(cfg, "decode0", "decode", 9200, 9201, 9202).argv)
+    stack = {s.name: list(s.argv) for s in server_specs(StackConfig(
+        state_dir=tmp_path, model_dir=cfg.model_path, max_model_len=4480,
+        decoder_kv_blocks_ttl=48.0, prefill_port=9100, decode_port=9200,
+        prefill_control_port=9102, decode_control_port=9202, decode_num_blocks=400,
+        with_router=False))}
+    # The prefill: the Stack's, plus its block count; prefix caching on (vLLM's default).
+    at = prefill.index("--num-gpu-blocks-override")
+    assert prefill[at + 1] == "66"
+    assert prefill[:at] + prefill[at + 2:] == stack["prefill"]
+    assert "--no-enable-prefix-caching" not in prefill
+    assert _kv(prefill)["kv_role"] == "kv_producer"
+    assert decode == stack["decode"]
+    assert _kv(decode)["kv_role"] == "kv_consumer"
+    assert _kv(decode)["kv_connector_extra_config"]["decoder_kv_blocks_ttl"] == 48.0  # type: ignore[index]
+    assert decode[decode.index("--max-model-len") + 1] == "4480"
+    with pytest.raises(ValueError):
+        instance_spec(cfg, "x", "reference", 1, 2, 3)
+
+
+def test_the_router_argv_names_every_backend_and_parses_as_the_router(tmp_path: Path) -> None:
+    fleet = Fleet(FleetConfig(state_dir=tmp_path, prefills=2, decodes=2),
+                  port=_ports())
+    argv = router_argv(fleet.prefills, fleet.decodes, 8000, 48.0, ["--log-level", "debug"])
+    assert argv[:4] == [sys.executable, "-m", "kvturn_server.cli", "router"]
+    config = router_config_from_args(build_parser().parse_args(argv[3:]))
+    assert config.prefill == tuple(p.url for p in fleet.prefills)
+    assert [(d.url, d.control) for d in config.decode] == [
+        (d.url, d.control_url) for d in fleet.decodes]
+    assert config.port == 8000 and config.retention_ttl == 48.0
+    assert config.log_level == "debug" and config.host == "127.0.0.1"
+    only = router_argv(fleet.prefills[1:], fleet.decodes[:1], 8001, 48.0)
+    assert router_config_from_args(build_parser().parse_args(only[3:])).prefill == (
+        fleet.prefills[1].url,)
+
+
+def test_a_fleet_refuses_nonsense_and_stops_cleanly_before_it_starts(tmp_path: Path) -> None:
+    for bad in ({"prefills": 0}, {"decodes": 0}, {"model_size": "huge"},
+                {"prefill_num_blocks": 1}):
+        with pytest.raises(StackError):
+            FleetConfig(state_dir=tmp_path, **bad)
+    cfg = FleetConfig(state_dir=tmp_path)
+    assert cfg.model_name == "kvturn-tiny" and cfg.context == 8192
+    assert cfg.model_path == tmp_path / "models" / "tiny"
+    with Fleet(cfg, port=_ports()) as fleet:
+        assert [i.name for i in fleet.prefills] == ["prefill0", "prefill1"]
+        assert fleet.instance("decode0").role == "decode"
+        fleet.stop_router("never-started")  # a no-op
+    assert fleet.routers == {}

@@ -70,15 +70,13 @@ def test_the_mode_table_maps_each_mode_to_its_router_flags_and_client() -> None:
     assert all(m.stands_for for m in MODE_TABLE)
 
 
-def test_router_args_add_decode_continue_to_kvturn_modes_only_and_can_be_omitted() -> None:
+def test_router_args_add_decode_continue_to_kvturn_modes_only() -> None:
     s = FleetBenchSettings(decode_continue_tokens=0)
     assert s.router_args("stock-rr") == ("--no-kv-reuse", "--prefill-policy", "round-robin")
     assert s.router_args("kvturn-kv") == ("--decode-continue-tokens", "0")
     assert s.router_args("kvturn-ll") == ("--prefill-policy", "least-loaded",
                                           "--decode-continue-tokens", "0")
     assert FleetBenchSettings().router_args("kvturn-kv") == ()
-    omitted = FleetBenchSettings(omit_router_flags=True, decode_continue_tokens=0)
-    assert all(omitted.router_args(m) == () for m in MODES)
 
 
 def test_settings_refuse_unknown_or_repeated_choices() -> None:
@@ -302,7 +300,7 @@ def test_the_results_document_states_the_configuration_and_keeps_every_turn(
     write_json(_results(tmp_path), path)
     data = json.loads(path.read_text())
     assert data["benchmark"] == "fleet" and data["seed"] == 5
-    assert data["router_flags_omitted"] is False and data["order_rationale"]
+    assert data["order_rationale"]
     assert [m["mode"] for m in data["mode_table"]] == list(MODES)
     assert data["mode_table"][0]["router_args"] == ["--no-kv-reuse", "--prefill-policy",
                                                     "round-robin"]
@@ -323,12 +321,12 @@ def test_the_results_document_states_the_configuration_and_keeps_every_turn(
     assert "prefill0 2250 prefill1 750" in " ".join(work)
 
 
-def test_omitted_router_flags_are_said_in_the_table(tmp_path: Path) -> None:
-    settings = FleetBenchSettings(omit_router_flags=True)
-    data = build_results(settings, [], [])
-    assert data["router_flags_omitted"] is True
-    assert all(m["router_args"] == [] for m in data["mode_table"])
-    assert table(data).startswith("NOTE: router flags omitted")
+def test_the_table_names_each_mode_s_router_flags(tmp_path: Path) -> None:
+    data = build_results(FleetBenchSettings(), [], [])
+    assert [m["router_args"] for m in data["mode_table"]][:2] == [
+        ["--no-kv-reuse", "--prefill-policy", "round-robin"],
+        ["--no-kv-reuse", "--prefill-policy", "affinity"]]
+    assert table(data).startswith("stock-rr        router --no-kv-reuse")
 
 
 def test_the_plot_is_a_png(tmp_path: Path) -> None:
@@ -347,21 +345,20 @@ def test_the_command_line_maps_onto_the_settings(tmp_path: Path) -> None:
     assert callable(args.func)
     assert (s.prefills, s.decodes, s.modes, s.profiles, s.sizings, s.repeats, s.agents) == (
         2, 1, tuple(MODES), ("tool", "long"), ("tight",), 2, 12)
-    assert not s.omit_router_flags and s.decode_continue_tokens is None
+    assert s.decode_continue_tokens is None
     args = parser.parse_args([
         "fleet", "--json", "x.json", "--prefills", "3", "--decodes", "2", "--modes",
         "kvturn-kv,stock-rr", "--profiles", "long,tool", "--kv", "roomy,tight", "--repeats",
-        "4", "--turns", "3", "--message-tokens", "50,60", "--decode-continue-tokens", "0",
-        "--omit-router-flags"])
+        "4", "--turns", "3", "--message-tokens", "50,60", "--decode-continue-tokens", "0"])
     s = settings_from_args(args)
     assert (s.prefills, s.decodes, s.modes, s.profiles, s.sizings) == (
         3, 2, ("kvturn-kv", "stock-rr"), ("long", "tool"), ("roomy", "tight"))
     assert s.turns == 3 and s.message_tokens == (50, 60) and s.decode_continue_tokens == 0
-    assert s.omit_router_flags and s.profile("long").turns == 3
+    assert s.profile("long").turns == 3
     with pytest.raises(SystemExit):
         parser.parse_args(["fleet", "--json", "x.json", "--modes", "kvturn-kv,fast"])
     help_text = parser._subparsers._group_actions[0].choices["fleet"].format_help()  # type: ignore[union-attr]
-    assert "--omit-router-flags" not in help_text and "--prefills" in help_text
+    assert "--prefills" in help_text
 
 
 # The agents against a fake router.

@@ -11,7 +11,12 @@ import pytest
 
 from kvturn_server.router._history import History, Transcript, uncached_estimate
 from kvturn_server.router._identity import conversation_key
-from kvturn_server.router._placement import choose_decode, choose_prefill, read_gain
+from kvturn_server.router._placement import (
+    choose_decode,
+    choose_prefill,
+    learn_read_floor,
+    read_gain,
+)
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import Placement
 from tests.server.conftest import MakeHarness
@@ -302,3 +307,25 @@ async def test_stock_mode_keeps_affinity_but_neither_pins_nor_retains(
     assert all("kvturn" not in (b.get("kv_transfer_params") or {})
                for b in cluster.bodies("decode0"))
     assert not cluster.decodes[0].retentions
+
+
+async def test_a_range_the_prefill_declined_to_read_is_not_pinned_for_again(
+        make_harness: MakeHarness) -> None:
+    cluster = Cluster()
+    h = await make_harness(cluster)
+    await h.chat("c", messages=[U1])
+    # The fake decode's retention has 32 readable tokens; the prefill's cost model finds
+    # computing them cheaper.
+    cluster.prefills[0].report = {
+        "reason": "below-threshold", "reused_tokens": 0, "local_tokens": 0,
+        "cost": {"tokens": 32, "read_ms": 4.0, "compute_ms": 1.5, "source": "calibrated"}}
+    second = await h.chat("c", messages=turn2())
+    assert second.headers["X-KVTurn-Reuse"] == "below-threshold"
+    pins = len(cluster.calls("decode0.control", "POST"))
+    third = await h.chat("c", messages=turn2(REPLY, TOOL))
+    assert third.headers["X-KVTurn-Reuse"] == "below-threshold"
+    assert len(cluster.calls("decode0.control", "POST")) == pins  # no second pin
+    # A read the prefill took lowers the floor again.
+    prefill = h.router.prefills.members[0]
+    learn_read_floor(prefill, declined=0, reused=16, now=prefill.read_floor_at)
+    assert prefill.read_floor == 15

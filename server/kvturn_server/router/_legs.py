@@ -94,6 +94,9 @@ class ReuseReport:
     reason: str
     reused_tokens: int = 0
     local_tokens: int = 0
+    declined_tokens: int = 0
+    """Tokens of a verified range the prefill's cost model declined to read (computing them
+    was expected to be faster); 0 when it read, or weighed nothing."""
 
 
 def reuse_report(prefill_params: dict[str, Any]) -> ReuseReport | None:
@@ -102,8 +105,14 @@ def reuse_report(prefill_params: dict[str, Any]) -> ReuseReport | None:
     reuse = info.get("reuse") if isinstance(info, dict) else None
     if not isinstance(reuse, dict) or reuse.get("reason") not in REUSE_REASONS:
         return None
+    cost = reuse.get("cost")
+    declined = 0
+    if isinstance(cost, dict) and _is_number(cost.get("read_ms")) \
+            and _is_number(cost.get("compute_ms")) and cost["read_ms"] >= cost["compute_ms"] \
+            and not _count(reuse.get("reused_tokens")):
+        declined = _count(cost.get("tokens"))
     return ReuseReport(str(reuse["reason"]), _count(reuse.get("reused_tokens")),
-                       _count(reuse.get("local_tokens")))
+                       _count(reuse.get("local_tokens")), declined)
 
 
 def readable_tokens(params: dict[str, Any]) -> tuple[int | None, int]:

@@ -74,6 +74,27 @@ def read_gain(placement: Placement, prefill: Backend) -> int:
     return max(0, placement.cached_tokens - held)
 
 
+READ_FLOOR_TTL = 60.0
+"""Seconds a prefill's declined range keeps the router from pinning for no more than it: its
+cost model calibrates as load changes, so the router asks again after this."""
+
+
+def learn_read_floor(prefill: Backend, *, declined: int, reused: int, now: float) -> None:
+    """Track the prefill's break-even from its reports: a declined range raises the floor, a
+    read lowers it below what was read."""
+    if declined > 0:
+        fresh = now - prefill.read_floor_at < READ_FLOOR_TTL
+        prefill.read_floor = max(prefill.read_floor if fresh else 0, declined)
+        prefill.read_floor_at = now
+    elif reused > 0 and prefill.read_floor >= reused:
+        prefill.read_floor = reused - 1
+
+
+def read_floor(prefill: Backend, now: float) -> int:
+    """The prefill's current floor (0 once it is older than :data:`READ_FLOOR_TTL`)."""
+    return prefill.read_floor if now - prefill.read_floor_at < READ_FLOOR_TTL else 0
+
+
 def continuation(*, placement: Placement, holder: Backend, transcript: Transcript | None,
                  now: float, max_tokens: int, budget: int) -> tuple[int, str]:
     """Whether ``holder`` (the decode retaining the conversation) should continue this turn.

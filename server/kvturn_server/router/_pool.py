@@ -30,7 +30,8 @@ class Backend:
     """One vLLM instance and what the router knows about it."""
 
     __slots__ = ("continuing", "control_ok", "control_url", "engine_id", "failures", "healthy",
-                 "in_flight", "last_error", "role", "successes", "url")
+                 "in_flight", "last_error", "read_floor", "read_floor_at", "role", "successes",
+                 "url")
 
     def __init__(self, role: str, url: str, control_url: str | None = None) -> None:
         self.role = role
@@ -42,6 +43,10 @@ class Backend:
         # Estimated prompt tokens of turns this decode continues itself, until their first
         # token (``_placement.py``).
         self.continuing = 0
+        # Prefills: the largest range its cost model lately declined to read (cheaper to
+        # compute), and when; a pin for no more than that is a wasted round trip.
+        self.read_floor = 0
+        self.read_floor_at = 0.0
         self.failures = 0
         self.successes = 0
         self.engine_id: str | None = None

@@ -50,6 +50,8 @@ from kvturn_server.router._placement import (
     choose_decode,
     choose_prefill,
     continuation,
+    learn_read_floor,
+    read_floor,
     read_gain,
 )
 from kvturn_server.router._pool import Backend, Pool
@@ -212,7 +214,8 @@ class Turn:
         if placement is None or self.holder is None:
             return False
         gain = read_gain(placement, prefill)
-        if gain >= max(1, self.r.config.min_read_tokens):
+        floor = read_floor(prefill, time.monotonic())
+        if gain >= max(1, self.r.config.min_read_tokens) and gain > floor:
             self.pin_skipped = False
             return True
         self.pin_skipped = gain == 0
@@ -425,6 +428,9 @@ class Turn:
             if report is not None:
                 self.reason = report.reason
                 self.reused_tokens = report.reused_tokens
+                if self.prefill_backend is not None:
+                    learn_read_floor(self.prefill_backend, declined=report.declined_tokens,
+                                     reused=report.reused_tokens, now=time.monotonic())
             else:
                 self.reason = "miss"
         elif params is not None and self.pin_skipped:

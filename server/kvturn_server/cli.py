@@ -243,12 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="run the demo: stack up, a LangGraph tool agent with kvturn off and on, "
                      "per-turn table and plot, stack down",
-        description="Build the tiny model, start the stack (the prefill without a prefix "
-                    "cache, like a shared prefill pool), run a LangGraph tool-calling agent "
-                    "twice through the router (kvturn off: plain P/D; on: the thread is a "
-                    "kvturn conversation), print per turn the time to first token and where "
-                    "the prompt's KV came from, write a PNG plot, stop the stack. Uses a "
-                    "running stack (kvturn up) as it is. A few minutes on a 2-core machine.")
+        description="Build the tiny model, start the stack (vLLM's defaults: prefix caching "
+                    "on, on the prefill and the decode), run a LangGraph tool-calling agent "
+                    "twice through the router (kvturn off: stock P/D; on: the thread is a "
+                    "kvturn conversation), print per turn the time to first token, the route "
+                    "(the decode alone, or prefill then decode) and where the prompt's KV came "
+                    "from (the prefill's cache, the decode's retention, computed), write a "
+                    "PNG plot, stop the stack. Uses a running stack (kvturn up) as it is. A "
+                    "few minutes on a 2-core machine.")
     _add_stack_args(demo)
     demo.add_argument("--turns", type=int, default=6,
                       help="model turns of the agent, all but the last call a tool "

@@ -880,3 +880,11 @@ async def test_repeats_rotate_the_modes_and_record_routes_gaps_and_reply_lengths
     assert on["computed_tokens"] == on["prefill_computed_tokens"] + on[
         "decode_computed_tokens"]
     assert [len(results["retained_bytes_at_mode_start"][m]) for m in ("off", "on")] == [3, 3]
+
+
+def test_router_arguments_reach_the_stack_and_the_results() -> None:
+    from kvturn_server.bench._agent import agent_stack_config
+
+    settings = AgentBenchSettings(router_args=("--decode-continue-tokens", "256"))
+    assert agent_stack_config(settings, {}).router_args == ("--decode-continue-tokens", "256")
+    assert settings.describe()["router_args"] == ["--decode-continue-tokens", "256"]

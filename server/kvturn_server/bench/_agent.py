@@ -473,7 +473,7 @@ def agent_stack_config(settings: AgentBenchSettings, ports: dict[str, Any]) -> S
         max_model_len=SIZES[settings.size].max_positions, kv_cache_gib=settings.kv_cache_gib,
         decoder_kv_blocks_ttl=settings.retention_ttl,
         prefill_prefix_caching=settings.prefill_prefix_cache, with_router=True,
-        with_reference=False)
+        with_reference=False, router_args=settings.router_args)
     return replace(cfg, **ports)
 
 
@@ -508,7 +508,8 @@ def run_agent_bench(settings: AgentBenchSettings,
     say(f"configuration: prefill prefix cache "
         f"{'ON (vLLM default)' if settings.prefill_prefix_cache else 'OFF'}; {PREFILLS} prefill "
         f"+ {DECODES} decode + router; replies: {settings.reply_text()}; {settings.repeats} "
-        f"repeat(s), order {orders}; host: {describe_cpu(host_info())}")
+        f"repeat(s), order {orders}; host: {describe_cpu(host_info())}"
+        + (f"; router {' '.join(settings.router_args)}" if settings.router_args else ""))
     say(f"starting the benchmark stack ({settings.size} model)")
     with Stack(cfg, die_with_parent=True) as stack:
         stack.start(progress=ProgressLine())
@@ -571,7 +572,7 @@ def settings_from_args(args: argparse.Namespace) -> AgentBenchSettings:
         long_reply_tokens=args.long_reply_tokens, repeats=args.repeats,
         gap_cap_s=args.max_gap if args.max_gap > 0 else None,
         retention_ttl_s=args.retention_ttl, prefill_prefix_cache=args.prefill_prefix_cache,
-        kv_cache_gib=args.kv_cache_gib)
+        kv_cache_gib=args.kv_cache_gib, router_args=tuple(args.router_arg or ()))
 
 
 def cmd_bench_agent(args: argparse.Namespace) -> int:
@@ -667,6 +668,9 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                         "where a conversation's next turn does not find its prefix locally")
     p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib,
                    help="KV cache per vLLM instance in GiB (default: %(default)s)")
+    p.add_argument("--router-arg", action="append", default=None, metavar="ARG",
+                   help="one more `kvturn router` argument (repeatable; both modes run on that "
+                        "router), e.g. --router-arg=--decode-continue-tokens=256")
     p.set_defaults(func=cmd_bench_agent)
     return p
 

@@ -151,6 +151,7 @@ class AgentBenchSettings:
     keepalive_interval_s: float | None = None
     prefill_prefix_cache: bool = True
     kv_cache_gib: float = 1.0
+    router_args: tuple[str, ...] = ()
     sample_interval_s: float = 0.5
     progress_interval_s: float = 5.0
     warmup: bool = True
@@ -249,6 +250,7 @@ class AgentBenchSettings:
         data["modes"] = list(self.modes)
         data["message_tokens"] = list(self.message_tokens)
         data["long_reply_tokens"] = list(self.long_reply_tokens)
+        data["router_args"] = list(self.router_args)
         data["effective_retention_ttl_s"] = self.retention_ttl
         data["effective_keepalive_interval_s"] = self.keepalive_interval
         data["max_prompt_tokens_estimate"] = self.max_prompt_tokens()

@@ -6,11 +6,10 @@ from kvturn_server.bench._agent import (
     run_agent_bench,
 )
 from kvturn_server.bench._reuse import (
-    SizeResult,
+    ReuseBenchSettings,
+    add_reuse_bench_parser,
     bench_config,
     run_reuse_bench,
-    write_json,
-    write_plot,
 )
 from kvturn_server.bench._router import (
     RouterBenchSettings,
@@ -19,6 +18,7 @@ from kvturn_server.bench._router import (
 )
 from kvturn_server.bench._sdk import add_sdk_bench_parser, run_sdk_bench
 
-__all__ = ["AgentBenchSettings", "RouterBenchSettings", "SizeResult", "add_agent_bench_parser",
-           "add_router_bench_parser", "add_sdk_bench_parser", "bench_config", "run_agent_bench",
-           "run_reuse_bench", "run_router_bench", "run_sdk_bench", "write_json", "write_plot"]
+__all__ = ["AgentBenchSettings", "ReuseBenchSettings", "RouterBenchSettings",
+           "add_agent_bench_parser", "add_reuse_bench_parser", "add_router_bench_parser",
+           "add_sdk_bench_parser", "bench_config", "run_agent_bench", "run_reuse_bench",
+           "run_router_bench", "run_sdk_bench"]

@@ -158,7 +158,7 @@ def test_every_mode_gets_exactly_its_planned_sources_on_both_instances() -> None
     stack = FakeStack()
     runner = _runner(stack, sizes=(256, 512), generated=(0, 96, 160))
     for row in runner.settings.rows():
-        samples = runner.measure_row(row)
+        samples = runner.measure_row(row, warmup_runs=1)
         for mode in MODES:
             ms = samples.modes[mode]
             assert len(ms.ttft_ms) == 4
@@ -210,7 +210,7 @@ def test_prompts_share_only_the_previous_prompt_that_the_plan_shares() -> None:
 
 def test_every_setup_comes_before_the_timed_turns_and_every_key_is_released() -> None:
     stack = FakeStack()
-    runner = _runner(stack, runs=1, warmup_runs=0)
+    runner = _runner(stack, runs=1)
     runner.measure_row(Row(256, 96))
     events = [e for e in stack.log if e[0] in ("hold", "warm", "turn")]
     kinds = [e[0] for e in events]
@@ -246,7 +246,7 @@ def test_the_orders_balance_positions_and_predecessors(modes: tuple[str, ...]) -
 
 def test_the_runner_uses_a_new_order_each_run() -> None:
     stack = FakeStack()
-    samples = _runner(stack, runs=10).measure_row(Row(256, 0))
+    samples = _runner(stack, runs=10).measure_row(Row(256, 0), warmup_runs=1)
     assert samples.orders == run_orders(10)
     assert len(set(samples.orders)) == 10
     timed = [k.rsplit("/", 1)[1] for kind, k in stack.log
@@ -254,22 +254,33 @@ def test_the_runner_uses_a_new_order_each_run() -> None:
     assert timed == [m for order in run_orders(10) for m in order]
 
 
+def test_warm_up_runs_come_before_the_first_row_only() -> None:
+    stack = FakeStack()
+    rows = _runner(stack, generated=(0,), sizes=(256, 512), runs=2, warmup_runs=2).measure()
+    assert [(r["tokens"], r["generated"]) for r in rows] == [(256, 0), (512, 0)]
+    warm = {k.split("/")[2] for kind, k in stack.log if kind == "turn"
+            and k.split("/")[3] in ("-1", "-2")}
+    assert warm == {"256+0"}
+    assert all(r["modes"]["floor"]["ttft_ms"]["n"] == 2 for r in rows)
+
+
 # Idle waits.
 
 def test_every_timed_turn_follows_an_idle_check_a_settle_pause_and_a_second_check() -> None:
     stack = FakeStack(busy_snapshots=3)
-    _runner(stack, runs=2, warmup_runs=0, settle_s=0.7).measure_row(Row(256, 0))
+    _runner(stack, runs=2, settle_s=0.7).measure_row(Row(256, 0))
     turns = [i for i, e in enumerate(stack.log) if e[0] == "turn"][1:]  # after the shared one
     assert len(turns) == 10
     for i in turns:
         assert stack.log[i - 3:i] == [("snapshot", True), ("sleep", 0.7), ("snapshot", True)]
+        assert stack.log[i + 1] == ("snapshot", True)  # counters read once idle again
     # While busy the runner polls and does not start.
     assert stack.log.count(("snapshot", False)) == 3
 
 
 def test_instances_that_never_become_idle_stop_the_benchmark() -> None:
     stack = FakeStack(busy_snapshots=10**9)
-    runner = _runner(stack, runs=1, warmup_runs=0)
+    runner = _runner(stack, runs=1)
     runner.idle_timeout_s = 2.0
     with pytest.raises(RuntimeError, match="did not become idle"):
         runner.measure_row(Row(256, 0))

@@ -42,9 +42,15 @@ How each state is made, and why:
 - All setup runs first in each run; then, before every timed request, the benchmark waits until
   both instances report no running or waiting request (``vllm:num_requests_running``,
   ``vllm:num_requests_waiting``), pauses ``settle_s``, and checks again, so each timed request
-  starts after the same idle time. The five modes run in a Williams order per run (each mode in
-  each position and after each other mode equally often); one unrecorded warm-up run per row
-  (NIXL handshakes, first-request costs).
+  starts after the same idle time. The pause (1.25 s) outlasts vLLM's busy loop: a worker spins
+  on its shared-memory queue for 1 s after each engine step (measured: half a core per instance
+  for 1.0-1.5 s after a turn, then nothing), so every timed request starts with both engines
+  asleep. A shorter pause would start each one beside two spinning workers on a 2-core machine,
+  and would hide what a pin costs: a pinned decode keeps stepping during the prefill leg, an
+  idle one sleeps.
+- The five modes run in a Williams order per run (each mode in each position and right after
+  each other mode equally often); unrecorded warm-up runs (NIXL handshakes both ways, first
+  requests) come before the first row.
 - Each timed request's prompt tokens by source (``vllm:prompt_tokens_by_source_total`` on both
   instances) are compared with the plan; a mode that did not get its planned sources is flagged.
 
@@ -186,7 +192,9 @@ class ReuseBenchSettings:
     """Sizes measured at every generated count (the others only at the smallest); None: all."""
     runs: int = 20
     warmup_runs: int = 1
-    settle_s: float = 0.5
+    settle_s: float = 1.25
+    """Longer than vLLM's 1 s busy loop after an engine step (its shared-memory queue spins
+    that long before it sleeps): every timed request starts with both engines asleep."""
     seed: int = 0
     state_dir: Path = Path(".kvturn/bench")
 
@@ -242,21 +250,27 @@ class ReuseRunner:
         self.idle_timeout_s = idle_timeout_s
         self.nonce = "".join(random.Random(settings.seed).choices("0123456789abcdef", k=8))
 
-    def settled(self) -> Snapshot:
-        """A snapshot taken ``settle_s`` after both instances were last seen idle, and still
-        idle then: every timed request starts after the same idle time."""
+    def idle(self) -> Snapshot:
+        """A snapshot once both instances report no running or waiting request."""
         deadline = self.now() + self.idle_timeout_s
         while True:
             snap = self.backend.snapshot()
             if snap.idle:
-                self.sleep(self.settings.settle_s)
-                snap = self.backend.snapshot()
-                if snap.idle:
-                    return snap
+                return snap
             if self.now() > deadline:
                 raise RuntimeError(f"the prefill and decode did not become idle within "
                                    f"{self.idle_timeout_s:g} s; another process is using them?")
             self.sleep(self.poll_s)
+
+    def settled(self) -> Snapshot:
+        """A snapshot taken ``settle_s`` after both instances were seen idle, and still idle
+        then: every timed request starts after the same idle time."""
+        while True:
+            self.idle()
+            self.sleep(self.settings.settle_s)
+            snap = self.backend.snapshot()
+            if snap.idle:
+                return snap
 
     def _key(self, row: Row, run: int | str, mode: str) -> str:
         return f"bench-reuse/{self.nonce}/{row.tokens}+{row.generated}/{run}/{mode}"
@@ -273,24 +287,24 @@ class ReuseRunner:
                     self.backend.hold(prompts[mode].history, keys[mode])
                 if mode in PREFILL_WARM:
                     self.backend.warm(prompts[mode].history)
-            before = self.settled()
             for mode in order:
+                before = self.settled()
                 started = self.now()
                 self.backend.turn(prompts[mode].prompt, keys[mode],
                                   read_retention=mode in PINNED)
                 ttft[mode] = (self.now() - started) * 1000
-                # Counters are read once both instances are idle again: settled.
-                after = self.settled()
+                # vLLM counts a request's prompt tokens in the same step that ends it, so the
+                # counters are final once both instances are idle.
+                after = self.idle()
                 if record is not None:
                     record.modes[mode].add(ttft[mode], after.prefill - before.prefill,
                                            after.decode - before.decode)
-                before = after
         finally:
             for key in keys.values():
                 self.backend.release(key)
         return ttft
 
-    def measure_row(self, row: Row) -> RowSamples:
+    def measure_row(self, row: Row, warmup_runs: int = 0) -> RowSamples:
         s = self.settings
         started = self.now()
         shared = self.fresh(row.tokens)
@@ -300,7 +314,7 @@ class ReuseRunner:
         samples.loadavg["start"] = list(_loadavg())
         orders = run_orders(s.runs)
         try:
-            for i in range(s.warmup_runs):
+            for i in range(warmup_runs):
                 self.run_once(row, shared, -1 - i, MODES, None)
             for i, order in enumerate(orders):
                 ttft = self.run_once(row, shared, i, order, samples)
@@ -315,11 +329,14 @@ class ReuseRunner:
         return samples
 
     def measure(self) -> list[dict[str, Any]]:
+        """Every row; the warm-up runs (NIXL handshakes both ways, first-request costs) come
+        before the first row only: later rows find those paid."""
         rows = []
-        for row in self.settings.rows():
+        for i, row in enumerate(self.settings.rows()):
+            warmup = self.settings.warmup_runs if i == 0 else 0
             self.say(f"{row.tokens} tokens + {row.generated} generated + {NEW_TOKENS} new: "
-                     f"{self.settings.warmup_runs} warm-up and {self.settings.runs} runs")
-            rows.append(summarize(self.measure_row(row)))
+                     f"{warmup} warm-up and {self.settings.runs} runs")
+            rows.append(summarize(self.measure_row(row, warmup)))
         return rows
 
 
@@ -430,8 +447,8 @@ def add_reuse_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "reads the generated tokens from the decode. p50 and p10/p90 over --runs "
                     "runs in rotated order after equal idle time; a mode below the floor "
                     "beyond the spread is flagged as a measurement error. The default run "
-                    "takes about 17 minutes on a 2-core machine; 16384 in --sizes adds about "
-                    "13 minutes, --generated-sizes all about 10 per size.")
+                    "takes about 20 minutes on a 2-core machine; 16384 in --sizes adds about "
+                    "10 minutes, --generated-sizes all about 9 per size.")
     p.add_argument("--json", type=Path, required=True, help="where to write the results")
     p.add_argument("--plot", type=Path, default=None,
                    help="PNG path (default: the JSON path with .png)")
@@ -447,10 +464,10 @@ def add_reuse_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                    help="runs per row, each a fresh conversation per mode (default: "
                         "%(default)s)")
     p.add_argument("--warmup-runs", type=int, default=d.warmup_runs,
-                   help="unrecorded runs before each row's (default: %(default)s)")
+                   help="unrecorded runs before the first row (default: %(default)s)")
     p.add_argument("--settle", type=float, default=d.settle_s,
-                   help="seconds both instances stay idle before every timed request "
-                        "(default: %(default)s)")
+                   help="seconds both instances stay idle before every timed request; keep "
+                        "it above vLLM's 1 s busy loop after a step (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed of the prompts' token ids (default: %(default)s)")
     p.add_argument("--state-dir", type=Path, default=d.state_dir,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvturn_server.bench._agent import add_agent_bench_parser
 from kvturn_server.bench._fleet import add_fleet_bench_parser
+from kvturn_server.bench._reuse import add_reuse_bench_parser
 from kvturn_server.bench._router import add_router_bench_parser
 from kvturn_server.bench._sdk import add_sdk_bench_parser
 from kvturn_server.local import (
@@ -169,26 +170,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     plot=args.plot)
 
 
-def cmd_bench_reuse(args: argparse.Namespace) -> int:
-    from kvturn_server.bench import bench_config, run_reuse_bench, write_json, write_plot
-    from kvturn_server.local import free_port
-
-    sizes = sorted({int(s) for s in args.sizes.split(",")})
-    if not sizes or sizes[0] < 256 or sizes[-1] > 30000:
-        raise StackError("--sizes must be comma-separated token counts from 256 to 30000")
-    ports = {name: free_port() for name in (
-        "router_port", "prefill_port", "decode_port", "reference_port",
-        "prefill_side_channel_port", "decode_side_channel_port")}
-    results = run_reuse_bench(bench_config(args.state_dir, ports), sizes, args.runs)
-    write_json(results, args.json, args.runs)
-    plot = args.plot or args.json.with_suffix(".png")
-    if write_plot(results, plot):
-        print(f"wrote {args.json} and {plot}")
-    else:
-        print(f"wrote {args.json}; no plot: matplotlib is not installed (extra [bench])")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvturn",
@@ -265,22 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Benchmarks that start their own servers on free "
                                        "loopback ports.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    reuse = bench_sub.add_parser(
-        "reuse", help="next-turn TTFT: recompute vs reuse from the decode vs local cache hit",
-        description="On the bench model: for each prompt size, the next turn's TTFT (a) "
-                    "recomputed with the prefill's prefix cache off, (b) reusing the decode's "
-                    "retained KV over NIXL, (c) from a warm local prefix cache. Takes a few "
-                    "minutes on a 2-core machine.")
-    reuse.add_argument("--json", type=Path, required=True, help="where to write the results")
-    reuse.add_argument("--plot", type=Path, default=None,
-                       help="PNG path (default: the JSON path with .png)")
-    reuse.add_argument("--sizes", default="2048,4096,8192,16384",
-                       help="previous-turn prompt sizes in tokens (default: %(default)s)")
-    reuse.add_argument("--runs", type=int, default=5,
-                       help="conversations per size; medians are reported (default: %(default)s)")
-    reuse.add_argument("--state-dir", type=Path, default=Path(".kvturn/bench"),
-                       help="model, logs and state of the benchmark stack (default: %(default)s)")
-    reuse.set_defaults(func=cmd_bench_reuse)
+    add_reuse_bench_parser(bench_sub)
     add_router_bench_parser(bench_sub)
     add_sdk_bench_parser(bench_sub)
     add_agent_bench_parser(bench_sub)

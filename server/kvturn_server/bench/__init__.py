@@ -8,11 +8,10 @@ from kvturn_server.bench._agent import (
 from kvturn_server.bench._fleet import add_fleet_bench_parser, run_fleet_bench
 from kvturn_server.bench._fleet_plan import FleetBenchSettings
 from kvturn_server.bench._reuse import (
-    SizeResult,
+    ReuseBenchSettings,
+    add_reuse_bench_parser,
     bench_config,
     run_reuse_bench,
-    write_json,
-    write_plot,
 )
 from kvturn_server.bench._router import (
     RouterBenchSettings,
@@ -21,7 +20,8 @@ from kvturn_server.bench._router import (
 )
 from kvturn_server.bench._sdk import add_sdk_bench_parser, run_sdk_bench
 
-__all__ = ["AgentBenchSettings", "FleetBenchSettings", "RouterBenchSettings", "SizeResult",
-           "add_agent_bench_parser", "add_fleet_bench_parser", "add_router_bench_parser",
-           "add_sdk_bench_parser", "bench_config", "run_agent_bench", "run_fleet_bench",
-           "run_reuse_bench", "run_router_bench", "run_sdk_bench", "write_json", "write_plot"]
+__all__ = ["AgentBenchSettings", "FleetBenchSettings", "ReuseBenchSettings",
+           "RouterBenchSettings", "add_agent_bench_parser", "add_fleet_bench_parser",
+           "add_reuse_bench_parser", "add_router_bench_parser", "add_sdk_bench_parser",
+           "bench_config", "run_agent_bench", "run_fleet_bench", "run_reuse_bench",
+           "run_router_bench", "run_sdk_bench"]

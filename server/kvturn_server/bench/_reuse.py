@@ -1,175 +1,477 @@
-"""``kvturn bench reuse``: next-turn TTFT recomputed vs reused from the decode vs local cache hit.
+"""``kvturn bench reuse``: the next turn's TTFT when its history's KV comes from different places.
 
-For each prompt size a conversation turn runs on prefill + decode; then the next turn (previous
-prompt + 32 generated tokens + 64 new tokens) is measured three ways:
+One stack: a prefill and a decode vLLM with the kvturn connector, both with vLLM's default
+prefix cache on, same flags in every mode. A row is a previous turn of ``tokens`` prompt tokens
+that generated ``generated`` tokens; the timed request is the next turn: that history plus a
+64-token new message, run as a router runs it (pin if reading, prefill leg, unpin, decode leg up
+to its first token, with the conversation key so the decode retains it). Five modes per row,
+each a fresh conversation in every run:
 
-(a) recompute: the prefill (prefix cache off) computes the whole prompt;
-(b) reuse: the prefill reads the decode's retained, content-verified blocks over NIXL and
-    computes only the rest;
-(c) local hit: a plain instance whose prefix cache already holds the previous turn (the KV is
-    already in place: the best any reuse can do).
+(a) recompute: nothing cached anywhere: the prefill computes the whole prompt, the decode reads
+    all of it from the prefill.
+(b) reuse: the prefill holds none of the conversation (the last turn ran on another prefill,
+    or it evicted it): it reads the previous prompt and the generated tokens from the decode's
+    retention over NIXL and computes the new message.
+(c) floor: the prefill's cache already holds every token of the history: it computes only the
+    new message. Same prefill, flags and connector as (b), followed by the same decode leg, so
+    (b) and (c) differ only in where the history's KV came from (and (b)'s pin and unpin, part
+    of what reuse costs). Nothing can be faster: a mode below the floor beyond the spread is a
+    measurement error, and the table and JSON say so.
+(d) stock: vLLM's default P/D: the prefill holds the previous prompt (it computed it last turn)
+    and computes the generated tokens and the new message.
+(e) reuse+cache: kvturn on vLLM's default: the prefill holds the previous prompt and reads only
+    the generated tokens from the decode. stock / reuse+cache is kvturn's gain over vLLM's
+    default in the same prefill state; at 0 generated tokens there is nothing to read and the
+    difference is the pin's cost.
 
-TTFT for (a) and (b) is the prefill leg plus the decode leg up to its first token, as a router
-would see it; (c) is one request to the plain instance. Medians over ``runs`` fresh
-conversations per size.
+How each state is made, and why:
+
+- The decode holds the history in (b)-(e), as it does after any P/D turn (retention or prefix
+  cache), so their decode legs are alike: they hit the history locally and read the new message
+  from the prefill. (a) is "nothing cached": its decode reads everything.
+- (c), (d) and (e) share one previous prompt per row: one P/D turn puts it in the prefill's
+  cache and in a retention on the decode (held for the whole row). Their generated tokens and
+  new messages are fresh per run and mode, so no timed request finds what another left; (b)'s
+  and (a)'s prompts are fresh from their first token.
+- The generated tokens are made on the decode: a request straight to the decode with the
+  history as its prompt and the mode's conversation key, so the decode computes them and
+  retains the history, and the prefill never sees them, exactly as with generated tokens.
+  Decoding 2,048 tokens one by one would take minutes per conversation on CPU; the KV the decode
+  then holds is the same. (b)'s whole history is made that way, so its prefill stays cold.
+- (c)'s prefill is warmed with its history by one plain request to the prefill.
+- All setup runs first in each run; then, before every timed request, the benchmark waits until
+  both instances report no running or waiting request (``vllm:num_requests_running``,
+  ``vllm:num_requests_waiting``), pauses ``settle_s``, and checks again, so each timed request
+  starts after the same idle time. The pause (1.25 s) outlasts vLLM's busy loop: a worker spins
+  on its shared-memory queue for 1 s after each engine step (measured: half a core per instance
+  for 1.0-1.5 s after a turn, then nothing), so every timed request starts with both engines
+  asleep. A shorter pause would start each one beside two spinning workers on a 2-core machine,
+  and would hide what a pin costs: a pinned decode keeps stepping during the prefill leg, an
+  idle one sleeps.
+- The five modes run in a Williams order per run (each mode in each position and right after
+  each other mode equally often); unrecorded warm-up runs (NIXL handshakes both ways, first
+  requests) come before the first row.
+- Each timed request's prompt tokens by source (``vllm:prompt_tokens_by_source_total`` on both
+  instances) are compared with the plan; a mode that did not get its planned sources is flagged.
+
+Reported per row and mode: TTFT p50, p10/p90, min/max over ``runs`` runs; ratios of the p50s
+(recompute / reuse, reuse / floor with the issue's target 1.0-1.25, reuse+cache / floor,
+stock / reuse+cache, stock / reuse), per-run paired ratios, the token sources and the warnings.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
+import os
+import platform
 import random
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from kvturn_server._plot import pyplot, save
-from kvturn_server.local._direct import (
-    NULL_PARAMS,
-    DirectConversation,
-    control,
-    retention_path,
+from kvturn_server.bench._reuse_plan import (
+    DECODE_HOLDS,
+    MODES,
+    NEW_TOKENS,
+    PINNED,
+    PREFILL_WARM,
+    Fresh,
+    Row,
+    plan_rows,
+    run_orders,
+    run_prompts,
 )
+from kvturn_server.bench._reuse_report import (
+    RowSamples,
+    summarize,
+    table,
+    write_json,
+    write_plot,
+)
+from kvturn_server.local._direct import DirectConversation, control, retention_path
 from kvturn_server.local._http import post_json
-from kvturn_server.local._metrics import prompt_sources
+from kvturn_server.local._metrics import PromptSources, Samples, scrape, sources, total
 from kvturn_server.local._stack import Stack, StackConfig
-
-GENERATED = 32
-NEW_TOKENS = 64
 
 
 @dataclass(frozen=True)
-class SizeResult:
-    """One prompt size: median TTFTs and the prefill's token sources on the reuse turn."""
+class Snapshot:
+    """Both instances at one moment: idle or not, and their prompt-token counters."""
 
-    tokens: int
-    ttft_recompute_ms: float
-    ttft_reuse_ms: float
-    ttft_local_hit_ms: float
-    reused_tokens: float
-    computed_tokens: float
+    idle: bool
+    prefill: PromptSources
+    decode: PromptSources
 
-    @property
-    def speedup(self) -> float:
-        return self.ttft_recompute_ms / self.ttft_reuse_ms
 
-    @property
-    def reuse_over_local(self) -> float:
-        return self.ttft_reuse_ms / self.ttft_local_hit_ms
+@dataclass(frozen=True)
+class TurnReply:
+    """What a P/D turn reports back: the decode's block size, the prefill's reuse report."""
+
+    block_size: int
+    reuse: dict[str, Any]
+
+
+class Backend(Protocol):
+    """The five things the benchmark does to the stack (tests swap in a fake)."""
+
+    def turn(self, prompt: Sequence[int], key: str, *, read_retention: bool) -> TurnReply:
+        """A router's turn: pin ``key``'s retention if reading, prefill leg, unpin, decode leg
+        (first token), retained under ``key``."""
+
+    def hold(self, prompt: Sequence[int], key: str) -> None:
+        """The decode computes what it lacks of ``prompt`` and retains it under ``key``."""
+
+    def warm(self, prompt: Sequence[int]) -> None:
+        """The prefill computes what it lacks of ``prompt`` into its prefix cache."""
+
+    def release(self, key: str) -> None: ...
+
+    def snapshot(self) -> Snapshot: ...
+
+
+def _running(samples: Samples) -> float:
+    return (total(samples, "vllm:num_requests_running")
+            + total(samples, "vllm:num_requests_waiting"))
+
+
+class StackBackend:
+    """:class:`Backend` over a started stack's prefill and decode (completions API)."""
+
+    def __init__(self, cfg: StackConfig) -> None:
+        self.cfg = cfg
+
+    def _conversation(self, key: str, reuse: bool) -> DirectConversation:
+        cfg = self.cfg
+        return DirectConversation(cfg.prefill_url, cfg.decode_url, cfg.decode_control_url,
+                                  cfg.served_model_name, key=key, reuse=reuse)
+
+    def turn(self, prompt: Sequence[int], key: str, *, read_retention: bool) -> TurnReply:
+        leg = self._conversation(key, read_retention).turn(list(prompt), 1)
+        if read_retention and leg.pin is None:
+            raise RuntimeError(f"the benchmark's retention {key!r} could not be pinned "
+                               f"({leg.gone}); its mode would measure a recompute")
+        return TurnReply(_retained_block_size(leg.decode, key), leg.reuse)
+
+    def hold(self, prompt: Sequence[int], key: str) -> None:
+        conv = self._conversation(key, False)
+        reply = post_json(f"{self.cfg.decode_url}/v1/completions",
+                          conv.body(list(prompt), 1, {"kvturn": {"conversation": key}}),
+                          timeout=conv.timeout)
+        _retained_block_size(reply, key)
+
+    def warm(self, prompt: Sequence[int]) -> None:
+        conv = self._conversation("", False)
+        post_json(f"{self.cfg.prefill_url}/v1/completions", conv.body(list(prompt), 1, None),
+                  timeout=conv.timeout)
+
+    def release(self, key: str) -> None:
+        control(self.cfg.decode_control_url, "DELETE", retention_path(key))
+
+    def snapshot(self) -> Snapshot:
+        p, d = scrape(self.cfg.prefill_url), scrape(self.cfg.decode_url)
+        return Snapshot(_running(p) + _running(d) == 0, sources(p), sources(d))
+
+
+def _retained_block_size(reply: dict[str, Any], key: str) -> int:
+    info = (reply.get("kv_transfer_params") or {}).get("kvturn") or {}
+    if not info.get("retained"):
+        raise RuntimeError(f"the decode did not retain {key!r} (retention off or over budget?); "
+                           "the benchmark's modes need it")
+    return int(info["block_size"])
+
+
+@dataclass(frozen=True)
+class ReuseBenchSettings:
+    """What ``kvturn bench reuse`` measures (see the module docstring)."""
+
+    sizes: tuple[int, ...] = (2048, 4096, 8192)
+    generated: tuple[int, ...] = (0, 512, 2048)
+    generated_sizes: tuple[int, ...] | None = (2048,)
+    """Sizes measured at every generated count (the others only at the smallest); None: all."""
+    runs: int = 20
+    warmup_runs: int = 1
+    settle_s: float = 1.25
+    """Longer than vLLM's 1 s busy loop after an engine step (its shared-memory queue spins
+    that long before it sleeps): every timed request starts with both engines asleep."""
+    seed: int = 0
+    state_dir: Path = Path(".kvturn/bench")
+
+    def rows(self) -> list[Row]:
+        return plan_rows(self.sizes, self.generated, self.generated_sizes)
+
+    def check(self, max_model_len: int) -> None:
+        """Raise ValueError with the reason when these settings cannot run."""
+        if self.runs < 1 or self.warmup_runs < 0 or self.settle_s < 0:
+            raise ValueError("--runs must be at least 1, --warmup-runs and --settle at least 0")
+        if min(self.sizes) < 256 or min(self.generated) < 0:
+            raise ValueError("--sizes must be at least 256 tokens, --generated at least 0")
+        longest = max(r.prompt_tokens for r in self.rows())
+        if longest >= max_model_len:
+            raise ValueError(f"the longest prompt, {longest} tokens, does not fit the bench "
+                             f"stack's {max_model_len}-token context")
+
+    def describe(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["state_dir"] = str(self.state_dir)
+        data["generated_sizes"] = (list(self.generated_sizes) if self.generated_sizes
+                                   is not None else "all")
+        return data
 
 
 def bench_config(state_dir: Path, ports: dict[str, Any]) -> StackConfig:
-    """The stack the benchmark needs: bench model, 32k context, decode->prefill reuse on."""
+    """The benchmark's stack: bench model, 32k context, prefix cache on (vLLM's default) on both
+    instances, a retention lease longer than any row (the shared prompt's retention is held for
+    a whole row), no router and no plain instance."""
     cfg = StackConfig(
         state_dir=state_dir, model_size="bench", served_model_name="kvturn-bench",
-        max_model_len=32768, kv_cache_gib=2, decoder_kv_blocks_ttl=60,
-        prefill_prefix_caching=False, with_reference=True, with_router=False,
+        max_model_len=32768, kv_cache_gib=2, decoder_kv_blocks_ttl=3600,
+        prefill_prefix_caching=True, with_reference=False, with_router=False,
         kv_read_timeout=30)
     return replace(cfg, **ports)
 
 
-class _Runner:
-    def __init__(self, cfg: StackConfig, seed: int) -> None:
-        self.cfg = cfg
-        self.rng = random.Random(seed)
+class ReuseRunner:
+    """Runs the plan against a :class:`Backend`: setups, idle waits, timed turns, samples."""
 
-    def _body(self, prompt: list[int], max_tokens: int,
-              params: dict[str, Any] | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.cfg.served_model_name, "prompt": prompt,
-                                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                                "return_token_ids": True}
-        if params is not None:
-            body["kv_transfer_params"] = params
-        return body
+    def __init__(self, backend: Backend, settings: ReuseBenchSettings, fresh: Fresh, *,
+                 now: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep,
+                 say: Callable[[str], None] = print,
+                 poll_s: float = 0.05, idle_timeout_s: float = 300.0) -> None:
+        self.backend = backend
+        self.settings = settings
+        self.fresh = fresh
+        self.now = now
+        self.sleep = sleep
+        self.say = say
+        self.poll_s = poll_s
+        self.idle_timeout_s = idle_timeout_s
+        self.nonce = "".join(random.Random(settings.seed).choices("0123456789abcdef", k=8))
 
-    def _post(self, base_url: str, body: dict[str, Any]) -> dict[str, Any]:
-        return post_json(f"{base_url}/v1/completions", body, timeout=600)
+    def idle(self) -> Snapshot:
+        """A snapshot once both instances report no running or waiting request."""
+        deadline = self.now() + self.idle_timeout_s
+        while True:
+            snap = self.backend.snapshot()
+            if snap.idle:
+                return snap
+            if self.now() > deadline:
+                raise RuntimeError(f"the prefill and decode did not become idle within "
+                                   f"{self.idle_timeout_s:g} s; another process is using them?")
+            self.sleep(self.poll_s)
 
-    def _ttft(self, prompt: list[int], prefill_params: dict[str, Any],
-              started: float | None = None) -> float:
-        started = time.perf_counter() if started is None else started
-        prefilled = self._post(self.cfg.prefill_url, self._body(prompt, 1, prefill_params))
-        self._post(self.cfg.decode_url, self._body(prompt, 1, prefilled["kv_transfer_params"]))
-        return (time.perf_counter() - started) * 1000
+    def settled(self) -> Snapshot:
+        """A snapshot taken ``settle_s`` after both instances were seen idle, and still idle
+        then: every timed request starts after the same idle time."""
+        while True:
+            self.idle()
+            self.sleep(self.settings.settle_s)
+            snap = self.backend.snapshot()
+            if snap.idle:
+                return snap
 
-    def run(self, tokens: int) -> tuple[float, float, float, float, float]:
-        cfg = self.cfg
-        conv = DirectConversation(cfg.prefill_url, cfg.decode_url, cfg.decode_control_url,
-                                  cfg.served_model_name, key=f"bench/{self.rng.random()}")
-        first = [self.rng.randrange(10, 1600) for _ in range(tokens)]
-        history = first + conv.turn(first, GENERATED).token_ids
-        nxt = history + [self.rng.randrange(10, 1600) for _ in range(NEW_TOKENS)]
+    def _key(self, row: Row, run: int | str, mode: str) -> str:
+        return f"bench-reuse/{self.nonce}/{row.tokens}+{row.generated}/{run}/{mode}"
 
-        recompute = self._ttft(nxt, dict(NULL_PARAMS))
-        before = prompt_sources(cfg.prefill_url)
-        # The pin is part of a router's turn too: it is inside the measured time.
-        started = time.perf_counter()
-        status, pinned = control(cfg.decode_control_url, "POST",
-                                 retention_path(conv.key, "pin"), {"ttl": 60})
-        if status != 200:
-            raise RuntimeError(f"the benchmark's retention is gone: {pinned}")
-        reuse = self._ttft(nxt, {**pinned["params"], "do_remote_decode": True,
-                                 "do_remote_prefill": False}, started)
-        control(cfg.decode_control_url, "DELETE", f"/kvturn/v1/pins/{pinned['pin_id']}")
-        sources = prompt_sources(cfg.prefill_url) - before
-        conv.release()
+    def run_once(self, row: Row, shared_prompt: Sequence[int], run: int,
+                 order: Sequence[str], record: RowSamples | None) -> dict[str, float]:
+        """One run: every mode's setup, then its timed turns in ``order``; TTFTs in ms."""
+        prompts = run_prompts(row, shared_prompt, self.fresh)
+        keys = {m: self._key(row, run, m) for m in MODES}
+        ttft: dict[str, float] = {}
+        try:
+            for mode in MODES:
+                if mode in DECODE_HOLDS:
+                    self.backend.hold(prompts[mode].history, keys[mode])
+                if mode in PREFILL_WARM:
+                    self.backend.warm(prompts[mode].history)
+            for mode in order:
+                before = self.settled()
+                started = self.now()
+                self.backend.turn(prompts[mode].prompt, keys[mode],
+                                  read_retention=mode in PINNED)
+                ttft[mode] = (self.now() - started) * 1000
+                # vLLM counts a request's prompt tokens in the same step that ends it, so the
+                # counters are final once both instances are idle.
+                after = self.idle()
+                if record is not None:
+                    record.modes[mode].add(ttft[mode], after.prefill - before.prefill,
+                                           after.decode - before.decode)
+        finally:
+            for key in keys.values():
+                self.backend.release(key)
+        return ttft
 
-        self._post(cfg.reference_url, self._body(history, 1))
-        started = time.perf_counter()
-        self._post(cfg.reference_url, self._body(nxt, 1))
-        local = (time.perf_counter() - started) * 1000
-        return recompute, reuse, local, sources.transferred, sources.computed
+    def measure_row(self, row: Row, warmup_runs: int = 0) -> RowSamples:
+        s = self.settings
+        started = self.now()
+        shared = self.fresh(row.tokens)
+        shared_key = self._key(row, "shared", "prompt")
+        reply = self.backend.turn(shared, shared_key, read_retention=False)
+        samples = RowSamples(row, reply.block_size)
+        samples.loadavg["start"] = list(_loadavg())
+        orders = run_orders(s.runs)
+        try:
+            for i in range(warmup_runs):
+                self.run_once(row, shared, -1 - i, MODES, None)
+            for i, order in enumerate(orders):
+                ttft = self.run_once(row, shared, i, order, samples)
+                samples.orders.append(tuple(order))
+                self.say(f"  run {i + 1:2d}/{s.runs}: " + "  ".join(
+                    f"{m} {ttft[m]:.0f}" for m in MODES) + " ms")
+        finally:
+            self.backend.release(shared_key)
+        samples.loadavg["end"] = list(_loadavg())
+        samples.wall_s = self.now() - started
+        self.say(f"  {samples.wall_s:.0f} s")
+        return samples
+
+    def measure(self) -> list[dict[str, Any]]:
+        """Every row; the warm-up runs (NIXL handshakes both ways, first-request costs) come
+        before the first row only: later rows find those paid."""
+        rows = []
+        for i, row in enumerate(self.settings.rows()):
+            warmup = self.settings.warmup_runs if i == 0 else 0
+            self.say(f"{row.tokens} tokens + {row.generated} generated + {NEW_TOKENS} new: "
+                     f"{warmup} warm-up and {self.settings.runs} runs")
+            rows.append(summarize(self.measure_row(row, warmup)))
+        return rows
 
 
-def run_reuse_bench(cfg: StackConfig, sizes: Sequence[int], runs: int,
-                    say: Callable[[str], None] = print, seed: int = 0) -> list[SizeResult]:
-    """Start the benchmark stack, measure every size, stop the stack."""
+def _loadavg() -> tuple[float, ...]:
+    try:
+        return tuple(round(x, 2) for x in os.getloadavg())
+    except OSError:
+        return ()
+
+
+def _config(settings: ReuseBenchSettings, cfg: StackConfig,
+            startup_s: float | None) -> dict[str, Any]:
+    return {
+        "settings": settings.describe(), "new_tokens": NEW_TOKENS,
+        "stack": {"model": cfg.model_size, "max_model_len": cfg.max_model_len,
+                  "kv_cache_gib": cfg.kv_cache_gib,
+                  "prefill_prefix_caching": cfg.prefill_prefix_caching,
+                  "decode_prefix_caching": True, "kv_read_timeout_s": cfg.kv_read_timeout,
+                  "startup_s": None if startup_s is None else round(startup_s, 1)},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "ttft": "pin (reading modes) + prefill leg + unpin + decode leg to its first token",
+    }
+
+
+def run_reuse_bench(settings: ReuseBenchSettings, json_path: Path, plot_path: Path,
+                    ports: dict[str, int], say: Callable[[str], None] = print) -> list[
+                        dict[str, Any]]:
+    """Start the benchmark stack, measure every row, stop it; print the table, write the JSON
+    and the plot."""
     from kvturn_server.cli import ProgressLine
 
-    say("starting the benchmark stack (bench model; prefill, decode, plain instance)")
+    cfg = bench_config(settings.state_dir, ports)
+    settings.check(cfg.max_model_len)
+    rng = random.Random(settings.seed)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(10, 1600) for _ in range(n)]
+
+    say("starting the benchmark stack (bench model; prefill and decode, prefix cache on)")
+    started = time.monotonic()
     with Stack(cfg, die_with_parent=True) as stack:
         stack.start(progress=ProgressLine())
-        runner = _Runner(cfg, seed)
-        runner.run(min(sizes))  # warm-up: NIXL handshakes, first-request costs
-        results: list[SizeResult] = []
-        for tokens in sizes:
-            samples = [runner.run(tokens) for _ in range(runs)]
-            columns = list(zip(*samples, strict=True))
-            result = SizeResult(tokens, *(statistics.median(c) for c in columns))
-            results.append(result)
-            say(f"{tokens:6d} tokens: recompute {result.ttft_recompute_ms:7.0f} ms | reuse "
-                f"{result.ttft_reuse_ms:6.0f} ms | local hit {result.ttft_local_hit_ms:6.0f} ms"
-                f" | recompute/reuse {result.speedup:5.1f}x | reuse/local "
-                f"{result.reuse_over_local:4.2f} | reused {result.reused_tokens:.0f}, computed "
-                f"{result.computed_tokens:.0f} tokens")
-    return results
+        rows = ReuseRunner(StackBackend(cfg), settings, fresh, say=say).measure()
+        startup = stack.startup_seconds
+    config = _config(settings, cfg, startup)
+    config["wall_s"] = round(time.monotonic() - started, 1)
+    say(table(rows))
+    write_json(config, rows, json_path)
+    if write_plot(rows, plot_path, "kvturn bench reuse (CPU, bench model)"):
+        say(f"wrote {json_path} and {plot_path}")
+    else:
+        say(f"wrote {json_path}; no plot: matplotlib is not installed (extra [bench])")
+    return rows
 
 
-def write_json(results: Sequence[SizeResult], path: Path, runs: int) -> None:
-    data = {"runs_per_size": runs, "sizes": [asdict(r) for r in results]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"comma-separated integers expected, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("at least one value is needed")
+    return values
 
 
-def write_plot(results: Sequence[SizeResult], path: Path) -> bool:
-    """A PNG of TTFT per size; False when matplotlib (extra ``[bench]``) is not installed."""
-    plt = pyplot()
-    if plt is None:
-        return False
-    tokens = [r.tokens for r in results]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(tokens, [r.ttft_recompute_ms for r in results], "o-", label="recompute")
-    ax.plot(tokens, [r.ttft_reuse_ms for r in results], "o-",
-            label="kvturn reuse (decode -> prefill)")
-    ax.plot(tokens, [r.ttft_local_hit_ms for r in results], "o-", label="local prefix-cache hit")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("previous-turn tokens")
-    ax.set_ylabel("next-turn TTFT (ms)")
-    ax.set_title("kvturn bench reuse (CPU, bench model)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    save(plt, fig, path)
-    return True
+def settings_from_args(args: argparse.Namespace) -> ReuseBenchSettings:
+    sizes = tuple(sorted(set(args.sizes)))
+    generated_sizes: tuple[int, ...] | None
+    if args.generated_sizes is None:
+        generated_sizes = (sizes[0],)
+    elif args.generated_sizes.strip() == "all":
+        generated_sizes = None
+    else:
+        generated_sizes = _ints(args.generated_sizes)
+    return ReuseBenchSettings(
+        sizes=sizes, generated=tuple(sorted(set(args.generated))),
+        generated_sizes=generated_sizes, runs=args.runs, warmup_runs=args.warmup_runs,
+        settle_s=args.settle, seed=args.seed, state_dir=args.state_dir)
+
+
+def cmd_bench_reuse(args: argparse.Namespace) -> int:
+    from kvturn_server.local import free_port
+
+    try:
+        settings = settings_from_args(args)
+        settings.check(bench_config(settings.state_dir, {}).max_model_len)
+    except (ValueError, argparse.ArgumentTypeError) as error:
+        raise SystemExit(f"kvturn bench reuse: {error}") from None
+    ports = {name: free_port() for name in (
+        "prefill_port", "decode_port", "prefill_control_port", "decode_control_port",
+        "prefill_side_channel_port", "decode_side_channel_port")}
+    run_reuse_bench(settings, args.json, args.plot or args.json.with_suffix(".png"), ports)
+    return 0
+
+
+def add_reuse_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``reuse`` to ``kvturn bench``'s subcommands (sets ``func``)."""
+    d = ReuseBenchSettings()
+    p: argparse.ArgumentParser = bench_subparsers.add_parser(
+        "reuse", help="next-turn TTFT: recompute, reuse from the decode, the floor (KV already "
+                      "in the prefill), vLLM's default prefix cache, and kvturn on top of it",
+        description="On the bench model, prefix cache on everywhere: the next turn's TTFT "
+                    "(a) recomputed, (b) reading the history from the decode into a cold "
+                    "prefill, (c) the floor: the prefill already holds the history, (d) stock "
+                    "P/D: the prefill holds the previous prompt and computes the generated "
+                    "tokens, (e) kvturn on stock: the prefill holds the previous prompt and "
+                    "reads the generated tokens from the decode. p50 and p10/p90 over --runs "
+                    "runs in rotated order after equal idle time; a mode below the floor "
+                    "beyond the spread is flagged as a measurement error. The default run "
+                    "takes about 20 minutes on a 2-core machine; 16384 in --sizes adds about "
+                    "10 minutes, --generated-sizes all about 9 per size.")
+    p.add_argument("--json", type=Path, required=True, help="where to write the results")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="PNG path (default: the JSON path with .png)")
+    p.add_argument("--sizes", type=_ints, default=d.sizes, metavar="N,N,...",
+                   help="previous-turn prompt sizes in tokens (default: 2048,4096,8192; the "
+                        "stack fits up to 30000)")
+    p.add_argument("--generated", type=_ints, default=d.generated, metavar="N,N,...",
+                   help="tokens the previous turn generated (default: 0,512,2048)")
+    p.add_argument("--generated-sizes", default=None, metavar="N,N,...|all",
+                   help="sizes measured at every --generated count; the other sizes only at "
+                        "the smallest count (default: the smallest size; 'all': every size)")
+    p.add_argument("--runs", type=int, default=d.runs,
+                   help="runs per row, each a fresh conversation per mode (default: "
+                        "%(default)s)")
+    p.add_argument("--warmup-runs", type=int, default=d.warmup_runs,
+                   help="unrecorded runs before the first row (default: %(default)s)")
+    p.add_argument("--settle", type=float, default=d.settle_s,
+                   help="seconds both instances stay idle before every timed request; keep "
+                        "it above vLLM's 1 s busy loop after a step (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the prompts' token ids (default: %(default)s)")
+    p.add_argument("--state-dir", type=Path, default=d.state_dir,
+                   help="model, logs and state of the benchmark stack (default: %(default)s)")
+    p.set_defaults(func=cmd_bench_reuse)
+    return p
+

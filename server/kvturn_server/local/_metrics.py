@@ -57,11 +57,15 @@ class PromptSources:
                              self.transferred - other.transferred)
 
 
-def prompt_sources(base_url: str) -> PromptSources:
-    s = scrape(base_url)
+def sources(s: Samples) -> PromptSources:
+    """The prompt-token counters of one scrape, by source."""
     name = "vllm:prompt_tokens_by_source_total"
     return PromptSources(
         computed=total(s, name, source="local_compute"),
         local_cache=total(s, name, source="local_cache_hit"),
         transferred=total(s, name, source="external_kv_transfer"),
     )
+
+
+def prompt_sources(base_url: str) -> PromptSources:
+    return sources(scrape(base_url))

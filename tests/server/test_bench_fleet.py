@@ -18,9 +18,9 @@ import httpx2
 import pytest
 
 import kvturn
+from kvturn_server.bench._agent_report import AgentOutcome
 from kvturn_server.bench._fleet import add_fleet_bench_parser, fleet_config, settings_from_args
 from kvturn_server.bench._fleet_agents import (
-    AgentResult,
     Counters,
     FleetTurn,
     HttpFleetProbe,
@@ -49,9 +49,9 @@ from kvturn_server.bench._fleet_report import (
     spread,
     summarize,
     table,
-    write_json,
     write_plot,
 )
+from kvturn_server.bench._stats import write_json
 from kvturn_server.local import free_port
 
 MIB = 1024 * 1024
@@ -198,7 +198,8 @@ def _run(mode: str, repeat: int, ttfts: list[float], computed: float, reused: fl
         r.repeat = repeat
     samples = [Sample(float(i), {"decode0": h}) for i, h in enumerate(held or [0])]
     return ModeRun(scenario="tool/tight", mode=mode, repeat=repeat, position=0, wall_s=10.0,
-                   records=records, agents=[AgentResult(0, None, len(records))],
+                   records=records,
+                   agents=[AgentOutcome(mode, 0, None, len(records), repeat=repeat)],
                    samples=samples, itl_ms=[10.0, 20.0, 30.0, 40.0, 1000.0],
                    before=_snap(100.0, 200.0, 3.0), after=_snap(100.0 + computed * 0.75,
                                                                 200.0 + computed * 0.25,

@@ -30,35 +30,32 @@ the router's ``X-KVTurn-Reuse`` / ``X-KVTurn-Reused-Tokens`` and, where the rout
 tokens (``vllm:prompt_tokens_by_source_total{source="local_compute"}``) before and after.
 Sampled every ``sample_interval`` seconds in a background thread: the decode's retained bytes
 (control endpoint ``/kvturn/v1/stats``, ``retention.held_bytes``) and the prefill's computed
-prompt tokens. The summaries, the comparison and its verdict are in ``_agent_report``.
+prompt tokens. The summaries, the comparison and its verdict are in ``_agent_report``; the
+agent loop itself (shared with ``kvturn bench fleet``) in ``_agent_loop``: ``off`` runs its
+``plain`` client, ``on`` its ``kvturn`` client.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvturn_server.bench import _agent_loop
+from kvturn_server.bench._agent_loop import KVTURN, PLAIN, Live, chunk_gaps_ms, progress
 from kvturn_server.bench._agent_report import (
-    MIB,
     AgentOutcome,
     ModeRun,
     Sample,
     TurnRecord,
     build_results,
     compare,
-    distribution,
-    percentile,
     summarize,
     table,
-    write_json,
     write_plot,
 )
 from kvturn_server.bench._agent_workload import (
@@ -79,6 +76,8 @@ from kvturn_server.bench._agent_workload import (
     mode_order,
 )
 from kvturn_server.bench._host import describe_cpu, host_info
+from kvturn_server.bench._sampling import PeriodicSampler, loadavg, retained_bytes, wait_released
+from kvturn_server.bench._stats import distribution, percentile, write_json
 from kvturn_server.local._metrics import PromptSources
 
 if TYPE_CHECKING:
@@ -95,140 +94,37 @@ __all__ = ["FRAMING_TOKENS", "MIN_RETENTION_TTL_S", "MODES", "TRACE_KEEPALIVE_PE
            "summarize", "table", "warm_up", "write_json", "write_plot"]
 
 
-# The agent loop.
+# One agent: the shared loop (``_agent_loop``) as the mode's client kind.
 
-class _Live:
-    """What the progress line reports, updated by the agents as they go."""
-
-    def __init__(self, agents: int, turns: int) -> None:
-        self.agents = agents
-        self.turns = agents * turns
-        self.done_agents = 0
-        self.done_turns = 0
-        self.failed_turns = 0
-        self.in_turn = 0
-        self.in_gap = 0
-        self.ttfts: list[float] = []
+CLIENTS = {"off": PLAIN, "on": KVTURN}
+"""Each mode's client: ``off`` sends no conversation id, ``on`` is a kvturn conversation."""
 
 
-def _header_int(value: str | None) -> int:
-    try:
-        return max(int(value), 0) if value is not None else 0
-    except ValueError:
-        return 0
-
-
-async def _stream_turn(target: Any, model: str, messages: list[Message], max_tokens: int,
-                       clock: Callable[[], float], record: TurnRecord) -> str:
-    """One streamed turn: fills ``record``'s timings (TTFT, the gaps between content chunks
-    after the first), usage and the router's reports; returns the text."""
-    started = clock()
-    stream = await target.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True})
-    headers = stream.response.headers
-    record.reuse = headers.get("x-kvturn-reuse")
-    record.reused_tokens = _header_int(headers.get("x-kvturn-reused-tokens"))
-    record.route = headers.get("x-kvturn-route")
-    record.prefill_choice = headers.get("x-kvturn-prefill-choice")
-    first_content: float | None = None
-    last_content: float | None = None
-    first_finish: float | None = None
-    parts: list[str] = []
-    async for chunk in stream:
-        if chunk.usage is not None:
-            record.prompt_tokens = chunk.usage.prompt_tokens
-            record.completion_tokens = chunk.usage.completion_tokens
-        for choice in chunk.choices:
-            content = choice.delta.content
-            if content:
-                now = clock()
-                if last_content is None:
-                    first_content = now
-                else:
-                    record.itl_gaps_ms.append(round((now - last_content) * 1000, 3))
-                last_content = now
-                record.content_chunks += 1
-                parts.append(content)
-            if choice.finish_reason is not None:
-                record.finish_reason = choice.finish_reason
-                if first_finish is None:
-                    first_finish = clock()
-    ended = clock()
-    # A reply without text (the model's first token ends it) has its first token at the end.
-    first = first_content if first_content is not None else first_finish
-    record.ttft_ms = None if first is None else round((first - started) * 1000, 3)
-    record.total_ms = round((ended - started) * 1000, 3)
-    return "".join(parts)
+def _timed(record: TurnRecord, chunks: list[float], info: kvturn.TurnInfo | None) -> None:
+    record.content_chunks = len(chunks)
+    record.itl_gaps_ms = [round(gap, 3) for gap in chunk_gaps_ms(chunks)]
+    if info is not None:
+        record.no_reuse_reason = info.no_reuse_reason
 
 
 async def run_agent(script: AgentScript, client: kvturn.AsyncOpenAI, model: str,
                     settings: AgentBenchSettings, t0: float, records: list[TurnRecord],
-                    live: _Live, *, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                    live: Live, *, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
                     clock: Callable[[], float] = time.perf_counter) -> AgentOutcome:
-    """Run one agent's turns (and tool gaps) in ``script.mode``; append a record per turn."""
-    delay = script.start_s - (clock() - t0)
-    if delay > 0:
-        await sleep(delay)
-    conversation = (client.conversation(keepalive_interval=settings.keepalive_interval)
-                    if script.mode == "on" else None)
-    target: Any = conversation if conversation is not None else client
-    outcome = AgentOutcome(script.mode, script.agent,
-                           conversation.id if conversation is not None else None,
-                           repeat=script.repeat)
-    messages: list[Message] = [{"role": "system", "content": script.system}]
-    try:
-        for turn, message in enumerate(script.messages):
-            messages.append(message)
-            record = TurnRecord(
-                mode=script.mode, agent=script.agent, turn=turn + 1,
-                conversation_id=outcome.conversation_id, started_s=round(clock() - t0, 4),
-                message_role=message["role"], message_words=script.message_words[turn],
-                gap_after_s=script.gaps_s[turn] if turn < len(script.gaps_s) else None,
-                repeat=script.repeat, max_tokens=script.reply_tokens[turn])
-            records.append(record)
-            live.in_turn += 1
-            try:
-                text = await _stream_turn(target, model, messages, script.reply_tokens[turn],
-                                          clock, record)
-            except Exception as error:
-                record.error = f"{type(error).__name__}: {error}"[:500]
-                outcome.error = f"turn {turn + 1}: {record.error}"
-                live.failed_turns += 1
-                return outcome  # the conversation cannot go on without this turn's reply
-            finally:
-                live.in_turn -= 1
-            if conversation is not None and conversation.last_turn is not None:
-                record.no_reuse_reason = conversation.last_turn.no_reuse_reason
-            if record.ttft_ms is not None:
-                live.ttfts.append(record.ttft_ms)
-            live.done_turns += 1
-            outcome.turns_ok += 1
-            # The reply exactly as received: the next prompt extends what the decode retained.
-            messages.append({"role": "assistant", "content": text})
-            if turn < len(script.gaps_s):
-                live.in_gap += 1
-                try:
-                    if conversation is not None:
-                        async with conversation.pause("tool"):
-                            await sleep(script.gaps_s[turn])
-                    else:
-                        await sleep(script.gaps_s[turn])
-                finally:
-                    live.in_gap -= 1
-        return outcome
-    finally:
-        live.done_agents += 1
-        if conversation is not None:
-            await conversation.close()
-            stats = conversation.stats
-            outcome.sdk_stats = {
-                "turns": stats.turns, "reused_tokens": stats.reused_tokens,
-                "hits": stats.hits, "outcomes": dict(stats.outcomes),
-                "no_reuse": dict(stats.no_reuse), "retries": stats.retries,
-                "keepalives": stats.keepalives, "keepalive_failures": stats.keepalive_failures,
-                "release_failures": stats.release_failures}
+    """One agent's turns (and tool gaps) in ``script.mode``; a record per turn."""
 
+    def new_record(turn: int, conversation_id: str | None, started_s: float) -> TurnRecord:
+        return TurnRecord(
+            mode=script.mode, agent=script.agent, turn=turn + 1,
+            conversation_id=conversation_id, started_s=started_s,
+            message_role=script.messages[turn]["role"],
+            message_words=script.message_words[turn], gap_after_s=script.gap_after(turn),
+            repeat=script.repeat, max_tokens=script.reply_tokens[turn])
+
+    return await _agent_loop.run_agent(
+        script, CLIENTS[script.mode], client, model, t0=t0, live=live, records=records,
+        new_record=new_record, timed=_timed, keepalive_interval=settings.keepalive_interval,
+        sleep=sleep, clock=clock)
 
 
 # What the instances say over time.
@@ -252,17 +148,7 @@ class HttpProbe:
         self.decode_control_url = decode_control_url
 
     def retained_bytes(self) -> int | None:
-        from kvturn_server.local._direct import control
-
-        try:
-            status, stats = control(self.decode_control_url, "GET", "/kvturn/v1/stats",
-                                    timeout=5.0)
-        except (OSError, ValueError):
-            return None
-        retention = stats.get("retention") if status == 200 else None
-        if not isinstance(retention, dict) or "held_bytes" not in retention:
-            return None
-        return int(retention["held_bytes"])
+        return retained_bytes(self.decode_control_url)
 
     @staticmethod
     def _sources(url: str) -> PromptSources | None:
@@ -280,93 +166,25 @@ class HttpProbe:
         return self._sources(self.decode_url)
 
 
-class Sampler:
-    """Samples the probe every ``interval`` seconds in a daemon thread, once at ``start()``
-    and once more at ``stop()`` (so a run always has its first and last point)."""
+class Sampler(PeriodicSampler[Sample]):
+    """The decode's retained bytes and the prefill's computed prompt tokens every ``interval``
+    seconds in a daemon thread, once at ``start()`` and once more at ``stop()``."""
 
     def __init__(self, probe: Probe, mode: str, interval: float,
                  clock: Callable[[], float] = time.perf_counter, repeat: int = 0) -> None:
+        super().__init__(interval, clock, name=f"kvturn-bench-{mode}")
         self.probe = probe
         self.mode = mode
         self.repeat = repeat
-        self.interval = interval
-        self.clock = clock
-        self.samples: list[Sample] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.t0 = 0.0
 
-    def sample(self) -> Sample:
+    def read(self) -> Sample:
         retained = self.probe.retained_bytes()
         sources = self.probe.prefill_sources()
-        point = Sample(self.mode, round(self.clock() - self.t0, 4), retained,
-                       None if sources is None else sources.computed, self.repeat)
-        with self._lock:
-            self.samples.append(point)
-        return point
-
-    def latest(self) -> Sample | None:
-        with self._lock:
-            return self.samples[-1] if self.samples else None
-
-    def start(self, t0: float) -> None:
-        self.t0 = t0
-        self.sample()
-        self._thread = threading.Thread(target=self._run, name=f"kvturn-bench-{self.mode}",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.sample()
-
-    def stop(self) -> list[Sample]:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        self.sample()
-        with self._lock:
-            return sorted(self.samples, key=lambda s: s.t_s)
-
+        return Sample(self.mode, self.elapsed(), retained,
+                      None if sources is None else sources.computed, self.repeat)
 
 
 # Running the modes.
-
-def _loadavg() -> tuple[float, ...]:
-    try:
-        return tuple(round(x, 2) for x in os.getloadavg())
-    except OSError:  # pragma: no cover - not on Linux
-        return ()
-
-
-async def _progress(tag: str, live: _Live, sampler: Sampler, t0: float, interval: float,
-                    say: Callable[[str], None], clock: Callable[[], float]) -> None:
-    while True:
-        await asyncio.sleep(interval)
-        latest = sampler.latest()
-        retained = ("-" if latest is None or latest.retained_bytes is None
-                    else f"{latest.retained_bytes / MIB:.1f}")
-        p50 = percentile(live.ttfts, 0.5)
-        say(f"{tag} {clock() - t0:6.1f} s: agents {live.done_agents}/{live.agents} done, "
-            f"{live.in_turn} in a turn, {live.in_gap} in a tool gap; turns "
-            f"{live.done_turns}/{live.turns}"
-            + (f" ({live.failed_turns} failed)" if live.failed_turns else "")
-            + f"; TTFT p50 so far {'-' if p50 is None else f'{p50:.0f}'} ms; decode retains "
-            f"{retained} MiB")
-
-
-async def _wait_released(probe: Probe, timeout: float, sleep: Callable[[float], Awaitable[None]],
-                         clock: Callable[[], float]) -> int | None:
-    """Wait (up to ``timeout``) until the decode retains nothing, so that one mode's leases
-    do not show in the next mode's samples; returns what it still holds."""
-    deadline = clock() + timeout
-    while True:
-        held = await asyncio.to_thread(probe.retained_bytes)
-        if not held or clock() >= deadline:
-            return held
-        await sleep(0.25)
-
 
 def _tag(mode: str, repeat: int, repeats: int) -> str:
     return f"[{mode} {repeat + 1}/{repeats}]"
@@ -380,10 +198,10 @@ async def run_mode(mode: str, settings: AgentBenchSettings, client: kvturn.Async
     """All agents of one mode in one repeat, concurrently; the sampler runs meanwhile."""
     scripts = build_scripts(settings, mode, repeat)
     tag = _tag(mode, repeat, settings.repeats)
-    held = await _wait_released(probe, 15.0, sleep, clock)
-    live = _Live(settings.agents, settings.turns)
+    held = await wait_released(probe.retained_bytes, 15.0, sleep, clock)
+    live = Live(settings.agents, settings.agents * settings.turns)
     records: list[TurnRecord] = []
-    load_before = _loadavg()
+    load_before = loadavg()
     prefill_before, decode_before = await asyncio.to_thread(
         lambda: (probe.prefill_sources(), probe.decode_sources()))
     sampler = Sampler(probe, mode, settings.sample_interval_s, clock, repeat)
@@ -393,18 +211,16 @@ async def run_mode(mode: str, settings: AgentBenchSettings, client: kvturn.Async
         f"{settings.stagger_s:g} s apart"
         + ("; each a kvturn conversation, paused during tool gaps" if mode == "on"
            else "; no conversation ids (plain P/D)"))
-    ticker = (asyncio.create_task(_progress(tag, live, sampler, t0,
-                                            settings.progress_interval_s, say, clock))
-              if settings.progress_interval_s > 0 else None)
-    try:
+
+    def held_now() -> int | None:
+        latest = sampler.latest()
+        return None if latest is None else latest.retained_bytes
+
+    async with progress(tag, live, held_now, "decode retains", t0,
+                        settings.progress_interval_s, say, clock):
         agents = await asyncio.gather(*(
             run_agent(script, client, model, settings, t0, records, live, sleep=sleep,
                       clock=clock) for script in scripts))
-    finally:
-        if ticker is not None:
-            ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticker
     wall = clock() - t0
     samples = await asyncio.to_thread(sampler.stop)
     prefill_after, decode_after = await asyncio.to_thread(
@@ -416,7 +232,7 @@ async def run_mode(mode: str, settings: AgentBenchSettings, client: kvturn.Async
     return ModeRun(mode=mode, wall_s=wall, records=records, samples=samples, agents=agents,
                    prefill_before=prefill_before, prefill_after=prefill_after,
                    decode_before=decode_before, decode_after=decode_after,
-                   load_before=load_before, load_after=_loadavg(),
+                   load_before=load_before, load_after=loadavg(),
                    extra={"retained_bytes_at_start": held}, repeat=repeat)
 
 
@@ -432,7 +248,7 @@ async def warm_up(client: kvturn.AsyncOpenAI, model: str, settings: AgentBenchSe
     script = replace(script, mode="on", gaps_s=(0.0,))
     records: list[TurnRecord] = []
     outcome = await run_agent(script, client, model, small, clock(), records,
-                              _Live(1, 2), sleep=lambda s: asyncio.sleep(0), clock=clock)
+                              Live(1, 2), sleep=lambda s: asyncio.sleep(0), clock=clock)
     if outcome.error is not None:
         raise RuntimeError(f"the warm-up conversation failed: {outcome.error}")
     return [r.ttft_ms for r in records if r.ttft_ms is not None]
@@ -444,7 +260,7 @@ async def measure(settings: AgentBenchSettings, client: kvturn.AsyncOpenAI, mode
                   clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Warm up, then ``settings.repeats`` times every mode, in ``settings.modes`` order
     rotated by the repeat (``mode_order``); the results document."""
-    load_start = _loadavg()
+    load_start = loadavg()
     warm = await warm_up(client, model, settings, clock) if settings.warmup else []
     runs = []
     for repeat in range(settings.repeats):
@@ -455,7 +271,7 @@ async def measure(settings: AgentBenchSettings, client: kvturn.AsyncOpenAI, mode
     for run in runs:
         held.setdefault(run.mode, []).append(run.extra.get("retained_bytes_at_start"))
     extra = {"warmup_ttft_ms": warm,
-             "load_average": {"start": list(load_start), "end": list(_loadavg())},
+             "load_average": {"start": list(load_start), "end": list(loadavg())},
              "retained_bytes_at_mode_start": held}
     return build_results(settings, runs, extra)
 

@@ -12,11 +12,9 @@ comparison of the prefill's count alone would flatter kvturn.
 
 from __future__ import annotations
 
-import json
-import math
 import statistics
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,9 +30,16 @@ from kvturn_server.bench._agent_workload import (
     build_scripts,
 )
 from kvturn_server.bench._host import describe_cpu, host_info
+from kvturn_server.bench._stats import (
+    MIB,
+    cdf_points,
+    distribution,
+    fmt,
+    ratio,
+    rounded,
+)
 from kvturn_server.local._metrics import PromptSources
 
-MIB = 1024 * 1024
 # The issue's bar for the decode's inter-token latency with kvturn on: p99 within 10 % of off.
 ITL_P99_TOLERANCE = 1.10
 # The ratios that must all be >= 1.0 in every repeat for "kvturn was never slower".
@@ -153,36 +158,6 @@ class ModeRun:
 
 # Statistics.
 
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """The ``q`` quantile (0..1) with linear interpolation between order statistics (numpy's
-    default); None for no values."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    if not 0 <= q <= 1:
-        raise ValueError(f"q must be within [0, 1], got {q}")
-    pos = q * (len(ordered) - 1)
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def _round(value: float | None, digits: int = 3) -> float | None:
-    return None if value is None else round(value, digits)
-
-
-def distribution(values: Sequence[float]) -> dict[str, float | int | None]:
-    return {"n": len(values), "p50": _round(percentile(values, 0.5)),
-            "p90": _round(percentile(values, 0.9)), "p99": _round(percentile(values, 0.99)),
-            "mean": _round(statistics.fmean(values)) if values else None,
-            "max": _round(max(values)) if values else None}
-
-
-def cdf_points(values: Sequence[float]) -> list[float | None]:
-    """The 0th..100th percentiles: enough to draw a distribution without every value."""
-    return [_round(percentile(values, i / 100)) for i in range(101)]
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -191,7 +166,7 @@ def spread(values: Sequence[float | int | None]) -> dict[str, Any]:
     """min, median and max of the measured values (None: not measured), and all of them."""
     present = [v for v in values if v is not None]
     return {"min": min(present) if present else None,
-            "median": _round(statistics.median(present), 4) if present else None,
+            "median": rounded(statistics.median(present), 4) if present else None,
             "max": max(present) if present else None, "per_repeat": list(values)}
 
 
@@ -297,12 +272,6 @@ def summarize(run: ModeRun, planned_turns: int) -> dict[str, Any]:
     }
 
 
-def _ratio(a: float | int | None, b: float | int | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return round(a / b, 3)
-
-
 def compare(summaries: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     """One repeat's ratios (see ``DIRECTION``); None unless both modes ran."""
     if "off" not in summaries or "on" not in summaries:
@@ -311,13 +280,13 @@ def compare(summaries: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     out: dict[str, Any] = {}
     for key in ("ttft_ms", "ttft_ms_turn2plus", "itl_ms"):
         for q in ("p50", "p90", "p99"):
-            out[f"{key}_{q}_off_over_on"] = _ratio(off[key][q], on[key][q])
-    out["itl_ms_p99_on_over_off"] = _ratio(on["itl_ms"]["p99"], off["itl_ms"]["p99"])
-    out["tpot_ms_p50_on_over_off"] = _ratio(on["tpot_ms"]["p50"], off["tpot_ms"]["p50"])
-    out["prefill_computed_off_over_on"] = _ratio(off["prefill_computed_tokens"],
+            out[f"{key}_{q}_off_over_on"] = ratio(off[key][q], on[key][q])
+    out["itl_ms_p99_on_over_off"] = ratio(on["itl_ms"]["p99"], off["itl_ms"]["p99"])
+    out["tpot_ms_p50_on_over_off"] = ratio(on["tpot_ms"]["p50"], off["tpot_ms"]["p50"])
+    out["prefill_computed_off_over_on"] = ratio(off["prefill_computed_tokens"],
                                                  on["prefill_computed_tokens"])
-    out["computed_off_over_on"] = _ratio(off["computed_tokens"], on["computed_tokens"])
-    out["turns_per_s_on_over_off"] = _ratio(on["turns_per_s"], off["turns_per_s"])
+    out["computed_off_over_on"] = ratio(off["computed_tokens"], on["computed_tokens"])
+    out["turns_per_s_on_over_off"] = ratio(on["turns_per_s"], off["turns_per_s"])
     return out
 
 
@@ -470,12 +439,8 @@ def build_results(settings: AgentBenchSettings, runs: Sequence[ModeRun],
 
 # The table.
 
-def _fmt(value: float | int | None, spec: str = ".0f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _range(entry: dict[str, Any], spec: str = ".0f") -> str:
-    return f"{_fmt(entry['min'], spec)}-{_fmt(entry['max'], spec)}"
+    return f"{fmt(entry['min'], spec)}-{fmt(entry['max'], spec)}"
 
 
 def configuration_line(results: dict[str, Any]) -> str:
@@ -507,12 +472,12 @@ def table(results: dict[str, Any]) -> str:
         routes = ", ".join(f"{k} {v:g}" for k, v in s["routes"].items())
         rows.append(
             f"{mode:<5}{s['turns_ok_total']:>7}{s['errors_total']:>5}"
-            f"{_fmt(s['ttft_ms']['p50']):>10}{_fmt(s['ttft_ms']['p90']):>8}"
-            f"{_fmt(s['ttft_ms']['p99']):>8}{_fmt(s['ttft_ms_turn2plus']['p50']):>9}"
-            f"{_fmt(s['itl_ms']['p50'], '.1f'):>9}{_fmt(s['itl_ms']['p99'], '.1f'):>7}"
-            f"{_fmt(s['prefill_computed_tokens']):>12}{_fmt(s['decode_computed_tokens']):>12}"
-            f"{_fmt(s['computed_tokens']):>10}{_fmt(s['turns_per_s'], '.3f'):>9}"
-            f"{_fmt(s['retained_mib']['max'], '.1f'):>13}  {outcomes}; {routes}")
+            f"{fmt(s['ttft_ms']['p50']):>10}{fmt(s['ttft_ms']['p90']):>8}"
+            f"{fmt(s['ttft_ms']['p99']):>8}{fmt(s['ttft_ms_turn2plus']['p50']):>9}"
+            f"{fmt(s['itl_ms']['p50'], '.1f'):>9}{fmt(s['itl_ms']['p99'], '.1f'):>7}"
+            f"{fmt(s['prefill_computed_tokens']):>12}{fmt(s['decode_computed_tokens']):>12}"
+            f"{fmt(s['computed_tokens']):>10}{fmt(s['turns_per_s'], '.3f'):>9}"
+            f"{fmt(s['retained_mib']['max'], '.1f'):>13}  {outcomes}; {routes}")
         if s.get("replies_short"):
             rows.append(f"      {s['replies_short']:g} replies (median per repeat) ended before "
                         "their max_tokens")
@@ -546,9 +511,9 @@ def _comparison_rows(cmp: dict[str, Any]) -> list[str]:
             "computing less:"]
     for key, label in labels.items():
         sp = cmp["spread"][key]
-        values = " ".join(_fmt(v, ".2f") for v in sp["per_repeat"])
-        rows.append(f"  {label:<24}{values:<24}({_fmt(sp['min'], '.2f')} / "
-                    f"{_fmt(sp['median'], '.2f')} / {_fmt(sp['max'], '.2f')})")
+        values = " ".join(fmt(v, ".2f") for v in sp["per_repeat"])
+        rows.append(f"  {label:<24}{values:<24}({fmt(sp['min'], '.2f')} / "
+                    f"{fmt(sp['median'], '.2f')} / {fmt(sp['max'], '.2f')})")
     v = cmp["verdict"]
     n = len(cmp["per_repeat"])
     if v["never_slower"] is None:
@@ -566,13 +531,8 @@ def _comparison_rows(cmp: dict[str, Any]) -> list[str]:
     rows.append(f"computed tokens (prefill + decode) on <= off in every repeat: "
                 f"{yes_no[v['computed_never_more']]}; ITL p99 on/off <= "
                 f"{ITL_P99_TOLERANCE:.2f} in every repeat: {yes_no[v['itl_p99_within_10pct']]}"
-                f" (max {_fmt(v['itl_p99_on_over_off_max'], '.2f')})")
+                f" (max {fmt(v['itl_p99_on_over_off_max'], '.2f')})")
     return rows
-
-
-def write_json(results: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
 
 
 # The plot.

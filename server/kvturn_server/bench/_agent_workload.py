@@ -279,6 +279,10 @@ class AgentScript:
     reply_tokens: tuple[int, ...] = ()
     repeat: int = 0
 
+    def gap_after(self, turn: int) -> float | None:
+        """The tool gap after turn ``turn`` (0-based); None after the last."""
+        return self.gaps_s[turn] if turn < len(self.gaps_s) else None
+
 
 def _rng(seed: int, *parts: object) -> random.Random:
     # String seeds are hashed with SHA-512 by random.seed: stable across runs and machines.

@@ -37,13 +37,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvturn_server.bench._agent import AgentBenchSettings, GapDistribution, build_scripts
+from kvturn_server.bench._agent_loop import Live
+from kvturn_server.bench._agent_report import AgentOutcome
 from kvturn_server.bench._fleet_agents import (
-    AgentResult,
     FleetTurn,
     HttpFleetProbe,
-    Live,
     ModeRun,
-    loadavg,
     run_agent,
     run_mode,
 )
@@ -61,13 +60,9 @@ from kvturn_server.bench._fleet_plan import (
     run_order,
     scenarios,
 )
-from kvturn_server.bench._fleet_report import (
-    build_results,
-    scenario_result,
-    table,
-    write_json,
-    write_plot,
-)
+from kvturn_server.bench._fleet_report import build_results, scenario_result, table, write_plot
+from kvturn_server.bench._sampling import loadavg
+from kvturn_server.bench._stats import write_json
 
 if TYPE_CHECKING:
     import kvturn
@@ -111,7 +106,7 @@ def warm_up_plan(settings: FleetBenchSettings) -> AgentPlan:
 
 
 async def _warm_pair(url: str, plan: AgentPlan, settings: FleetBenchSettings,
-                     model: str) -> tuple[AgentResult, list[FleetTurn]]:
+                     model: str) -> tuple[AgentOutcome, list[FleetTurn]]:
     records: list[FleetTurn] = []
     client = _client(url, settings)
     try:

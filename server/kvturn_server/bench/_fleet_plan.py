@@ -21,6 +21,9 @@ from kvturn_server.bench._agent import (
     GapDistribution,
     build_scripts,
 )
+from kvturn_server.bench._agent_loop import IDS as IDS
+from kvturn_server.bench._agent_loop import KVTURN as KVTURN
+from kvturn_server.bench._agent_loop import PLAIN as PLAIN
 from kvturn_server.local._model import SIZES
 
 # vLLM's block size on CPU platforms (vllm/platforms/cpu.py); the fleet reads the real value
@@ -29,10 +32,8 @@ CPU_BLOCK_SIZE = 128
 GIB = 1024 ** 3
 
 
-# The modes. How each mode is run is data: the router's flags and what the client sends.
-
-PLAIN, IDS, KVTURN = "plain", "ids", "kvturn"
-
+# The modes. How each mode is run is data: the router's flags and what the client sends (one
+# of ``_agent_loop``'s client kinds, PLAIN, IDS or KVTURN, imported above).
 
 @dataclass(frozen=True)
 class FleetMode:
@@ -282,7 +283,8 @@ class Scenario:
         another."""
         scripts = build_scripts(self.agent_settings(),
                                 f"fleet/{self.profile.name}/{mode}/r{repeat}")
-        return [AgentPlan(replace(s, mode=mode), self.reply_tokens(s.agent)) for s in scripts]
+        return [AgentPlan(replace(s, mode=mode, repeat=repeat), self.reply_tokens(s.agent))
+                for s in scripts]
 
     @functools.cached_property
     def _contexts(self) -> tuple[int, ...]:

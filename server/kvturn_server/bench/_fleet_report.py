@@ -3,7 +3,6 @@ comparison with the best stock mode, the results document, the table and the plo
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -14,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvturn_server._plot import pyplot, save
-from kvturn_server.bench._agent import distribution, percentile
-from kvturn_server.bench._fleet_agents import MIB, Counters, ModeRun, Snapshot
+from kvturn_server.bench._fleet_agents import Counters, ModeRun, Snapshot
 from kvturn_server.bench._fleet_plan import (
     KVTURN_MODES,
     MODE_TABLE,
@@ -24,6 +22,7 @@ from kvturn_server.bench._fleet_plan import (
     TIGHT,
     FleetBenchSettings,
 )
+from kvturn_server.bench._stats import MIB, distribution, fmt, ratio
 
 # Targets of issue 12 for the fleet bench (kvturn-kv against the best stock mode).
 TARGET_TIGHT_TTFT_P50 = 1.5
@@ -97,9 +96,7 @@ def summarize(run: ModeRun) -> dict[str, Any]:
         "ttft_ms": distribution(ttft),
         "ttft_ms_turn2plus": distribution(later),
         "total_ms": distribution([r.total_ms for r in ok if r.total_ms is not None]),
-        "itl_ms": {"n": itl["n"], "p50": itl["p50"],
-                   "p99": None if not run.itl_ms else round(
-                       percentile(run.itl_ms, 0.99) or 0.0, 3), "max": itl["max"]},
+        "itl_ms": {k: itl[k] for k in ("n", "p50", "p99", "max")},
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
         "completion_tokens": sum(r.completion_tokens or 0 for r in ok),
         "computed_tokens": {"total": _sum(deltas, "computed"),
@@ -159,12 +156,6 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return round(a / b, 3)
-
-
 def compare(modes: dict[str, Any], runs: Sequence[dict[str, Any]], sizing: str) -> dict[
         str, Any] | None:
     """Each kvturn mode against the best stock mode: best-stock / kvturn for the lower-is-better
@@ -184,10 +175,10 @@ def compare(modes: dict[str, Any], runs: Sequence[dict[str, Any]], sizing: str) 
             mine = modes[k][name]["median"]
             if name in HIGHER_IS_BETTER:
                 best = max(medians) if medians else None
-                value = _ratio(mine, best)
+                value = ratio(mine, best)
             else:
                 best = min(medians) if medians else None
-                value = _ratio(best, mine)
+                value = ratio(best, mine)
             per_repeat = []
             for repeat in sorted({r["repeat"] for r in runs}):
                 here = {r["mode"]: _path(r, METRICS[name]) for r in runs
@@ -195,8 +186,8 @@ def compare(modes: dict[str, Any], runs: Sequence[dict[str, Any]], sizing: str) 
                 got = [here[s] for s in stock if here.get(s) is not None]
                 if not got or here.get(k) is None:
                     continue
-                per_repeat.append(_ratio(here[k], max(got)) if name in HIGHER_IS_BETTER
-                                  else _ratio(min(got), here[k]))
+                per_repeat.append(ratio(here[k], max(got)) if name in HIGHER_IS_BETTER
+                                  else ratio(min(got), here[k]))
             cmp[name] = {"ratio": value, "per_repeat": spread(per_repeat)}
         out[k] = cmp
     kv = out.get("kvturn-kv")
@@ -254,15 +245,11 @@ def build_results(settings: FleetBenchSettings, scenarios: list[dict[str, Any]],
 
 # The table.
 
-def _fmt(value: float | int | None, spec: str = ".0f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _cell(metric: dict[str, Any], spec: str = ".0f") -> str:
     """The median, and the range when more than one repeat gave a value."""
-    text = _fmt(metric["median"], spec)
+    text = fmt(metric["median"], spec)
     if len([v for v in metric["values"] if v is not None]) > 1:
-        text += f" [{_fmt(metric['min'], spec)}-{_fmt(metric['max'], spec)}]"
+        text += f" [{fmt(metric['min'], spec)}-{fmt(metric['max'], spec)}]"
     return text
 
 
@@ -353,24 +340,19 @@ def table(results: dict[str, Any]) -> str:
                 continue
             c = cmp[k]
             rows.append(
-                f"  best stock / {k}: TTFT p50 {_fmt(c['ttft_p50_ms']['ratio'], '.2f')}x "
-                f"(per repeat {_fmt(c['ttft_p50_ms']['per_repeat']['min'], '.2f')}-"
-                f"{_fmt(c['ttft_p50_ms']['per_repeat']['max'], '.2f')}), p90 "
-                f"{_fmt(c['ttft_p90_ms']['ratio'], '.2f')}x, p99 "
-                f"{_fmt(c['ttft_p99_ms']['ratio'], '.2f')}x; computed "
-                f"{_fmt(c['computed_tokens']['ratio'], '.2f')}x; ITL p99 "
-                f"{_fmt(c['itl_p99_ms']['ratio'], '.2f')}x; turns/s {k}/best "
-                f"{_fmt(c['turns_per_s']['ratio'], '.2f')}")
+                f"  best stock / {k}: TTFT p50 {fmt(c['ttft_p50_ms']['ratio'], '.2f')}x "
+                f"(per repeat {fmt(c['ttft_p50_ms']['per_repeat']['min'], '.2f')}-"
+                f"{fmt(c['ttft_p50_ms']['per_repeat']['max'], '.2f')}), p90 "
+                f"{fmt(c['ttft_p90_ms']['ratio'], '.2f')}x, p99 "
+                f"{fmt(c['ttft_p99_ms']['ratio'], '.2f')}x; computed "
+                f"{fmt(c['computed_tokens']['ratio'], '.2f')}x; ITL p99 "
+                f"{fmt(c['itl_p99_ms']['ratio'], '.2f')}x; turns/s {k}/best "
+                f"{fmt(c['turns_per_s']['ratio'], '.2f')}")
         for name, t in (cmp.get("issue12_targets") or {}).items():
             verdict = "-" if t["met"] is None else ("met" if t["met"] else "NOT met")
-            rows.append(f"  target {name}: {_fmt(t['ratio'], '.2f')}x >= {t['target']:g}: "
+            rows.append(f"  target {name}: {fmt(t['ratio'], '.2f')}x >= {t['target']:g}: "
                         f"{verdict}")
     return "\n".join(rows)
-
-
-def write_json(results: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
 
 
 # The plot.

@@ -1,0 +1,60 @@
+"""The numbers both agent benchmarks (``kvturn bench agent`` and ``kvturn bench fleet``) report
+with: quantiles, a distribution's summary, ratios, and how a missing value prints."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+MIB = 1024 * 1024
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) with linear interpolation between order statistics (numpy's
+    default); None for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    if not 0 <= q <= 1:
+        raise ValueError(f"q must be within [0, 1], got {q}")
+    pos = q * (len(ordered) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def rounded(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def distribution(values: Sequence[float]) -> dict[str, float | int | None]:
+    return {"n": len(values), "p50": rounded(percentile(values, 0.5)),
+            "p90": rounded(percentile(values, 0.9)), "p99": rounded(percentile(values, 0.99)),
+            "mean": rounded(statistics.fmean(values)) if values else None,
+            "max": rounded(max(values)) if values else None}
+
+
+def cdf_points(values: Sequence[float]) -> list[float | None]:
+    """The 0th..100th percentiles: enough to draw a distribution without every value."""
+    return [rounded(percentile(values, i / 100)) for i in range(101)]
+
+
+def ratio(a: float | int | None, b: float | int | None) -> float | None:
+    """``a / b`` to three decimals; None where either is missing or ``b`` is 0."""
+    if a is None or b is None or b == 0:
+        return None
+    return round(a / b, 3)
+
+
+def fmt(value: float | int | None, spec: str = ".0f") -> str:
+    """``value`` formatted, or ``-`` where it was not measured."""
+    return "-" if value is None else format(value, spec)
+
+
+def write_json(results: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")

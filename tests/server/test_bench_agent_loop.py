@@ -1,0 +1,39 @@
+"""The agent loop both agent benchmarks share: what it refuses before sending anything.
+
+The loop's turns, gaps and client kinds are exercised through each benchmark against its fake
+router (tests/server/test_bench_agent.py, tests/server/test_bench_fleet.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvturn_server.bench._agent_loop import IDS, Live, chunk_gaps_ms, run_agent
+from kvturn_server.bench._agent_workload import AgentBenchSettings, build_scripts
+
+
+def test_chunk_gaps_are_the_milliseconds_between_consecutive_chunks() -> None:
+    assert chunk_gaps_ms([1.0, 1.01, 1.5]) == pytest.approx([10.0, 490.0])
+    assert chunk_gaps_ms([2.0]) == [] and chunk_gaps_ms([]) == []
+
+
+@pytest.mark.parametrize(("kind", "cid", "error"), [
+    ("shared", None, "unknown client kind"),
+    (IDS, None, "needs a conversation id"),
+])
+async def test_a_bad_client_kind_is_refused_before_any_turn(kind: str, cid: str | None,
+                                                            error: str) -> None:
+    script = build_scripts(AgentBenchSettings(agents=1, turns=2, system_tokens=5,
+                                              message_tokens=(3, 3)), "x")[0]
+    records: list[Any] = []
+    no_client: Any = None  # never reached
+
+    def new_record(turn: int, conversation_id: str | None, started_s: float) -> Any:
+        raise AssertionError("no turn may start")
+
+    with pytest.raises(ValueError, match=error):
+        await run_agent(script, kind, no_client, "m", t0=0.0, live=Live(1, 2), records=records,
+                        new_record=new_record, timed=lambda *_: None,
+                        keepalive_interval=1.0, conversation_id=cid)
+    assert records == []

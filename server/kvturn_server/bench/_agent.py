@@ -46,6 +46,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvturn_server.bench import _agent_loop
+from kvturn_server.bench._agent_cli import (
+    add_output_args,
+    bench_client,
+    comma_choices,
+    token_range,
+    write_plot_and_say,
+)
 from kvturn_server.bench._agent_loop import KVTURN, PLAIN, Live, chunk_gaps_ms, progress
 from kvturn_server.bench._agent_report import (
     AgentOutcome,
@@ -307,9 +314,6 @@ def run_agent_bench(settings: AgentBenchSettings,
                     say: Callable[[str], None] = print) -> dict[str, Any]:
     """Start the stack, run the modes, stop the stack; print a table, write the JSON and the
     plot when their paths are set; return the results."""
-    import httpx2
-
-    import kvturn
     from kvturn_server.cli import ProgressLine
     from kvturn_server.local._model import SIZES
     from kvturn_server.local._stack import Stack
@@ -332,10 +336,8 @@ def run_agent_bench(settings: AgentBenchSettings,
         probe = HttpProbe(cfg.prefill_url, cfg.decode_url, cfg.decode_control_url)
 
         async def main() -> dict[str, Any]:
-            http = httpx2.AsyncClient(timeout=settings.request_timeout_s)
-            client = kvturn.AsyncOpenAI(base_url=f"{cfg.router_url}/v1", api_key="kvturn-bench",
-                                        max_retries=settings.max_retries,
-                                        timeout=settings.request_timeout_s, http_client=http)
+            client = bench_client(cfg.router_url, settings.request_timeout_s,
+                                  settings.max_retries)
             try:
                 return await measure(settings, client, cfg.served_model_name, probe, say=say)
             finally:
@@ -353,31 +355,11 @@ def run_agent_bench(settings: AgentBenchSettings,
     say(table(results))
     if settings.json_path is not None:
         write_json(results, settings.json_path)
-        plot = settings.plot_path or settings.json_path.with_suffix(".png")
-        if write_plot(results, plot):
-            say(f"wrote {settings.json_path} and {plot}")
-        else:
-            say(f"wrote {settings.json_path}; no plot: matplotlib is not installed (extra "
-                "[bench])")
+        write_plot_and_say(results, settings.json_path, settings.plot_path, write_plot, say)
     return results
 
 
 # The command line.
-
-def _message_tokens(text: str) -> tuple[int, int]:
-    try:
-        low, _, high = text.partition(",")
-        return int(low), int(high or low)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN,MAX token counts, got {text!r}") from None
-
-
-def _modes(text: str) -> tuple[str, ...]:
-    modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
-        raise argparse.ArgumentTypeError(f"expected a comma list of off and on, got {text!r}")
-    return modes
-
 
 def settings_from_args(args: argparse.Namespace) -> AgentBenchSettings:
     return AgentBenchSettings(
@@ -428,9 +410,7 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "repeat and whether kvturn was never slower. Writes every turn and sample "
                     "as JSON and a PNG plot. The default run (3 repeats) takes about 7 "
                     "minutes on a 2-core machine; --profile long several times that.")
-    p.add_argument("--json", type=Path, required=True, help="where to write the results")
-    p.add_argument("--plot", type=Path, default=None,
-                   help="PNG path (default: the JSON path with .png)")
+    add_output_args(p)
     p.add_argument("--agents", type=int, default=d.agents,
                    help="concurrent agents (default: %(default)s)")
     p.add_argument("--turns", type=int, default=d.turns,
@@ -444,7 +424,7 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                    help="model (default: %(default)s)")
     p.add_argument("--state-dir", type=Path, default=d.state_dir,
                    help="model, logs and state of the benchmark stack (default: %(default)s)")
-    p.add_argument("--modes", type=_modes, default=d.modes, metavar="off,on",
+    p.add_argument("--modes", type=comma_choices(MODES, "modes"), default=d.modes, metavar="off,on",
                    help="which modes to run, in this order in the first repeat; later repeats "
                         "rotate it (default: off,on)")
     p.add_argument("--repeats", type=int, default=d.repeats,
@@ -454,7 +434,7 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                    help="seconds between two agents' starts (default: %(default)s)")
     p.add_argument("--system-tokens", type=int, default=d.system_tokens,
                    help="system prompt length (default: %(default)s)")
-    p.add_argument("--message-tokens", type=_message_tokens, default=d.message_tokens,
+    p.add_argument("--message-tokens", type=token_range, default=d.message_tokens,
                    metavar="MIN,MAX",
                    help="size of each turn's new user/tool message (default: 100,300)")
     p.add_argument("--profile", choices=PROFILES, default=d.profile,
@@ -466,7 +446,7 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                           "add --turns 5")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens,
                    help="every reply's length in the tool profile (default: %(default)s)")
-    p.add_argument("--long-reply-tokens", type=_message_tokens, default=d.long_reply_tokens,
+    p.add_argument("--long-reply-tokens", type=token_range, default=d.long_reply_tokens,
                    metavar="MIN,MAX",
                    help="the range each reply's length is drawn from in the long profile "
                         "(default: 300,1000)")

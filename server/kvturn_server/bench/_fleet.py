@@ -37,6 +37,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvturn_server.bench._agent import AgentBenchSettings, GapDistribution, build_scripts
+from kvturn_server.bench._agent_cli import (
+    add_output_args,
+    bench_client,
+    comma_choices,
+    token_range,
+    write_plot_and_say,
+)
 from kvturn_server.bench._agent_loop import Live
 from kvturn_server.bench._agent_report import AgentOutcome
 from kvturn_server.bench._fleet_agents import (
@@ -86,14 +93,7 @@ def fleet_config(settings: FleetBenchSettings, scenario: Scenario) -> Any:
 
 
 def _client(url: str, settings: FleetBenchSettings) -> kvturn.AsyncOpenAI:
-    import httpx2
-
-    import kvturn
-
-    http = httpx2.AsyncClient(timeout=settings.request_timeout_s)
-    return kvturn.AsyncOpenAI(base_url=f"{url}/v1", api_key="kvturn-bench",
-                              max_retries=settings.max_retries,
-                              timeout=settings.request_timeout_s, http_client=http)
+    return bench_client(url, settings.request_timeout_s, settings.max_retries)
 
 
 def warm_up_plan(settings: FleetBenchSettings) -> AgentPlan:
@@ -254,35 +254,11 @@ def run_fleet_bench(settings: FleetBenchSettings,
             write_json(results, settings.json_path)
     say(table(results))
     if settings.json_path is not None:
-        plot = settings.plot_path or settings.json_path.with_suffix(".png")
-        if write_plot(results, plot):
-            say(f"wrote {settings.json_path} and {plot}")
-        else:
-            say(f"wrote {settings.json_path}; no plot: matplotlib is not installed (extra "
-                "[bench])")
+        write_plot_and_say(results, settings.json_path, settings.plot_path, write_plot, say)
     return results
 
 
 # The command line.
-
-def _choices(known: Any, what: str) -> Callable[[str], tuple[str, ...]]:
-    def parse(text: str) -> tuple[str, ...]:
-        values = tuple(v.strip() for v in text.split(",") if v.strip())
-        if not values or any(v not in known for v in values) or len(set(values)) != len(
-                values):
-            raise argparse.ArgumentTypeError(
-                f"expected a comma list of distinct {what} ({', '.join(known)}), got {text!r}")
-        return values
-    return parse
-
-
-def _pair(text: str) -> tuple[int, int]:
-    try:
-        low, _, high = text.partition(",")
-        return int(low), int(high or low)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN,MAX token counts, got {text!r}") from None
-
 
 def settings_from_args(args: argparse.Namespace) -> FleetBenchSettings:
     return FleetBenchSettings(
@@ -331,21 +307,19 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "configuration; writes JSON and a PNG. The defaults (tool and long on "
                     "tight, 2 repeats: 16 runs) take about 20 minutes on a 2-core machine; "
                     "each scenario adds about 8 (tool) or 11 (long) minutes per 2 repeats.")
-    p.add_argument("--json", type=Path, required=True, help="where to write the results")
-    p.add_argument("--plot", type=Path, default=None,
-                   help="PNG path (default: the JSON path with .png)")
+    add_output_args(p)
     p.add_argument("--prefills", type=int, default=d.prefills,
                    help="prefill instances (default: %(default)s)")
     p.add_argument("--decodes", type=int, default=d.decodes,
                    help="decode instances (default: %(default)s)")
-    p.add_argument("--modes", type=_choices(MODES, "modes"), default=d.modes,
+    p.add_argument("--modes", type=comma_choices(MODES, "modes"), default=d.modes,
                    metavar="MODE,...",
                    help=f"which modes, in this order for the first repeat (default: "
                         f"{','.join(d.modes)})")
-    p.add_argument("--profiles", type=_choices(PROFILES, "profiles"), default=d.profiles,
+    p.add_argument("--profiles", type=comma_choices(PROFILES, "profiles"), default=d.profiles,
                    metavar="tool,long",
                    help=f"reply profiles (default: {','.join(d.profiles)})")
-    p.add_argument("--kv", type=_choices(SIZINGS, "KV sizings"), default=d.sizings,
+    p.add_argument("--kv", type=comma_choices(SIZINGS, "KV sizings"), default=d.sizings,
                    metavar="tight,roomy",
                    help=f"prefill KV sizings (default: {','.join(d.sizings)})")
     p.add_argument("--repeats", type=int, default=d.repeats,
@@ -357,7 +331,7 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                    help="turns per agent (default: the profile's, tool 6, long 4)")
     p.add_argument("--system-tokens", type=int, default=None,
                    help="system prompt length (default: the profile's, tool 2500, long 1500)")
-    p.add_argument("--message-tokens", type=_pair, default=None, metavar="MIN,MAX",
+    p.add_argument("--message-tokens", type=token_range, default=None, metavar="MIN,MAX",
                    help="each turn's new user/tool message (default: 100,300)")
     p.add_argument("--prefill-holds", type=float, default=d.prefill_holds,
                    help="tight sizing: how many average conversations each prefill's KV cache "
@@ -382,6 +356,5 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--decode-continue-tokens", type=int, default=None,
                    help="passed to the kvturn modes' routers (default: the router's, 512; 0: "
                         "the decode never continues a turn itself)")
-    # Temporary (see the module docstring): until the router has the mode flags.
     p.set_defaults(func=cmd_bench_fleet)
     return p

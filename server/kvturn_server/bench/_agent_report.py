@@ -37,6 +37,7 @@ from kvturn_server.bench._stats import (
     fmt,
     ratio,
     rounded,
+    turn_summary,
 )
 from kvturn_server.local._metrics import PromptSources
 
@@ -213,8 +214,6 @@ def _sum(*values: float | None) -> float | None:
 
 def summarize(run: ModeRun, planned_turns: int) -> dict[str, Any]:
     ok = [r for r in run.records if r.ok]
-    ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
-    later = [r.ttft_ms for r in ok if r.ttft_ms is not None and r.turn > 1]
     prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     retained = [s.retained_bytes / MIB for s in run.samples if s.retained_bytes is not None]
     outcomes = Counter(r.reuse or "unreported" for r in ok)
@@ -232,12 +231,7 @@ def summarize(run: ModeRun, planned_turns: int) -> dict[str, Any]:
         "repeat": run.repeat,
         "agents": len(run.agents),
         "turns_planned": planned_turns,
-        "turns_ok": len(ok),
-        "errors": len(run.records) - len(ok),
-        "wall_s": round(run.wall_s, 3),
-        "turns_per_s": round(len(ok) / run.wall_s, 4) if run.wall_s > 0 else None,
-        "ttft_ms": distribution(ttft),
-        "ttft_ms_turn2plus": distribution(later),
+        **turn_summary(run.records, run.wall_s),
         "ttft_ms_by_route": {k: distribution(v) for k, v in sorted(by_route.items())},
         "total_ms": distribution([r.total_ms for r in ok if r.total_ms is not None]),
         "itl_ms": distribution(gaps),

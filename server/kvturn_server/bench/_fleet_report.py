@@ -22,7 +22,7 @@ from kvturn_server.bench._fleet_plan import (
     TIGHT,
     FleetBenchSettings,
 )
-from kvturn_server.bench._stats import MIB, distribution, fmt, ratio
+from kvturn_server.bench._stats import MIB, distribution, fmt, ratio, turn_summary
 
 # Targets of issue 12 for the fleet bench (kvturn-kv against the best stock mode).
 TARGET_TIGHT_TTFT_P50 = 1.5
@@ -72,8 +72,6 @@ def _sum(deltas: dict[str, dict[str, float] | None], key: str,
 def summarize(run: ModeRun) -> dict[str, Any]:
     """One run's numbers."""
     ok = [r for r in run.records if r.ok]
-    ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
-    later = [r.ttft_ms for r in ok if r.ttft_ms is not None and r.turn > 1]
     deltas = instance_deltas(run.before, run.after)
     prefills = [n for n in deltas if n.startswith("prefill")]
     totals = [s.total_retained for s in run.samples]
@@ -89,12 +87,8 @@ def summarize(run: ModeRun) -> dict[str, Any]:
     return {
         "scenario": run.scenario, "mode": run.mode, "repeat": run.repeat,
         "position": run.position, "router_args": list(run.router_args),
-        "agents": len(run.agents), "turns_planned": run.turns_planned, "turns_ok": len(ok),
-        "errors": len(run.records) - len(ok),
-        "wall_s": round(run.wall_s, 3),
-        "turns_per_s": round(len(ok) / run.wall_s, 4) if run.wall_s > 0 else None,
-        "ttft_ms": distribution(ttft),
-        "ttft_ms_turn2plus": distribution(later),
+        "agents": len(run.agents), "turns_planned": run.turns_planned,
+        **turn_summary(run.records, run.wall_s),
         "total_ms": distribution([r.total_ms for r in ok if r.total_ms is not None]),
         "itl_ms": {k: itl[k] for k in ("n", "p50", "p99", "max")},
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),

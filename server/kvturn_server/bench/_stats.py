@@ -8,7 +8,7 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 MIB = 1024 * 1024
 
@@ -53,6 +53,30 @@ def ratio(a: float | int | None, b: float | int | None) -> float | None:
 def fmt(value: float | int | None, spec: str = ".0f") -> str:
     """``value`` formatted, or ``-`` where it was not measured."""
     return "-" if value is None else format(value, spec)
+
+
+class Turn(Protocol):
+    """What a turn summary reads of a turn record (both benchmarks' records have it)."""
+
+    @property
+    def ok(self) -> bool: ...
+
+    @property
+    def turn(self) -> int: ...
+
+    @property
+    def ttft_ms(self) -> float | None: ...
+
+
+def turn_summary(records: Sequence[Turn], wall_s: float) -> dict[str, Any]:
+    """A run's turns that succeeded and failed, its wall time, turns per second, and the TTFT
+    of every turn and of turns 2+ (the ones that can reuse a previous turn's KV)."""
+    ok = [r for r in records if r.ok]
+    ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
+    later = [r.ttft_ms for r in ok if r.ttft_ms is not None and r.turn > 1]
+    return {"turns_ok": len(ok), "errors": len(records) - len(ok), "wall_s": round(wall_s, 3),
+            "turns_per_s": round(len(ok) / wall_s, 4) if wall_s > 0 else None,
+            "ttft_ms": distribution(ttft), "ttft_ms_turn2plus": distribution(later)}
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:

@@ -13,7 +13,6 @@ import random
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 import httpx2
 import pytest
@@ -50,6 +49,13 @@ from kvturn_server.bench._agent_report import (
 )
 from kvturn_server.bench._host import cpu_info, describe_cpu, host_info
 from kvturn_server.local._metrics import PromptSources
+from tests.server.bench_fakes import (
+    ConversationEndpoints,
+    chat_stream,
+    failing_turn,
+    mock_client,
+    prompt_size,
+)
 
 MIB = 1024 * 1024
 
@@ -569,11 +575,7 @@ def test_the_command_line_maps_onto_the_settings(tmp_path: Path) -> None:
 
 # The agent loop against an in-process fake router.
 
-def _sse(data: dict[str, Any]) -> str:
-    return "data: " + json.dumps(data) + "\n\n"
-
-
-class FakeRouter:
+class FakeRouter(ConversationEndpoints):
     """Answers streamed chat completions with reuse headers the way the router does (hit
     after a conversation's first turn, miss without an id), plus the conversation endpoints.
     With ``routes`` it also reports each turn's route the way the next router version will:
@@ -583,36 +585,20 @@ class FakeRouter:
     REPLY = ("Sure", ",", " looking", " into", " it", ".")
 
     def __init__(self, routes: bool = False) -> None:
+        super().__init__()
         self.routes = routes
         self.decode_computed = 0
-        self.requests: list[dict[str, Any]] = []
-        self.keepalives: list[str] = []
-        self.released: list[str] = []
-        self.live: set[str] = set()
         self.last_prompt: dict[str, int] = {}
         self.computed = 0
-        self.keepalive_seen = asyncio.Event()
 
     def handle(self, request: httpx2.Request) -> httpx2.Response:
-        path = request.url.path
-        if path.startswith("/kvturn/v1/conversations/"):
-            rest = path.removeprefix("/kvturn/v1/conversations/")
-            if request.method == "POST" and rest.endswith("/keepalive"):
-                conversation = unquote(rest.removesuffix("/keepalive"))
-                self.keepalives.append(conversation)
-                self.keepalive_seen.set()
-                return httpx2.Response(200, json={
-                    "conversation_id": conversation, "retained": True, "expires_in": 48.0,
-                    "hold_remaining": 3000.0, "num_tokens": 100})
-            conversation = unquote(rest)
-            self.released.append(conversation)
-            self.live.discard(conversation)
-            return httpx2.Response(200, json={"conversation_id": conversation,
-                                              "released": True})
-        assert path == "/v1/chat/completions", path
+        answer = self.conversation_endpoint(request)
+        if answer is not None:
+            return answer
+        assert request.url.path == "/v1/chat/completions", request.url.path
         body = json.loads(request.content)
         self.requests.append({"body": body, "headers": dict(request.headers)})
-        prompt = sum(len(str(m.get("content") or "").split()) + 4 for m in body["messages"])
+        prompt = prompt_size(body["messages"])
         conversation = body.get("conversation_id")
         if conversation is None:
             reuse, reused = "miss", 0
@@ -632,26 +618,13 @@ class FakeRouter:
                 route = {"X-KVTurn-Route": "prefill", "X-KVTurn-Prefill-Choice":
                          "round-robin" if conversation is None else "affinity"}
             self.computed += prompt - reused
-        base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
-                "model": body["model"]}
-        events = [_sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                    "content": ""},
-                                              "finish_reason": None}]})]
-        events += [_sse({**base, "choices": [{"index": 0, "delta": {"content": piece},
-                                              "finish_reason": None}]})
-                   for piece in self.REPLY]
-        events.append(_sse({**base, "choices": [{"index": 0, "delta": {},
-                                                 "finish_reason": "length"}]}))
         assert body["stream_options"] == {"include_usage": True}
-        events.append(_sse({**base, "choices": [], "usage": {
-            "prompt_tokens": prompt, "completion_tokens": len(self.REPLY),
-            "total_tokens": prompt + len(self.REPLY)}}))
-        events.append("data: [DONE]\n\n")
         headers = {"content-type": "text/event-stream", "X-KVTurn-Reuse": reuse,
                    "X-KVTurn-Reused-Tokens": str(reused), "x-request-id": "fake", **route}
         if conversation is not None:
             headers["X-KVTurn-Conversation"] = conversation
-        return httpx2.Response(200, headers=headers, content="".join(events).encode())
+        return httpx2.Response(200, headers=headers,
+                               content=chat_stream(body["model"], self.REPLY, prompt))
 
 
 class FakeProbe:
@@ -671,9 +644,7 @@ class FakeProbe:
 
 
 def _client(router: FakeRouter) -> kvturn.AsyncOpenAI:
-    http = httpx2.AsyncClient(transport=httpx2.MockTransport(router.handle))
-    return kvturn.AsyncOpenAI(base_url="http://router.test/v1", api_key="bench", max_retries=0,
-                              http_client=http)
+    return mock_client(router.handle)
 
 
 async def test_both_modes_run_every_turn_and_read_usage_and_reuse_headers() -> None:
@@ -786,25 +757,10 @@ async def test_an_on_agent_keeps_its_lease_alive_during_each_tool_gap() -> None:
 
 async def test_a_failed_turn_is_recorded_and_stops_that_agent_only() -> None:
     router = FakeRouter()
-    handle = router.handle
-    calls = 0
-
-    def flaky(request: httpx2.Request) -> httpx2.Response:
-        nonlocal calls
-        if request.url.path == "/v1/chat/completions":
-            calls += 1
-            if calls == 2:
-                return httpx2.Response(400, json={"error": {
-                    "message": "bad", "type": "invalid_request_error", "param": None,
-                    "code": None}})
-        return handle(request)
-
     settings = AgentBenchSettings(agents=1, turns=3, system_tokens=20, message_tokens=(5, 5),
                                   modes=("off",), warmup=False, progress_interval_s=0,
                                   sample_interval_s=3600.0, repeats=1)
-    http = httpx2.AsyncClient(transport=httpx2.MockTransport(flaky))
-    client = kvturn.AsyncOpenAI(base_url="http://router.test/v1", api_key="bench",
-                                max_retries=0, http_client=http)
+    client = mock_client(failing_turn(router.handle, 2))
 
     async def instant(seconds: float) -> None:
         await asyncio.sleep(0)

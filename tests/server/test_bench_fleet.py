@@ -12,12 +12,10 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 import httpx2
 import pytest
 
-import kvturn
 from kvturn_server.bench._agent_report import AgentOutcome
 from kvturn_server.bench._fleet import add_fleet_bench_parser, fleet_config, settings_from_args
 from kvturn_server.bench._fleet_agents import (
@@ -53,6 +51,13 @@ from kvturn_server.bench._fleet_report import (
 )
 from kvturn_server.bench._stats import write_json
 from kvturn_server.local import free_port
+from tests.server.bench_fakes import (
+    ConversationEndpoints,
+    chat_stream,
+    failing_turn,
+    mock_client,
+    prompt_size,
+)
 
 MIB = 1024 * 1024
 
@@ -364,40 +369,23 @@ def test_the_command_line_maps_onto_the_settings(tmp_path: Path) -> None:
 
 # The agents against a fake router.
 
-def _sse(data: dict[str, Any]) -> str:
-    return "data: " + json.dumps(data) + "\n\n"
-
-
-class FakeRouter:
+class FakeRouter(ConversationEndpoints):
     """Streams ``max_tokens`` one-token chunks with the headers a router sends: reuse and route
     for conversations (the id from the body or the header), plus the conversation endpoints."""
 
     def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
-        self.keepalives: list[str] = []
-        self.released: list[str] = []
-        self.live: set[str] = set()
+        super().__init__()
         self.seen: set[str] = set()
         self.computed = 0.0
         self.reused = 0.0
 
     def handle(self, request: httpx2.Request) -> httpx2.Response:
-        path = request.url.path
-        if path.startswith("/kvturn/v1/conversations/"):
-            rest = path.removeprefix("/kvturn/v1/conversations/")
-            if request.method == "POST" and rest.endswith("/keepalive"):
-                key = unquote(rest.removesuffix("/keepalive"))
-                self.keepalives.append(key)
-                return httpx2.Response(200, json={"conversation_id": key, "retained": True,
-                                                  "expires_in": 48.0, "hold_remaining": 3000.0,
-                                                  "num_tokens": 100})
-            key = unquote(rest)
-            self.released.append(key)
-            self.live.discard(key)
-            return httpx2.Response(200, json={"conversation_id": key, "released": True})
+        answer = self.conversation_endpoint(request)
+        if answer is not None:
+            return answer
         body = json.loads(request.content)
         self.requests.append({"body": body, "headers": dict(request.headers)})
-        prompt = sum(len(str(m.get("content") or "").split()) + 4 for m in body["messages"])
+        prompt = prompt_size(body["messages"])
         kvturn_id = body.get("conversation_id")
         header_id = request.headers.get("x-conversation-id")
         key = kvturn_id or header_id
@@ -419,20 +407,9 @@ class FakeRouter:
         headers["X-KVTurn-Reused-Tokens"] = str(reused)
         self.computed += prompt - reused
         self.reused += reused
-        n = body["max_tokens"]
-        base = {"id": "c", "object": "chat.completion.chunk", "created": 1,
-                "model": body["model"]}
-        events = [_sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                    "content": ""},
-                                              "finish_reason": None}]})]
-        events += [_sse({**base, "choices": [{"index": 0, "delta": {"content": f" t{i}"},
-                                              "finish_reason": None}]}) for i in range(n)]
-        events.append(_sse({**base, "choices": [{"index": 0, "delta": {},
-                                                 "finish_reason": "length"}]}))
-        events.append(_sse({**base, "choices": [], "usage": {
-            "prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}}))
-        events.append("data: [DONE]\n\n")
-        return httpx2.Response(200, headers=headers, content="".join(events).encode())
+        pieces = [f" t{i}" for i in range(body["max_tokens"])]
+        return httpx2.Response(200, headers=headers,
+                               content=chat_stream(body["model"], pieces, prompt))
 
 
 class FakeProbe:
@@ -451,9 +428,7 @@ class FakeProbe:
 
 
 async def _run_mode(mode: str, sc: Scenario, router: FakeRouter) -> ModeRun:
-    http = httpx2.AsyncClient(transport=httpx2.MockTransport(router.handle))
-    client = kvturn.AsyncOpenAI(base_url="http://router.test/v1", api_key="bench",
-                                max_retries=0, http_client=http)
+    client = mock_client(router.handle)
 
     async def instant(seconds: float) -> None:
         await asyncio.sleep(0)
@@ -539,19 +514,7 @@ async def test_every_turn_asks_for_its_reply_length_and_measures_its_chunks(
 
 async def test_a_failed_turn_stops_that_agent_only(small: Scenario) -> None:
     router = FakeRouter()
-    handle, calls = router.handle, 0
-
-    def flaky(request: httpx2.Request) -> httpx2.Response:
-        nonlocal calls
-        if request.url.path == "/v1/chat/completions":
-            calls += 1
-            if calls == 2:
-                return httpx2.Response(400, json={"error": {
-                    "message": "bad", "type": "invalid_request_error", "param": None,
-                    "code": None}})
-        return handle(request)
-
-    router.handle = flaky  # type: ignore[method-assign]
+    router.handle = failing_turn(router.handle, 2)  # type: ignore[method-assign]
     run = await _run_mode("stock-rr", small, router)
     failed = [r for r in run.records if not r.ok]
     assert len(failed) == 1 and "400" in (failed[0].error or "")

@@ -20,6 +20,7 @@ from kvturn_server.local._process import ServerSpec, launch, stop_group, wait_he
 
 from ._greedy import assert_same_logprobs, assert_same_text
 from ._helpers import Delta, plain_chat
+from ._turns import chat_turn
 
 MAX_TOKENS = 64
 SYSTEM = "You are a careful tool agent. " + " ".join(
@@ -48,27 +49,6 @@ def router_url(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         stop_group(proc.pid)
 
 
-def _turn(client: OpenAI, model: str, conversation: str, messages: list[dict[str, Any]],
-          stream: bool) -> tuple[str, dict[str, str], list[tuple[str, float]]]:
-    kwargs: dict[str, Any] = {"model": model, "messages": messages, "temperature": 0,
-                              "max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 2,
-                              "extra_body": {"conversation_id": conversation}}
-    if stream:
-        with client.chat.completions.with_streaming_response.create(
-                stream=True, **kwargs) as response:
-            headers = dict(response.headers)
-            chunks = [chunk.choices[0] for chunk in response.parse() if chunk.choices]
-        text = "".join(c.delta.content or "" for c in chunks)
-        pairs = [(t.token, t.logprob) for c in chunks for t in
-                 ((c.logprobs.content or []) if c.logprobs else [])]
-        return text, headers, pairs
-    raw = client.chat.completions.with_raw_response.create(**kwargs)
-    choice = raw.parse().choices[0]
-    content = choice.logprobs.content or [] if choice.logprobs else []
-    return choice.message.content or "", dict(raw.headers), [(t.token, t.logprob)
-                                                             for t in content]
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
 def test_short_turns_run_on_the_decode_alone_and_long_ones_read_what_the_prefill_lacks(
         stack: Stack, router_url: str, stream: bool) -> None:
@@ -80,10 +60,11 @@ def test_short_turns_run_on_the_decode_alone_and_long_ones_read_what_the_prefill
         messages.append({"role": "user", "content": step})
         reference = plain_chat(cfg.reference_url, cfg.served_model_name, messages, MAX_TOKENS)
         with Delta(cfg.prefill_url) as p, Delta(cfg.decode_url) as d:
-            text, headers, logprobs = _turn(client, cfg.served_model_name, conversation,
-                                            messages, stream)
+            turn = chat_turn(client, cfg.served_model_name, conversation, messages, stream,
+                             max_tokens=MAX_TOKENS)
+        text, headers = turn.text, turn.headers
         assert_same_text(text, reference)
-        assert_same_logprobs(logprobs, reference)
+        assert_same_logprobs(turn.logprobs, reference)
         assert p.value is not None and d.value is not None
         if number == 1:
             assert headers["x-kvturn-route"] == "prefill", headers
@@ -101,10 +82,11 @@ def test_short_turns_run_on_the_decode_alone_and_long_ones_read_what_the_prefill
     messages.append({"role": "user", "content": " ".join(["file"] * 700)})
     reference = plain_chat(cfg.reference_url, cfg.served_model_name, messages, MAX_TOKENS)
     with Delta(cfg.prefill_url) as p:
-        text, headers, logprobs = _turn(client, cfg.served_model_name, conversation, messages,
-                                        stream)
-    assert_same_text(text, reference)
-    assert_same_logprobs(logprobs, reference)
+        turn = chat_turn(client, cfg.served_model_name, conversation, messages, stream,
+                         max_tokens=MAX_TOKENS)
+    headers = turn.headers
+    assert_same_text(turn.text, reference)
+    assert_same_logprobs(turn.logprobs, reference)
     assert headers["x-kvturn-route"] == "prefill", headers
     assert headers["x-kvturn-prefill-choice"] == "holder", headers
     assert headers["x-kvturn-reuse"] in ("hit", "partial"), headers

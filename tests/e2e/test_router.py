@@ -30,6 +30,7 @@ from kvturn_server.local._stack import server_specs
 
 from ._greedy import assert_same_logprobs, assert_same_text
 from ._helpers import Delta, plain_chat, wait_until
+from ._turns import Turn, chat_turn
 from .conftest import RETENTION_TTL
 
 MAX_TOKENS = 140  # past one KV block: every turn has decode-generated blocks to read
@@ -65,38 +66,10 @@ def _text(reply: dict[str, Any]) -> str:
     return text
 
 
-@dataclass
-class Turn:
-    text: str
-    reuse: str
-    reused: int
-    headers: dict[str, str]
-    logprobs: list[tuple[str, float]]  # (token, logprob) of every generated token
-
-
-def _pairs(logprobs: Any) -> list[tuple[str, float]]:
-    return [(t.token, t.logprob) for t in (logprobs.content or [])] if logprobs else []
-
-
 def _turn(client: OpenAI, model: str, conversation: str, messages: list[dict[str, Any]],
           stream: bool, **extra: Any) -> Turn:
-    kwargs: dict[str, Any] = {"model": model, "messages": messages, "temperature": 0,
-                              "max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 2,
-                              "extra_body": {"conversation_id": conversation}, **extra}
-    if stream:
-        with client.chat.completions.with_streaming_response.create(
-                stream=True, **kwargs) as response:
-            headers = dict(response.headers)
-            chunks = [chunk.choices[0] for chunk in response.parse() if chunk.choices]
-        text = "".join(choice.delta.content or "" for choice in chunks)
-        pairs = [pair for choice in chunks for pair in _pairs(choice.logprobs)]
-    else:
-        raw = client.chat.completions.with_raw_response.create(**kwargs)
-        headers = dict(raw.headers)
-        choice = raw.parse().choices[0]
-        text, pairs = choice.message.content or "", _pairs(choice.logprobs)
-    return Turn(text, headers["x-kvturn-reuse"], int(headers["x-kvturn-reused-tokens"]), headers,
-                pairs)
+    return chat_turn(client, model, conversation, messages, stream, max_tokens=MAX_TOKENS,
+                     **extra)
 
 
 def _conversation(stack: Stack, stream: bool, turns: int = 4, client: OpenAI | None = None,

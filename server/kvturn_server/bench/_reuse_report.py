@@ -9,14 +9,14 @@ JSON instead of being quoted.
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 from typing import Any
 
 from kvturn_server._plot import pyplot, save
+from kvturn_server.bench._agent import percentile
 from kvturn_server.bench._reuse_plan import (
     LABELS,
     MODES,
@@ -31,17 +31,12 @@ TARGET = 1.25
 """The issue's bound on reuse / floor (issue 12, item 5)."""
 
 
-def quantile(values: Iterable[float], q: float) -> float:
+def quantile(values: Sequence[float], q: float) -> float:
     """The ``q`` quantile (0..1), linear between order statistics (numpy's default)."""
-    ordered = sorted(values)
-    if not ordered:
+    value = percentile(values, q)
+    if value is None:
         raise ValueError("no values")
-    if not 0 <= q <= 1:
-        raise ValueError(f"q must be within [0, 1], got {q}")
-    pos = q * (len(ordered) - 1)
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    return value
 
 
 @dataclass(frozen=True)

@@ -207,7 +207,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     for r in rows:
         cells = " | ".join(f"{_cell(r['modes'].get(m)):>18}" for m in MODES)
         lines.append(f"{r['tokens']:>6} {r['generated']:>5} | {cells}")
-    ratio_head = (f"{'tokens':>6} {'gen':>5} | {'recompute/reuse':>15} | {'reuse/floor':>11} | "
+    ratio_head = (f"{'tokens':>6} {'gen':>5} | {'recompute/reuse':>15} | {'reuse/floor':>18} | "
                   f"{'reuse+cache/floor':>17} | {'stock/reuse+cache':>17} | "
                   f"{'read (b)':>8} | {'read (e)':>8}")
     lines += ["", "ratios of the p50s (the issue's target: reuse/floor 1.0-1.25)", ratio_head,
@@ -219,7 +219,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         mark = "" if r["reuse_within_target"] else " (off target)"
         lines.append(
             f"{r['tokens']:>6} {r['generated']:>5} | {_x(q.get('recompute_over_reuse')):>15} | "
-            f"{_x(q.get('reuse_over_floor')) + mark:>11} | "
+            f"{_x(q.get('reuse_over_floor')) + mark:>18} | "
             f"{_x(q.get('reuse_cached_over_floor')):>17} | "
             f"{_x(q.get('stock_over_reuse_cached')):>17} | "
             f"{'-' if read_b is None else f'{read_b:.0f}':>8} | "

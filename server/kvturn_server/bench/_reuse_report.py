@@ -9,8 +9,7 @@ JSON instead of being quoted.
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
@@ -25,23 +24,19 @@ from kvturn_server.bench._reuse_plan import (
     expected_prefill,
     mismatch,
 )
+from kvturn_server.bench._stats import percentile
 from kvturn_server.local._metrics import PromptSources
 
 TARGET = 1.25
 """The issue's bound on reuse / floor (issue 12, item 5)."""
 
 
-def quantile(values: Iterable[float], q: float) -> float:
+def quantile(values: Sequence[float], q: float) -> float:
     """The ``q`` quantile (0..1), linear between order statistics (numpy's default)."""
-    ordered = sorted(values)
-    if not ordered:
+    value = percentile(values, q)
+    if value is None:
         raise ValueError("no values")
-    if not 0 <= q <= 1:
-        raise ValueError(f"q must be within [0, 1], got {q}")
-    pos = q * (len(ordered) - 1)
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    return value
 
 
 @dataclass(frozen=True)
@@ -212,7 +207,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     for r in rows:
         cells = " | ".join(f"{_cell(r['modes'].get(m)):>18}" for m in MODES)
         lines.append(f"{r['tokens']:>6} {r['generated']:>5} | {cells}")
-    ratio_head = (f"{'tokens':>6} {'gen':>5} | {'recompute/reuse':>15} | {'reuse/floor':>11} | "
+    ratio_head = (f"{'tokens':>6} {'gen':>5} | {'recompute/reuse':>15} | {'reuse/floor':>18} | "
                   f"{'reuse+cache/floor':>17} | {'stock/reuse+cache':>17} | "
                   f"{'read (b)':>8} | {'read (e)':>8}")
     lines += ["", "ratios of the p50s (the issue's target: reuse/floor 1.0-1.25)", ratio_head,
@@ -224,7 +219,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         mark = "" if r["reuse_within_target"] else " (off target)"
         lines.append(
             f"{r['tokens']:>6} {r['generated']:>5} | {_x(q.get('recompute_over_reuse')):>15} | "
-            f"{_x(q.get('reuse_over_floor')) + mark:>11} | "
+            f"{_x(q.get('reuse_over_floor')) + mark:>18} | "
             f"{_x(q.get('reuse_cached_over_floor')):>17} | "
             f"{_x(q.get('stock_over_reuse_cached')):>17} | "
             f"{'-' if read_b is None else f'{read_b:.0f}':>8} | "

@@ -333,17 +333,16 @@ class Turn:
             return None
         r.metrics.retry("prefill")
         self.prefill_choice = choice if second is not first else self.prefill_choice
-        if timed_out and pin is not None:
-            # The first prefill may still be reading under that pin: leave it to expire and
-            # pin again for the retry (never pass on params this turn did not just pin).
-            self.pin = None
-            await self._take_pin()
-            pin = self.pin
-            data = self._prefill_data()
-        elif pin is None and self.reason == "below-threshold" and self._worth_pinning(second):
-            self.pin_skipped = False
-            # The first prefill held the conversation; this one may lack what the decode has.
+        # A timed-out first prefill may still be reading under its pin: leave that pin to
+        # expire and pin again (never pass on params this turn did not just pin). A first
+        # prefill that held the conversation took no pin; this one may lack what the decode has.
+        repin = timed_out and pin is not None
+        if not repin and pin is None and self.reason == "below-threshold" \
+                and self._worth_pinning(second):
             self.reason = "miss"
+            repin = True
+        if repin:
+            self.pin = None
             await self._take_pin()
             pin = self.pin
             data = self._prefill_data()
@@ -784,7 +783,8 @@ class Turn:
             event(log, logging.DEBUG, "request", request_id=self.request_id,
                   conversation=self.key, endpoint=self.endpoint, stream=self.stream,
                   status=status, outcome=outcome, reuse=self.reason,
-                  reused_tokens=self.reused_tokens,
+                  reused_tokens=self.reused_tokens, route=self.route,
+                  prefill_choice=self.prefill_choice if self.route == "prefill" else None,
                   prefill=self.prefill_backend.url if self.prefill_backend else None,
                   decode=self.decode_backend.url if self.decode_backend else None,
                   ms=round((time.perf_counter() - self.started) * 1000, 2))

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from kvturn_server.local import INSTALL_HINT, Stack, StackConfig, free_port, vllm_is_installed
+from kvturn_server.local import (
+    INSTALL_HINT,
+    Stack,
+    StackConfig,
+    build_lora_adapter,
+    free_port,
+    vllm_is_installed,
+)
 
 # Short enough that the stalled-transfer test finishes quickly, long enough that a healthy read
 # on a loaded 2-core machine never trips it.
@@ -28,6 +35,18 @@ RETENTION_BUDGET = 0.25
 # computing is always dearer. Only compute is pinned: the read side still calibrates from the
 # real reads and NIXL telemetry, which test_connector checks; "auto" is unit-tested.
 PREFILL_CONNECTOR_EXTRA = {"compute_tokens_per_s": 1.0}
+# Two LoRA adapters of the tiny model, built locally (seeded) and served by every instance, so
+# that a conversation can switch adapter between turns (test_extra_keys.py). With LoRA on, a
+# request without an adapter runs the base model unchanged.
+ADAPTERS = {"adapter-a": 1, "adapter-b": 2}
+LORA_RANK = 8
+
+
+def lora_args(state: Path) -> tuple[str, ...]:
+    modules = [f"{name}={build_lora_adapter(state / 'adapters' / name, seed=seed, rank=LORA_RANK)}"
+               for name, seed in ADAPTERS.items()]
+    return ("--enable-lora", "--max-lora-rank", str(LORA_RANK), "--max-loras", "2",
+            "--lora-modules", *modules)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -70,7 +89,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory,
                       # most tests assert what the prefill read. Turns the decode continues
                       # itself are tested through a second router (test_placement.py).
                       router_args=("--decode-continue-tokens", "0"),
-                      prefill_connector_extra=PREFILL_CONNECTOR_EXTRA, **ports)
+                      prefill_connector_extra=PREFILL_CONNECTOR_EXTRA,
+                      extra_vllm_args=lora_args(Path(state)), **ports)
     started = time.monotonic()
     with Stack(cfg, die_with_parent=True) as running:
         running.start(progress=progress)

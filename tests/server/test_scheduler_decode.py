@@ -86,6 +86,11 @@ class FakeRequest:
     status: RequestStatus = RequestStatus.FINISHED_STOPPED
     prompt_token_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 1
+    # What vLLM's prefix cache keys on besides token ids: none of it here (plain text).
+    lora_request: Any = None
+    mm_features: list[Any] = field(default_factory=list)
+    cache_salt: str | None = None
+    prompt_embeds: Any = None
 
     @property
     def num_tokens(self) -> int:

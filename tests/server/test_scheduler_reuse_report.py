@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -45,6 +45,11 @@ class FakeRequest:
     prompt_token_ids: list[int]
     kv_transfer_params: dict[str, Any]
     request_id: str = "req-1"
+    # What vLLM's prefix cache keys on besides token ids: none of it here (plain text).
+    lora_request: Any = None
+    mm_features: list[Any] = field(default_factory=list)
+    cache_salt: str | None = None
+    prompt_embeds: Any = None
 
 
 def scheduler(threshold: int = 0, enabled: bool = True) -> KVTurnPullScheduler:
@@ -360,7 +365,9 @@ def test_vllm_loads_exactly_what_the_cost_model_accepted(
     sched = costed(read_fixed_ms=fixed_ms)
     prompt = [*RETAINED, 7, 8]
     request: Any = SimpleNamespace(prompt_token_ids=prompt, num_prompt_tokens=len(prompt),
-                                   kv_transfer_params=retention_params(), request_id="req-1")
+                                   kv_transfer_params=retention_params(), request_id="req-1",
+                                   lora_request=None, mm_features=[], cache_salt=None,
+                                   prompt_embeds=None)
     assert sched.get_num_new_matched_tokens(request, 4) == loaded
 
 

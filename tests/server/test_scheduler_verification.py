@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -19,6 +19,11 @@ class FakeRequest:
     prompt_token_ids: list[int]
     kv_transfer_params: dict[str, Any]
     request_id: str = "req"
+    # What vLLM's prefix cache keys on besides token ids: none of it here (plain text).
+    lora_request: Any = None
+    mm_features: list[Any] = field(default_factory=list)
+    cache_salt: str | None = None
+    prompt_embeds: Any = None
 
 
 def scheduler(threshold: int = 0) -> KVTurnPullScheduler:

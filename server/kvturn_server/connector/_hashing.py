@@ -6,6 +6,11 @@ makes block i's KV depend on every earlier token). Chaining each block's hash ov
 hash gives that in one comparison: equal hash ``i`` means equal tokens
 ``0 .. (i + 1) * block_size``. So a verified prefix is found by comparing hashes left to right and
 stopping at the first miss, with no token lists crossing the wire.
+
+Token ids are not all that decides a block's KV: a LoRA adapter, an image behind placeholder
+tokens, a ``cache_salt`` or prompt embeddings do too. Each block may therefore carry extra bytes
+(``_extra_keys.py`` derives them from vLLM's own prefix-cache keys), hashed after its tokens; a
+block without any hashes exactly as before, so plain text keeps its hashes.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ _MAX_TOKEN_ID = 2**32 - 1
 
 def block_hashes(
     token_ids: Sequence[int], block_size: int, seed: bytes = DEFAULT_SEED,
+    extras: Sequence[bytes | None] | None = None,
 ) -> list[bytes]:
     """Return one chained hash per *full* block of ``token_ids``.
 
@@ -34,12 +40,17 @@ def block_hashes(
     wherever it sits.
 
     The chain starts from a hash of ``seed`` and ``block_size``: sequences hashed with another
-    seed (a future encoding) or another block size never verify against each other, instead of
-    matching by accident of layout.
+    seed (a future encoding, another model) or another block size never verify against each
+    other, instead of matching by accident of layout.
+
+    ``extras[i]``, when given and not empty, is hashed after block ``i``'s tokens. The token
+    part has a fixed length, so a block with extras never hashes like one without, and two
+    different extras never hash alike. ``extras`` must cover every full block.
 
     Raises:
-        ValueError: ``block_size`` is not a positive int, or a token id is not an int in
-            ``0 .. 2**32 - 1`` (the encoding is little-endian uint32).
+        ValueError: ``block_size`` is not a positive int, a token id is not an int in
+            ``0 .. 2**32 - 1`` (the encoding is little-endian uint32), or ``extras`` is
+            shorter than the full blocks or holds something other than bytes or None.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -52,14 +63,20 @@ def block_hashes(
         packed = struct.pack(f"<{count}I", *token_ids)
     except struct.error as exc:
         raise ValueError(_describe_bad_token(token_ids)) from exc
+    full = count // block_size
+    if extras is not None:
+        _check_extras(extras, full)
     view = memoryview(packed)
     stride = 4 * block_size
     prev = hashlib.blake2b(
         seed + struct.pack("<I", block_size), digest_size=HASH_SIZE).digest()
     out: list[bytes] = []
-    for start in range(0, (count // block_size) * stride, stride):
+    for block, start in enumerate(range(0, full * stride, stride)):
         h = hashlib.blake2b(prev, digest_size=HASH_SIZE)
         h.update(view[start:start + stride])
+        extra = extras[block] if extras is not None else None
+        if extra:
+            h.update(extra)
         prev = h.digest()
         out.append(prev)
     return out
@@ -77,6 +94,15 @@ def verified_prefix_blocks(local: Sequence[bytes], retained: Sequence[bytes]) ->
             break
         verified += 1
     return verified
+
+
+def _check_extras(extras: Sequence[bytes | None], full: int) -> None:
+    if len(extras) < full:
+        raise ValueError(f"extras cover {len(extras)} blocks, the tokens {full} full blocks")
+    for index, extra in enumerate(extras[:full]):
+        if extra is not None and not isinstance(extra, bytes):
+            raise ValueError(f"extras[{index}] must be bytes or None, got "
+                             f"{type(extra).__name__}")
 
 
 def _describe_bad_token(token_ids: Sequence[int]) -> str:

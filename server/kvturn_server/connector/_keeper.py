@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvturn_server.connector._hashing import block_hashes
+from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
 from kvturn_server.connector._retention import GoneReason, Retention, RetentionTable
 
 RETENTION_EVENTS = ("created", "renewed", "released", "expired", "evicted", "replaced",
@@ -74,8 +74,10 @@ class RetentionKeeper:
         max_pin: float,
         publish: Publisher,
         clock: Callable[[], float] = time.perf_counter,
+        hash_seed: bytes = DEFAULT_SEED,
     ) -> None:
         self.engine_id = engine_id
+        self.hash_seed = hash_seed
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.budget = budget
@@ -112,12 +114,14 @@ class RetentionKeeper:
     # Engine thread.
 
     def retain(self, key: str, request_id: str, block_ids: Sequence[int],
-               token_ids: Sequence[int], num_computed_tokens: int) -> Retention | None:
+               token_ids: Sequence[int], num_computed_tokens: int, *,
+               extras: Sequence[bytes | None] | None = None) -> Retention | None:
         """Keep a finished request's full blocks under ``key``; None if nothing was kept.
 
         Only full blocks are kept: a trailing partial block can never be read (it has no
         hash), and the last sampled token never went through the model, hence
-        ``num_computed_tokens`` rather than the sequence length.
+        ``num_computed_tokens`` rather than the sequence length. ``extras`` are the blocks'
+        extra hash inputs (``_extra_keys.block_extras``), at least one per kept block.
         """
         table, pool = self._table, self._pool
         if table is None or pool is None or table.budget_blocks == 0:
@@ -131,7 +135,8 @@ class RetentionKeeper:
         ids = tuple(int(b) for b in block_ids[:full])
         if any(not 0 < b < pool.num_gpu_blocks for b in ids):
             raise ValueError(f"request {request_id}: block ids outside the pool: {ids}")
-        hashes = block_hashes(list(token_ids[:full * self.block_size]), self.block_size)
+        hashes = block_hashes(list(token_ids[:full * self.block_size]), self.block_size,
+                              self.hash_seed, extras)
         held = Retention(key, request_id, ids, (), 0, 0.0, 0.0, 0.0, 0.0)
         pool.touch([pool.blocks[b] for b in ids])
         try:

@@ -26,13 +26,16 @@ class ReuseReason(StrEnum):
 
     Checked in this order, the first that applies wins:
 
-    - ``disabled``: reuse is turned off for this deployment or request.
+    - ``disabled``: reuse is turned off for this deployment or request (also: the request asks
+      for prompt logprobs, for which vLLM reads no cached KV).
     - ``miss``: nothing to reuse: no retention was passed, or the prompt has no full block.
     - ``expired``: the retention's lease ran out before this request arrived.
     - ``stale``: the retention belongs to a decode engine this prefill does not know (restarted,
       replaced, or never registered), so its block ids mean nothing.
     - ``unverified``: the retention exists but its first block differs from the prompt's: the
-      history diverged at block 0 (another system prompt, template or tokenizer).
+      history diverged at block 0 (another system prompt, template or tokenizer, or another
+      adapter, salt, image or model: the hashes cover them, ``_extra_keys.py``). The scheduler
+      also reports it, without asking here, for params or inputs it cannot verify at all.
     - ``below-threshold``: a verified remote range exists but is shorter than the recompute
       threshold, or the cost model expects computing it to be faster than reading it (then
       :attr:`ReuseDecision.cost` says why): the effective threshold is the larger of the two.

@@ -35,7 +35,8 @@ from kvturn_server.connector._config import ConnectorConfig
 from kvturn_server.connector._control import ControlServer
 from kvturn_server.connector._cost import CostModel, ReadCost
 from kvturn_server.connector._engine import EngineWaker, Housekeeper
-from kvturn_server.connector._hashing import block_hashes
+from kvturn_server.connector._extra_keys import UncoverableInput, block_extras, engine_seed
+from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
 from kvturn_server.connector._keeper import RetentionKeeper
 from kvturn_server.connector._retention import Retention
 from kvturn_server.connector._reuse import ReuseReason, decide_reuse
@@ -91,11 +92,15 @@ class ReuseRecord:
 class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
     """Verifies reads on prefills; retains, makes room and serves control on decodes."""
 
+    hash_seed: bytes = DEFAULT_SEED
+    """Start of every verification chain (``engine_seed``: the model's identity)."""
+
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any, *,
                  config: ConnectorConfig | None = None) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.kvturn_config = config = config or ConnectorConfig()
         self.is_decode = vllm_config.kv_transfer_config.kv_role == "kv_consumer"
+        self.hash_seed = engine_seed(vllm_config)
         self._reuse: dict[str, ReuseRecord] = {}
         self._local_hits: dict[str, int] = {}
         self._stats = KVTurnStats()
@@ -155,7 +160,7 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             block_bytes=total // max(kv_cache_config.num_blocks, 1),
             budget=cfg.retention_budget, ttl=cfg.decoder_kv_blocks_ttl,
             max_hold=cfg.retention_max_hold, max_pin=cfg.retention_max_pin,
-            publish=self._publish)
+            publish=self._publish, hash_seed=self.hash_seed)
 
     # Wiring done by the connector once the engine's cache manager exists.
 
@@ -333,17 +338,28 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             return ReuseRecord(ReuseReason.UNVERIFIED, 0, num_computed_tokens)
         retained_ids, retained_hashes = retained
         bs = self.block_size
-        prompt = list(request.prompt_token_ids or [])
+        # The prompt's last token is always computed here: it produces the logits.
+        prompt = list(request.prompt_token_ids or [])[:-1]
+        try:
+            # What vLLM's prefix cache keys on besides token ids (adapter, images, salt).
+            extras = block_extras(request, len(prompt) // bs, bs)
+        except UncoverableInput as exc:
+            log.warning("request %s: reading nothing: %s", request.request_id, exc)
+            params["remote_block_ids"] = [[]]
+            info["decision"] = ReuseReason.UNVERIFIED.value
+            return ReuseRecord(ReuseReason.UNVERIFIED, 0, num_computed_tokens)
         try:
             decision = decide_reuse(
-                # The prompt's last token is always computed here: it produces the logits.
-                prompt_hashes=block_hashes(prompt[:-1], bs),
+                prompt_hashes=block_hashes(prompt, bs, self.hash_seed, extras),
                 local_hit_tokens=num_computed_tokens,
                 retained_hashes=retained_hashes,
                 retained_block_ids=retained_ids[:len(retained_hashes)],
                 block_size=bs, threshold=self.kv_recompute_threshold,
                 expired=False, engine_known=True,
-                enabled=bool(self.is_bidirectional_kv_xfer_enabled),
+                # vLLM loads nothing external for a request that skips reading the prefix
+                # cache (prompt logprobs), whatever the connector answers.
+                enabled=bool(self.is_bidirectional_kv_xfer_enabled)
+                and not getattr(request, "skip_reading_prefix_cache", False),
                 cost=self.calibration.model.estimate if self.calibration is not None else None)
         except ValueError as exc:
             log.warning("request %s: unusable retention, recomputing: %s",
@@ -409,8 +425,13 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         if keeper is not None and keeper.bound and _kv_complete(request) \
                 and len(block_ids) == 1:
             try:
-                retention = keeper.retain(key, request.request_id, block_ids[0],
-                                          request.all_token_ids, request.num_computed_tokens)
+                tokens = request.all_token_ids
+                # A block's hash covers what vLLM's prefix cache keys on besides its tokens;
+                # a request whose inputs cannot be covered is not retained (UncoverableInput).
+                extras = block_extras(request, len(tokens) // self.block_size,
+                                      self.block_size)
+                retention = keeper.retain(key, request.request_id, block_ids[0], tokens,
+                                          request.num_computed_tokens, extras=extras)
             except ValueError as exc:
                 log.warning("request %s: not retained: %s", request.request_id, exc)
         if retention is None:

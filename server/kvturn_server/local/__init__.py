@@ -1,5 +1,6 @@
 """The local stack: a locally built model, vLLM prefill + decode on CPU, and the router."""
 
+from kvturn_server.local._adapter import build_lora_adapter
 from kvturn_server.local._fleet import Fleet, FleetConfig, Instance, Router
 from kvturn_server.local._metrics import PromptSources, prompt_sources, scrape
 from kvturn_server.local._model import SIZES, ModelSize, build_model, is_built
@@ -28,6 +29,7 @@ __all__ = [
     "Stack",
     "StackConfig",
     "StackError",
+    "build_lora_adapter",
     "build_model",
     "free_port",
     "is_built",

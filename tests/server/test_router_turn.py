@@ -23,7 +23,7 @@ async def test_a_turn_without_conversation_runs_both_legs_without_reuse(
     h = await make_harness()
     resp = await h.client.post("/v1/completions", json={
         "model": "m", "prompt": "hi", "max_tokens": 20, "temperature": 0,
-        "stream_options": {"include_usage": True}, "min_tokens": 5})
+        "stream_options": {}, "min_tokens": 5})
     assert resp.status_code == 200
     assert resp.headers["X-KVTurn-Reuse"] == "miss"
     assert resp.headers["X-KVTurn-Reused-Tokens"] == "0"

@@ -115,7 +115,10 @@ class RouterConfig:
             so that its next turn reports ``expired`` rather than ``miss``.
         retry_after: seconds clients are told to wait on transient errors (``Retry-After``).
         drain_timeout: seconds a shutdown waits for in-flight requests and streams.
-        max_body_bytes: largest request body accepted (413 past it).
+        max_body_bytes: largest request body accepted; a body is refused (413) as soon as
+            this many bytes have arrived, declared or chunked.
+        body_timeout: seconds a client has to send a request's whole body; past it the
+            router answers 408 and closes the connection.
         backend_api_key: sent as ``Authorization: Bearer`` to every backend, if set.
         http_client: ``pooled`` (the router's lean keep-alive transport) or ``httpx``
             (httpx2's default transport; slower, for comparison or odd networks).
@@ -166,6 +169,7 @@ class RouterConfig:
     retry_after: float = 1.0
     drain_timeout: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024
+    body_timeout: float = 60.0
     backend_api_key: str | None = field(default=None, repr=False)
     http_client: str = "pooled"
     capture_attempts: int = 3
@@ -198,7 +202,7 @@ class RouterConfig:
         object.__setattr__(self, "decode", decode)
         for name in ("prefill_timeout", "connect_timeout", "decode_timeout", "control_timeout",
                      "health_interval", "health_timeout", "retention_ttl", "retry_after",
-                     "drain_timeout"):
+                     "drain_timeout", "body_timeout"):
             _positive(name, getattr(self, name))
         for name in ("remember_expired", "capture_retry_delay"):
             _positive(name, getattr(self, name), allow_zero=True)
@@ -359,7 +363,10 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                                 "turn reports 'expired', not 'miss')"),
     ("retry_after", float, "Retry-After seconds on transient errors"),
     ("drain_timeout", float, "seconds shutdown waits for in-flight requests and streams"),
-    ("max_body_bytes", int, "largest request body accepted"),
+    ("max_body_bytes", int, "largest request body accepted (413 as soon as more has "
+                            "arrived, chunked or not)"),
+    ("body_timeout", float, "seconds a client has to send a whole request body (then 408 "
+                            "and the connection is closed)"),
     ("backend_api_key", str, "API key sent to the backends (vLLM --api-key)"),
     ("prefill_affinity_slack", int, "requests in flight the prefill holding a conversation "
                                     "may have beyond the least loaded one before kv-aware "

@@ -15,7 +15,7 @@ except ImportError:  # pragma: no cover - orjson is in the [router] extra
 if orjson is not None:
     JSONDecodeError: type[ValueError] = orjson.JSONDecodeError
 
-    def loads(data: bytes | str) -> Any:
+    def loads(data: bytes | bytearray | str) -> Any:
         return orjson.loads(data)
 
     def dumps(obj: Any) -> bytes:
@@ -23,7 +23,7 @@ if orjson is not None:
 else:  # pragma: no cover
     JSONDecodeError = json.JSONDecodeError
 
-    def loads(data: bytes | str) -> Any:
+    def loads(data: bytes | bytearray | str) -> Any:
         return json.loads(data)
 
     def dumps(obj: Any) -> bytes:

@@ -27,16 +27,52 @@ NO_RETENTION_PARAMS: dict[str, Any] = {
 }
 
 
+# Where vLLM 0.32 takes transfer params from a request: the top-level fields, and the same
+# names inside ``vllm_xargs``, which become the engine request's ``extra_args`` (the top-level
+# field overrides, but only when it is set and non-empty; on a leg where the router sets none,
+# a client's ``vllm_xargs.kv_transfer_params`` would reach the connector). ``ec_`` is the
+# encoder-cache connector's equivalent: no client steers either.
+TRANSFER_FIELDS = frozenset({"kv_transfer_params", "ec_transfer_params"})
+_ROUTER_FIELDS = frozenset({"conversation_id", *TRANSFER_FIELDS})
+
+
 def client_body(body: dict[str, Any]) -> dict[str, Any]:
     """The client's request without the fields only the router may set.
 
     ``conversation_id`` is the router's (vLLM would reject an unknown field), transfer params
-    must never come from a client (they would steer the connectors to arbitrary blocks or
-    hosts), and ``kvturn*`` is kvturn's namespace. ``session_id`` is vLLM's and passes on.
+    must never come from a client, in any spelling (they would steer the connectors to
+    arbitrary blocks or hosts, and a malformed one fails inside the engine), and ``kvturn*``
+    is kvturn's namespace. ``session_id`` is vLLM's and passes on.
     """
-    return {k: v for k, v in body.items()
-            if k != "conversation_id" and k != "kv_transfer_params"
-            and not k.startswith(KVTURN_FIELD)}
+    out = {k: v for k, v in body.items()
+           if k not in _ROUTER_FIELDS and not k.startswith(KVTURN_FIELD)}
+    xargs = out.get("vllm_xargs")
+    if isinstance(xargs, dict) and not TRANSFER_FIELDS.isdisjoint(xargs):
+        out["vllm_xargs"] = {k: v for k, v in xargs.items() if k not in TRANSFER_FIELDS}
+    return out
+
+
+def without_transfer_params(value: Any) -> tuple[Any, bool]:
+    """``value`` (a parsed reply or stream event) with every ``kv_transfer_params`` key
+    removed, at any depth, and whether there was one. The decode's block ids and hosts are
+    the router's business, not the client's; a key of that name cannot come from generated
+    text (that is always a string value)."""
+    if isinstance(value, dict):
+        found = False
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            if k == "kv_transfer_params":
+                found = True
+                continue
+            v, inner = without_transfer_params(v)
+            found = found or inner
+            out[k] = v
+        return (out, True) if found else (value, False)
+    if isinstance(value, list):
+        items = [without_transfer_params(v) for v in value]
+        if any(found for _, found in items):
+            return [v for v, _ in items], True
+    return value, False
 
 
 def prefill_body(body: dict[str, Any], retention_params: dict[str, Any] | None) -> dict[str, Any]:

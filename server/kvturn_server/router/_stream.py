@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping
 
 from starlette.responses import Response
@@ -25,6 +26,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from kvturn_server.router import _json
 from kvturn_server.router._backend import BackendError, UpstreamStream
+from kvturn_server.router._legs import without_transfer_params
 
 log = logging.getLogger("kvturn.router")
 
@@ -51,6 +53,48 @@ def split_done(data: bytes) -> tuple[bytes, bytes]:
     if start and not data[:start].endswith(b"\n"):
         return data, b""  # "[DONE]" inside another event's data line
     return data[:start], data[start:]
+
+
+_TRANSFER_KEY = b'"kv_transfer_params"'
+_EVENT_SPLIT = re.compile(rb"(\r?\n\r?\n)")
+
+
+def scrub_events(data: bytes) -> bytes:
+    """``data`` (SSE events) with any ``kv_transfer_params`` a backend put in an event removed.
+
+    vLLM 0.32 sends none in stream events, but a later one (or another connector) may, and
+    they name the decode's blocks and hosts. The check is one substring search per chunk: the
+    quoted key can only appear unescaped as a JSON key (inside generated text its quotes are
+    escaped), so the common case passes through untouched. An event that names the key but
+    cannot be parsed is dropped whole rather than passed on.
+    """
+    if _TRANSFER_KEY not in data:
+        return data
+    parts = _EVENT_SPLIT.split(data)
+    out: list[bytes] = []
+    for i in range(0, len(parts), 2):
+        event_bytes = parts[i]
+        sep = parts[i + 1] if i + 1 < len(parts) else b""
+        if _TRANSFER_KEY not in event_bytes:
+            out.append(event_bytes + sep)
+            continue
+        scrubbed = _scrub_event(event_bytes)
+        if scrubbed is not None:
+            out.append(scrubbed + (sep or b""))
+    return b"".join(out)
+
+
+def _scrub_event(event_bytes: bytes) -> bytes | None:
+    lines = event_bytes.replace(b"\r\n", b"\n").split(b"\n")
+    other = [line for line in lines if not line.startswith(b"data:")]
+    data = b"\n".join(line[5:].removeprefix(b" ") for line in lines
+                      if line.startswith(b"data:"))
+    try:
+        payload = _json.loads(data)
+    except ValueError:
+        return None
+    payload, _ = without_transfer_params(payload)
+    return b"\n".join([*other, b"data: " + _json.dumps(payload)])
 
 
 def error_event(message: str, code: str = "backend_stream_error") -> bytes:
@@ -135,6 +179,7 @@ class RelayResponse(Response):
             if cut:
                 events, held = split_done(data[:cut] if cut < len(data) else data)
                 events, done = done + events, held  # events after a [DONE]: pass all on
+                events = scrub_events(events)
                 if events:
                     await send({"type": "http.response.body", "body": events,
                                 "more_body": True})
@@ -157,7 +202,7 @@ class RelayResponse(Response):
                 await self._before_done()
             except Exception:  # the capture is best effort; the answer is not
                 log.exception("capturing a relayed stream's retention failed")
-        tail = done + pending  # pending: the decode ended mid-event; pass on what it sent
+        tail = scrub_events(done + pending)  # pending: the decode ended mid-event
         if tail:
             await send({"type": "http.response.body", "body": tail, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

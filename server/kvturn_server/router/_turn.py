@@ -32,6 +32,7 @@ from starlette.responses import Response
 
 from kvturn_server.router import _json
 from kvturn_server.router._backend import BackendError, Reply, UpstreamStream
+from kvturn_server.router._body import BodyError, read_json_body
 from kvturn_server.router._control import ControlError, Gone, Retention
 from kvturn_server.router._errors import ApiError, error_response, retry_headers
 from kvturn_server.router._history import Transcript
@@ -44,6 +45,7 @@ from kvturn_server.router._legs import (
     readable_tokens,
     retained_report,
     reuse_report,
+    without_transfer_params,
 )
 from kvturn_server.router._log import event
 from kvturn_server.router._placement import (
@@ -57,6 +59,7 @@ from kvturn_server.router._placement import (
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import Placement, StoreError
 from kvturn_server.router._stream import RelayResponse, StreamEnd
+from kvturn_server.router._validate import validate_request
 
 if TYPE_CHECKING:
     from kvturn_server.router._app import Router
@@ -538,9 +541,9 @@ class Turn:
                 await self._capture_reply(backend, payload, t0)
             elif self.key is not None:
                 self._remember_affinity(backend)
-            if "kv_transfer_params" in payload:
-                # Block ids and hosts of the decode are the router's business, not the client's.
-                del payload["kv_transfer_params"]
+            # Block ids and hosts of the decode are the router's business, not the client's.
+            payload, found = without_transfer_params(payload)
+            if found:
                 content = _json.dumps(payload)
         r.metrics.request(self.endpoint, "ok")
         self._log_done(200, "ok")
@@ -806,26 +809,6 @@ def request_id_of(given: str | None) -> str:
     return uuid.uuid4().hex
 
 
-async def read_json_body(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The request body as a JSON object, or an ApiError (400 / 413)."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > max_bytes:
-        raise ApiError(413, f"request body is larger than {max_bytes} bytes",
-                       code="body_too_large")
-    raw = await request.body()
-    if len(raw) > max_bytes:
-        raise ApiError(413, f"request body is larger than {max_bytes} bytes",
-                       code="body_too_large")
-    try:
-        body = _json.loads(raw)
-    except ValueError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") \
-            from exc
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
-    return body
-
-
 async def completion(router: Router, request: Request) -> Response:
     """``POST /v1/chat/completions`` and ``POST /v1/completions``."""
     started = time.perf_counter()
@@ -834,11 +817,17 @@ async def completion(router: Router, request: Request) -> Response:
     headers = request.headers
     request_id = request_id_of(headers.get("x-request-id"))
     try:
-        body = await read_json_body(request, router.config.max_body_bytes)
+        body = await read_json_body(request, router.config.max_body_bytes,
+                                    router.config.body_timeout)
         identity = resolve_identity(body, headers)
+        # Before any leg, pin or record: what only the decode would refuse is refused here.
+        validate_request(body, endpoint)
     except ApiError as exc:
         router.metrics.request(endpoint, "invalid")
-        return exc.response({"x-request-id": request_id})
+        extra = {"x-request-id": request_id}
+        if isinstance(exc, BodyError) and exc.close:
+            extra["connection"] = "close"  # the rest of the body is not worth reading
+        return exc.response(extra)
     turn = Turn(router, request_id=request_id, endpoint=endpoint, path=path,
                 body=client_body(body), identity=identity,
                 no_reuse="x-kvturn-no-reuse" in headers, started=started)

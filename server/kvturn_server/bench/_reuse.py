@@ -46,8 +46,9 @@ How each state is made, and why:
   on its shared-memory queue for 1 s after each engine step (measured: half a core per instance
   for 1.0-1.5 s after a turn, then nothing), so every timed request starts with both engines
   asleep. A shorter pause would start each one beside two spinning workers on a 2-core machine,
-  and would hide what a pin costs: a pinned decode keeps stepping during the prefill leg, an
-  idle one sleeps.
+  and would hide what a pin costs where the decode steps while pinned
+  (``nixl_progress_thread: false``); by default a pinned decode's NIXL progress thread serves
+  the read and its engine sleeps.
 - The five modes run in a Williams order per run (each mode in each position and right after
   each other mode equally often); unrecorded warm-up runs (NIXL handshakes both ways, first
   requests) come before the first row.

@@ -23,6 +23,7 @@ from kvturn_server.bench._reuse import (
     settings_from_args,
 )
 from kvturn_server.bench._reuse_plan import (
+    LABELS,
     MODES,
     NEW_TOKENS,
     SHARED_PROMPT,
@@ -40,6 +41,7 @@ from kvturn_server.bench._reuse_report import (
     Spread,
     below_floor,
     quantile,
+    steps_table,
     summarize,
     table,
     write_json,
@@ -47,6 +49,7 @@ from kvturn_server.bench._reuse_report import (
 )
 from kvturn_server.cli import build_parser
 from kvturn_server.local._metrics import PromptSources
+from kvturn_server.local._stack import kv_transfer_config
 
 BLOCK = 16
 ZERO = PromptSources(0, 0, 0)
@@ -102,8 +105,10 @@ class FakeStack:
         self._store(self.decode_cache, prompt)
         self.retentions[key] = tuple(prompt)
         # Costs only so that the clock moves like a stack's: computing is dear, reading cheap.
-        self.clock += computed * 1e-3 + read * 1e-5 + (0.002 if read_retention else 0.0)
-        return TurnReply(BLOCK, {})
+        steps = {"pin": 2.0, "unpin": 1.0} if read_retention else {}
+        steps |= {"prefill": computed * 1.0 + read * 0.01, "decode": 5.0}
+        self.clock += sum(steps.values()) / 1000
+        return TurnReply(BLOCK, {}, steps)
 
     def hold(self, prompt: Sequence[int], key: str) -> None:
         self.log.append(("hold", key))
@@ -412,3 +417,37 @@ def test_the_benchmark_stack_runs_vllms_default_prefix_cache(tmp_path: Path) -> 
     assert cfg.prefill_prefix_caching and not cfg.with_reference and not cfg.with_router
     assert cfg.prefill_port == 9000
     assert cfg.decoder_kv_blocks_ttl >= 1800  # the shared prompt's retention lasts a row
+
+
+def test_the_run_can_put_the_decode_back_on_engine_steps_while_pinned(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["bench", "reuse", "--json", "x.json",
+                                      "--decode-steps-while-pinned"])
+    s = settings_from_args(args)
+    assert s.decode_steps_while_pinned
+    before = bench_config(tmp_path, {}, decode_steps_while_pinned=True)
+    after = bench_config(tmp_path, {})
+    extra = kv_transfer_config(before, "kv_consumer")["kv_connector_extra_config"]
+    assert extra["nixl_progress_thread"] is False
+    assert "nixl_progress_thread" not in kv_transfer_config(
+        after, "kv_consumer")["kv_connector_extra_config"]  # the decode's default: the thread
+    assert "nixl_progress_thread" not in kv_transfer_config(
+        before, "kv_producer")["kv_connector_extra_config"]
+
+
+# Where a turn's time goes.
+
+def test_each_steps_median_is_reported_per_mode_and_printed_for_the_reading_modes() -> None:
+    stack = FakeStack()
+    runner = _runner(stack, sizes=(256,), generated=(96,))
+    summary = summarize(runner.measure_row(runner.settings.rows()[0]))
+    reuse = summary["modes"]["reuse"]["steps_ms"]
+    assert set(reuse) == {"pin", "prefill", "unpin", "decode"}
+    assert reuse["pin"] == 2.0 and reuse["unpin"] == 1.0 and reuse["decode"] == 5.0
+    floor = summary["modes"]["floor"]["steps_ms"]
+    assert set(floor) == {"prefill", "decode"}  # no pin: nothing to read
+    lines = steps_table([summary])
+    assert lines[0].startswith("where a turn's time goes")
+    shown = lines[3:]
+    assert len(shown) == 3  # reuse, reuse+cache, floor
+    assert any(LABELS["floor"] in line and "      -" in line for line in shown)
+    assert "where a turn's time goes" in table([summary])

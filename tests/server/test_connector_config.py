@@ -12,8 +12,24 @@ def test_defaults() -> None:
     cfg = ConnectorConfig.from_extra(None)
     assert cfg == ConnectorConfig()
     assert cfg.kv_read_timeout == 20.0
-    assert cfg.nixl_progress_thread is False
+    assert cfg.nixl_progress_thread is None
+    assert cfg.nixl_progress_delay_ms == 10.0
     assert cfg.keep_thread_affinity is True
+
+
+def test_the_progress_thread_runs_on_decodes_unless_configured() -> None:
+    assert ConnectorConfig().progress_thread(decode=True) is True
+    assert ConnectorConfig().progress_thread(decode=False) is False
+    off = ConnectorConfig.from_extra({"nixl_progress_thread": False})
+    assert off.progress_thread(decode=True) is False
+    on = ConnectorConfig.from_extra({"nixl_progress_thread": True})
+    assert on.progress_thread(decode=False) is True
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1001, "5", True, None])
+def test_the_progress_delay_is_a_positive_number_of_ms(bad: object) -> None:
+    with pytest.raises(ConnectorConfigError, match="nixl_progress_delay_ms must be a number"):
+        ConnectorConfig.from_extra({"nixl_progress_delay_ms": bad})
 
 
 def test_values_and_unknown_keys() -> None:
@@ -30,8 +46,11 @@ def test_timeout_must_be_positive_number(bad: object) -> None:
 
 
 def test_flags_must_be_booleans() -> None:
-    with pytest.raises(ConnectorConfigError, match="nixl_progress_thread must be true or false"):
+    with pytest.raises(ConnectorConfigError, match="keep_thread_affinity must be true or false"):
+        ConnectorConfig.from_extra({"keep_thread_affinity": "yes"})
+    with pytest.raises(ConnectorConfigError, match="nixl_progress_thread must be true, false or"):
         ConnectorConfig.from_extra({"nixl_progress_thread": "yes"})
+    assert ConnectorConfig.from_extra({"nixl_progress_thread": None}).nixl_progress_thread is None
 
 
 def test_retention_defaults() -> None:

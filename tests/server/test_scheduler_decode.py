@@ -66,6 +66,7 @@ def base_scheduler(**config: Any) -> KVTurnPullScheduler:
     sched._gauges = (0, 0, 0)
     sched.keeper = None
     sched._housekeeper = None
+    sched._progress_thread = sched.kvturn_config.progress_thread(decode=True)
     return sched
 
 
@@ -327,8 +328,19 @@ def test_vllm_asks_before_preempting_and_a_retention_goes_instead(
     assert pool.refs() == [0] * pool.usable
 
 
-def test_the_engine_keeps_stepping_exactly_while_a_retention_is_pinned(
+def test_with_nixl_progress_thread_a_pin_never_keeps_the_engine_stepping(
         sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
+    # The default on a decode: the progress thread serves reads while the engine idles.
+    finish(sched, pool)
+    assert sched.keeper is not None
+    view = sched.keeper.pin(KEY, 10)
+    assert isinstance(view, dict)
+    assert sched.has_pending_push_work() is False
+
+
+def test_without_a_progress_thread_the_engine_steps_exactly_while_a_retention_is_pinned(
+        pool: FakeBlockPool) -> None:
+    sched = decode_scheduler(pool, nixl_progress_thread=False)
     finish(sched, pool)
     assert sched.keeper is not None
     assert sched.has_pending_push_work() is False

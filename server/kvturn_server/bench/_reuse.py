@@ -46,8 +46,9 @@ How each state is made, and why:
   on its shared-memory queue for 1 s after each engine step (measured: half a core per instance
   for 1.0-1.5 s after a turn, then nothing), so every timed request starts with both engines
   asleep. A shorter pause would start each one beside two spinning workers on a 2-core machine,
-  and would hide what a pin costs: a pinned decode keeps stepping during the prefill leg, an
-  idle one sleeps.
+  and would hide what a pin costs where the decode steps while pinned
+  (``nixl_progress_thread: false``); by default a pinned decode's NIXL progress thread serves
+  the read and its engine sleeps.
 - The five modes run in a Williams order per run (each mode in each position and right after
   each other mode equally often); unrecorded warm-up runs (NIXL handshakes both ways, first
   requests) come before the first row.
@@ -67,7 +68,7 @@ import platform
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -107,10 +108,13 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class TurnReply:
-    """What a P/D turn reports back: the decode's block size, the prefill's reuse report."""
+    """What a P/D turn reports back: the decode's block size, the prefill's reuse report and
+    the milliseconds each step took (``pin``, ``prefill``, ``unpin``, ``decode``; a step that
+    did not happen is absent)."""
 
     block_size: int
     reuse: dict[str, Any]
+    steps_ms: dict[str, float] = field(default_factory=dict)
 
 
 class Backend(Protocol):
@@ -152,7 +156,8 @@ class StackBackend:
         if read_retention and leg.pin is None:
             raise RuntimeError(f"the benchmark's retention {key!r} could not be pinned "
                                f"({leg.gone}); its mode would measure a recompute")
-        return TurnReply(_retained_block_size(leg.decode, key), leg.reuse)
+        return TurnReply(_retained_block_size(leg.decode, key), leg.reuse,
+                         {step: s * 1000 for step, s in leg.steps.items()})
 
     def hold(self, prompt: Sequence[int], key: str) -> None:
         conv = self._conversation(key, False)
@@ -197,6 +202,9 @@ class ReuseBenchSettings:
     that long before it sleeps): every timed request starts with both engines asleep."""
     seed: int = 0
     state_dir: Path = Path(".kvturn/bench")
+    decode_steps_while_pinned: bool = False
+    """The decode without NIXL's progress thread: its engine steps while a pin is held, as
+    before the thread was the decodes' default (docs/cpu-stack.md)."""
 
     def rows(self) -> list[Row]:
         return plan_rows(self.sizes, self.generated, self.generated_sizes)
@@ -220,7 +228,8 @@ class ReuseBenchSettings:
         return data
 
 
-def bench_config(state_dir: Path, ports: dict[str, Any]) -> StackConfig:
+def bench_config(state_dir: Path, ports: dict[str, Any], *,
+                 decode_steps_while_pinned: bool = False) -> StackConfig:
     """The benchmark's stack: bench model, 32k context, prefix cache on (vLLM's default) on both
     instances, a retention lease longer than any row (the shared prompt's retention is held for
     a whole row), no router and no plain instance."""
@@ -228,7 +237,9 @@ def bench_config(state_dir: Path, ports: dict[str, Any]) -> StackConfig:
         state_dir=state_dir, model_size="bench", served_model_name="kvturn-bench",
         max_model_len=32768, kv_cache_gib=2, decoder_kv_blocks_ttl=3600,
         prefill_prefix_caching=True, with_reference=False, with_router=False,
-        kv_read_timeout=30)
+        kv_read_timeout=30,
+        decode_connector_extra={"nixl_progress_thread": False} if decode_steps_while_pinned
+        else {})
     return replace(cfg, **ports)
 
 
@@ -290,15 +301,15 @@ class ReuseRunner:
             for mode in order:
                 before = self.settled()
                 started = self.now()
-                self.backend.turn(prompts[mode].prompt, keys[mode],
-                                  read_retention=mode in PINNED)
+                reply = self.backend.turn(prompts[mode].prompt, keys[mode],
+                                          read_retention=mode in PINNED)
                 ttft[mode] = (self.now() - started) * 1000
                 # vLLM counts a request's prompt tokens in the same step that ends it, so the
                 # counters are final once both instances are idle.
                 after = self.idle()
                 if record is not None:
                     record.modes[mode].add(ttft[mode], after.prefill - before.prefill,
-                                           after.decode - before.decode)
+                                           after.decode - before.decode, reply.steps_ms)
         finally:
             for key in keys.values():
                 self.backend.release(key)
@@ -355,6 +366,8 @@ def _config(settings: ReuseBenchSettings, cfg: StackConfig,
                   "kv_cache_gib": cfg.kv_cache_gib,
                   "prefill_prefix_caching": cfg.prefill_prefix_caching,
                   "decode_prefix_caching": True, "kv_read_timeout_s": cfg.kv_read_timeout,
+                  "decode_while_pinned": "engine steps" if settings.decode_steps_while_pinned
+                  else "NIXL progress thread",
                   "startup_s": None if startup_s is None else round(startup_s, 1)},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "ttft": "pin (reading modes) + prefill leg + unpin + decode leg to its first token",
@@ -368,7 +381,8 @@ def run_reuse_bench(settings: ReuseBenchSettings, json_path: Path, plot_path: Pa
     and the plot."""
     from kvturn_server.cli import ProgressLine
 
-    cfg = bench_config(settings.state_dir, ports)
+    cfg = bench_config(settings.state_dir, ports,
+                       decode_steps_while_pinned=settings.decode_steps_while_pinned)
     settings.check(cfg.max_model_len)
     rng = random.Random(settings.seed)
 
@@ -415,7 +429,8 @@ def settings_from_args(args: argparse.Namespace) -> ReuseBenchSettings:
     return ReuseBenchSettings(
         sizes=sizes, generated=tuple(sorted(set(args.generated))),
         generated_sizes=generated_sizes, runs=args.runs, warmup_runs=args.warmup_runs,
-        settle_s=args.settle, seed=args.seed, state_dir=args.state_dir)
+        settle_s=args.settle, seed=args.seed, state_dir=args.state_dir,
+        decode_steps_while_pinned=args.decode_steps_while_pinned)
 
 
 def cmd_bench_reuse(args: argparse.Namespace) -> int:
@@ -472,6 +487,10 @@ def add_reuse_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                    help="seed of the prompts' token ids (default: %(default)s)")
     p.add_argument("--state-dir", type=Path, default=d.state_dir,
                    help="model, logs and state of the benchmark stack (default: %(default)s)")
+    p.add_argument("--decode-steps-while-pinned", action="store_true",
+                   help="run the decode without NIXL's progress thread, so that its engine "
+                        "steps while a pin is held (the behaviour before the thread was the "
+                        "default; for before/after comparisons)")
     p.set_defaults(func=cmd_bench_reuse)
     return p
 

@@ -75,16 +75,21 @@ def below_floor(mode: Spread, floor: Spread) -> float | None:
 
 @dataclass
 class ModeSamples:
-    """One mode's measurements in one row: TTFT and each instance's prompt-token sources."""
+    """One mode's measurements in one row: TTFT, each instance's prompt-token sources and
+    each step's time."""
 
     ttft_ms: list[float] = field(default_factory=list)
     prefill: list[PromptSources] = field(default_factory=list)
     decode: list[PromptSources] = field(default_factory=list)
+    steps_ms: dict[str, list[float]] = field(default_factory=dict)
 
-    def add(self, ttft_ms: float, prefill: PromptSources, decode: PromptSources) -> None:
+    def add(self, ttft_ms: float, prefill: PromptSources, decode: PromptSources,
+            steps_ms: dict[str, float] | None = None) -> None:
         self.ttft_ms.append(ttft_ms)
         self.prefill.append(prefill)
         self.decode.append(decode)
+        for step, ms in (steps_ms or {}).items():
+            self.steps_ms.setdefault(step, []).append(ms)
 
 
 @dataclass
@@ -136,6 +141,7 @@ def summarize(samples: RowSamples) -> dict[str, Any]:
             "planned_prefill_tokens": _sources_dict(planned_p),
             "decode_tokens": _sources_dict(decode),
             "planned_decode_tokens": _sources_dict(planned_d),
+            "steps_ms": {step: round(median(v), 1) for step, v in ms.steps_ms.items()},
             "plan_met": True, "below_floor": False}
         for where, actual, planned in (("prefill", prefill, planned_p),
                                        ("decode", decode, planned_d)):
@@ -224,10 +230,33 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             f"{_x(q.get('stock_over_reuse_cached')):>17} | "
             f"{'-' if read_b is None else f'{read_b:.0f}':>8} | "
             f"{'-' if read_e is None else f'{read_e:.0f}':>8}")
+    lines += ["", *steps_table(rows)]
     warnings = [w for r in rows for w in r["warnings"]]
     if warnings:
         lines += ["", *(f"WARNING: {w}" for w in warnings)]
     return "\n".join(lines)
+
+
+STEPS = ("pin", "prefill", "unpin", "decode")
+
+
+def steps_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Where a turn's time goes: each step's p50 in ms for the reading modes and the floor."""
+    shown = ("reuse", "reuse_cached", "floor")
+    head = (f"{'tokens':>6} {'gen':>5} | {'mode':>15} | " + " | ".join(f"{s:>7}" for s in STEPS)
+            + f" | {'sum':>7}")
+    lines = ["where a turn's time goes, ms (p50 of each step: pin, prefill leg, unpin, "
+             "decode leg to its first token)", head, "-" * len(head)]
+    for r in rows:
+        for mode in shown:
+            steps = r["modes"].get(mode, {}).get("steps_ms")
+            if not steps:
+                continue
+            cells = " | ".join(f"{steps[s]:>7.1f}" if s in steps else f"{'-':>7}"
+                               for s in STEPS)
+            lines.append(f"{r['tokens']:>6} {r['generated']:>5} | {LABELS[mode]:>15} | {cells}"
+                         f" | {sum(steps.values()):>7.1f}")
+    return lines
 
 
 def write_json(config: dict[str, Any], rows: Sequence[dict[str, Any]], path: Path) -> None:

@@ -24,8 +24,12 @@ class ConnectorConfig:
     Attributes:
         kv_read_timeout: seconds a NIXL read of remote blocks may stay in flight before it is
             abandoned and the request recomputes those blocks instead.
-        nixl_progress_thread: start NIXL's progress thread. Off by default: it busy-polls a core,
-            and the connector's per-step polling already drives transfers.
+        nixl_progress_thread: run NIXL's progress thread; unset: on decodes (a prefill reads
+            a decode's retained blocks while the decode's engine idles, and on transports that
+            need the target's progress, such as UCX over TCP, the thread gives it), off on
+            prefills (their engine steps drive progress, as in vLLM).
+        nixl_progress_delay_ms: the longest a progress thread sleeps between UCX events (it
+            wakes when traffic arrives); nixl's Python API would use 0, a busy loop.
         keep_thread_affinity: undo vLLM's CPU re-pinning of the model thread (CPU platforms).
         request_amx: ask Linux for AMX tile permission at start-up (x86 hosts with AMX).
         control_host: address of the control endpoint (docs/http-api.md, section C).
@@ -53,7 +57,8 @@ class ConnectorConfig:
     """
 
     kv_read_timeout: float = 20.0
-    nixl_progress_thread: bool = False
+    nixl_progress_thread: bool | None = None
+    nixl_progress_delay_ms: float = 10.0
     keep_thread_affinity: bool = True
     request_amx: bool = True
     control_host: str = "127.0.0.1"
@@ -85,6 +90,10 @@ class ConnectorConfig:
                     f"reuse_cost_model 'off' (the recompute threshold alone decides); remove "
                     f"it or set reuse_cost_model to 'auto'")
 
+    def progress_thread(self, decode: bool) -> bool:
+        """Whether this instance's NIXL agents run a progress thread (``decode``: its role)."""
+        return decode if self.nixl_progress_thread is None else self.nixl_progress_thread
+
     @property
     def cost_settings(self) -> CostSettings:
         """The cost model's configured parameters (None: calibrated)."""
@@ -114,6 +123,22 @@ def _flag(name: str, raw: Any) -> bool:
         raise ConnectorConfigError(
             f"kv_connector_extra_config.{name} must be true or false, got {raw!r}")
     return raw
+
+
+def _optional_flag(name: str, raw: Any) -> bool | None:
+    if raw is not None and not isinstance(raw, bool):
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{name} must be true, false or null (the role's "
+            f"default), got {raw!r}")
+    return raw
+
+
+def _delay(name: str, raw: Any) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0 < raw <= 1000:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{name} must be a number of milliseconds above 0 and "
+            f"at most 1000, got {raw!r}")
+    return float(raw)
 
 
 def _host(name: str, raw: Any) -> str:
@@ -186,7 +211,8 @@ def _fraction(name: str, raw: Any) -> float:
 
 _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "kv_read_timeout": _seconds,
-    "nixl_progress_thread": _flag,
+    "nixl_progress_thread": _optional_flag,
+    "nixl_progress_delay_ms": _delay,
     "keep_thread_affinity": _flag,
     "request_amx": _flag,
     "control_host": _host,

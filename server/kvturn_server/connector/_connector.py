@@ -10,7 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBase
 
 from kvturn_server.connector._config import ConnectorConfig, ConnectorConfigError
 from kvturn_server.connector._host import (
-    default_nixl_progress_thread,
+    configure_nixl_agents,
     keep_thread_affinity,
     request_amx_permission,
 )
@@ -47,7 +47,8 @@ class KVTurnConnector(NixlBaseConnector):  # type: ignore[misc]
         elif role == KVConnectorRole.WORKER:
             if cfg.request_amx:
                 request_amx_permission()
-            default_nixl_progress_thread(cfg.nixl_progress_thread)
+            configure_nixl_agents(cfg.progress_thread(transfer.kv_role == "kv_consumer"),
+                                  cfg.nixl_progress_delay_ms)
             self.connector_scheduler = None
             with keep_thread_affinity(cfg.keep_thread_affinity):
                 self.connector_worker = KVTurnPullWorker(

@@ -9,8 +9,12 @@ All three are measured, not guessed (docs/cpu-stack.md has the numbers):
   is a one-token decode over KV that arrived over NIXL; nothing has asked yet, the first tile
   instruction raises SIGILL and the worker dies. We ask at connector start-up.
 * **NIXL progress thread.** nixl's Python binding starts a progress thread with a zero polling
-  delay; on two cores it eats a core. The connector already drives progress through its polling
-  calls, so agents default to no thread here (``nixl_progress_thread`` turns it back on).
+  delay, so it never sleeps; on two cores it eats a core. With a delay, NIXL's UCX thread sleeps in
+  ``poll()`` on the UCX workers' event descriptors and wakes when traffic arrives (or after the
+  delay), which costs nothing while idle. The connector sets that delay, and runs the thread
+  where it is needed: on decodes, whose retained blocks prefills read one-sidedly while the
+  decode's engine is idle (docs/cpu-stack.md). Prefills drive progress through their engine
+  steps, as vLLM does.
 * **Thread affinity.** On CPU platforms vLLM's NIXL worker pins the model thread to the last core
   of each NUMA node, which on small hosts is the core the engine and API server need.
 """
@@ -62,8 +66,27 @@ def request_amx_permission() -> bool:
     return True
 
 
-def default_nixl_progress_thread(enabled: bool) -> None:
-    """Make NIXL agents created from now on use ``enabled`` as their progress-thread default."""
+class NixlBindings:
+    """Stands in for the nixl binding module inside ``nixl._api``: the same module, except that
+    an agent with a progress thread gets ``delay_us`` as the thread's poll timeout (the Python
+    API hard-codes 0, a busy loop)."""
+
+    def __init__(self, real: Any, delay_us: int) -> None:
+        self.real = real
+        self.delay_us = delay_us
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def nixlAgent(self, name: str, config: Any) -> Any:  # nixl's spelling
+        if config.useProgThread:
+            config.pthrDelay = self.delay_us
+        return self.real.nixlAgent(name, config)
+
+
+def configure_nixl_agents(progress_thread: bool, delay_ms: float = 10.0) -> None:
+    """NIXL agents created from now on run a progress thread by default when
+    ``progress_thread``; a progress thread waits for UCX events at most ``delay_ms`` at a time."""
     global _nixl_patched
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
     import nixl._api as nixl_api
@@ -79,8 +102,11 @@ def default_nixl_progress_thread(enabled: bool) -> None:
             original(self, *args, **kwargs)
 
         config_cls.__init__ = init
+        nixl_api.nixlBind = NixlBindings(nixl_api.nixlBind, 0)
         _nixl_patched = True
-    config_cls.kvturn_prog_thread_default = enabled
+    config_cls.kvturn_prog_thread_default = progress_thread
+    # NIXL rounds the delay up to whole milliseconds (at least 1) for poll().
+    nixl_api.nixlBind.delay_us = max(int(delay_ms * 1000), 1)
 
 
 @contextmanager

@@ -101,6 +101,8 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self.kvturn_config = config = config or ConnectorConfig()
         self.is_decode = vllm_config.kv_transfer_config.kv_role == "kv_consumer"
         self.hash_seed = engine_seed(vllm_config)
+        # The workers (other processes) run NIXL's progress thread by the same rule.
+        self._progress_thread = config.progress_thread(self.is_decode)
         self._reuse: dict[str, ReuseRecord] = {}
         self._local_hits: dict[str, int] = {}
         self._stats = KVTurnStats()
@@ -231,14 +233,18 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         return self.keeper is not None and self.keeper.relieve()
 
     def has_pending_push_work(self) -> bool:
-        """Keep the engine stepping while a retention is pinned.
+        """Keep the engine stepping while a retention is pinned, unless NIXL's progress thread
+        runs on this decode.
 
-        A prefill's read of retained blocks is one-sided, but UCX still needs this side's
-        worker to make progress (each engine step polls NIXL); an idle engine polls nothing
-        and the read would stall until its deadline. Pins bracket reads, so the engine steps
-        exactly while one may be in flight and idles otherwise.
+        A prefill's read of retained blocks is one-sided, but UCX over TCP still needs this
+        side's worker to make progress; without a progress thread only engine steps poll NIXL,
+        an idle engine polls nothing and the read would stall until its deadline. Pins bracket
+        reads, so then the engine steps exactly while one may be in flight. Those steps are
+        costly (vLLM's workers spin on their message queue for a second after each one: about
+        a core for the whole prefill leg), which is why decodes run the thread by default.
         """
-        return self.keeper is not None and self.keeper.has_pins()
+        return (self.keeper is not None and not self._progress_thread
+                and self.keeper.has_pins())
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         if self.keeper is not None:

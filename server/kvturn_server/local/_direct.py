@@ -8,6 +8,7 @@ params, unpin, run the decode leg with the prefill's params plus the conversatio
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -47,6 +48,9 @@ class LegResult:
     decode: dict[str, Any]
     pin: dict[str, Any] | None
     gone: str | None  # the control API's reason when there was nothing to pin
+    steps: dict[str, float] = field(default_factory=dict)
+    """Seconds each step took, in order: ``pin`` (when reading), ``prefill``, ``unpin`` (when
+    pinned), ``decode``."""
 
     @property
     def reuse(self) -> dict[str, Any]:
@@ -85,22 +89,37 @@ class DirectConversation:
 
     def turn(self, prompt: list[int], max_tokens: int, *,
              decode_max_tokens: int | None = None) -> LegResult:
-        pinned, gone = self._pin() if self.reuse else (None, "disabled")
+        steps: dict[str, float] = {}
+        clock = time.perf_counter()
+
+        def lap(step: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            steps[step], clock = now - clock, now
+
+        pinned: dict[str, Any] | None = None
+        gone: str | None = "disabled"
+        if self.reuse:
+            pinned, gone = self._pin()
+            lap("pin")
         params = dict(NULL_PARAMS) if pinned is None else {
             **pinned["params"], "do_remote_decode": True, "do_remote_prefill": False}
         try:
             prefilled = post_json(f"{self.prefill_url}/v1/completions",
                                   self.body(prompt, 1, params), timeout=self.timeout)
+            lap("prefill")
         finally:
             if pinned is not None:
                 control(self.decode_control_url, "DELETE",
                         "/kvturn/v1/pins/" + urllib.parse.quote(pinned["pin_id"], safe=""))
+                lap("unpin")
         leg = dict(prefilled.get("kv_transfer_params") or {})
         leg["kvturn"] = {"conversation": self.key}
         decoded = post_json(f"{self.decode_url}/v1/completions",
                             self.body(prompt, decode_max_tokens or max_tokens, leg),
                             timeout=self.timeout)
-        return LegResult(prefilled, decoded, pinned, gone)
+        lap("decode")
+        return LegResult(prefilled, decoded, pinned, gone, steps)
 
     def _pin(self) -> tuple[dict[str, Any] | None, str | None]:
         status, answer = control(self.decode_control_url, "POST",

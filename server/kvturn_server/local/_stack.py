@@ -67,6 +67,8 @@ class StackConfig:
     prefill_connector_extra: dict[str, Any] = field(default_factory=dict)
     """More keys for the prefill's ``kv_connector_extra_config`` (e.g. the reuse cost model's,
     docs/connector.md); they override the stack's own."""
+    decode_connector_extra: dict[str, Any] = field(default_factory=dict)
+    """The same for the decode's."""
 
     @property
     def model_path(self) -> Path:
@@ -162,6 +164,7 @@ def kv_transfer_config(cfg: StackConfig, role: str) -> dict[str, Any]:
         extra.update(decoder_kv_blocks_ttl=cfg.decoder_kv_blocks_ttl,
                      retention_max_hold=cfg.retention_max_hold,
                      retention_budget=cfg.retention_budget)
+        extra.update(cfg.decode_connector_extra)
     else:
         extra.update(cfg.prefill_connector_extra)
     return {

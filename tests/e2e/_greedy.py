@@ -27,7 +27,7 @@ from ._forced import Scorer, certify_rest
 from ._ties import BUDGET, TALLY, TIE, NearTie, Tally
 
 __all__ = ["BUDGET", "TIE", "TOP", "NearTie", "assert_same_choice", "assert_same_ids",
-           "assert_same_text", "chat_logprobs", "completion_logprobs"]
+           "assert_same_reply", "assert_same_text", "chat_logprobs", "completion_logprobs"]
 
 TOP = 2  # the reference's alternatives asked for at each position
 
@@ -123,6 +123,18 @@ def assert_same_text(got: str, reference: dict[str, Any], ids: Sequence[int] | N
     if logprobs is not None:
         _same_logprobs([lp for _, lp in logprobs], [e["logprob"] for e in entries], parted,
                        forced, [t for t, _ in logprobs], [e["token"] for e in entries])
+
+
+def assert_same_reply(got: dict[str, Any], reference: dict[str, Any], *,
+                      score: Scorer | None = None, tally: Tally = TALLY) -> None:
+    """``assert_same_text`` on a whole chat reply of a request made with ``chat_logprobs()``:
+    its text, token ids and logprobs."""
+    choice = got["choices"][0]
+    entries = (choice.get("logprobs") or {}).get("content")
+    if not entries:
+        raise AssertionError("the answer has no logprobs (ask with chat_logprobs())")
+    assert_same_text(choice["message"]["content"] or "", reference, choice.get("token_ids"),
+                     [(e["token"], e["logprob"]) for e in entries], score=score, tally=tally)
 
 
 def _same_logprobs(got: Sequence[float], expected: Sequence[float], parted: int | None,

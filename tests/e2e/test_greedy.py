@@ -199,6 +199,8 @@ def test_a_completion_choice_compares_logprobs_too() -> None:
 
 
 def test_the_session_fails_past_its_near_tie_budget() -> None:
+    """An e2e session may take at most ``_ties.BUDGET`` (3) near-ties; conftest fails it with
+    this verdict past that."""
     tally = Tally()
     with pytest.warns(NearTie):
         for position in range(3):

@@ -1,5 +1,8 @@
 """One real stack per test session: prefill + decode vLLM (CPU) with the kvturn connector, the
-router, and a plain single vLLM instance of the same model and flags as the reference."""
+router, and a plain single vLLM instance of the same model and flags as the reference, which
+also scores answers teacher-forced past a near-tie (``_forced``). The session fails when its
+answers took more near-ties than ``_ties.BUDGET`` (3): each is a place a comparison had to
+accept a different token, and rounding makes them rare."""
 
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ from kvturn_server.local import (
     free_port,
     vllm_is_installed,
 )
+
+from ._forced import ReferenceScorer, use_reference
+from ._ties import BUDGET, TALLY
 
 # Short enough that the stalled-transfer test finishes quickly, long enough that a healthy read
 # on a loaded 2-core machine never trips it.
@@ -67,6 +73,23 @@ def say(pytestconfig: pytest.Config) -> Callable[[str], None]:
     return emit
 
 
+@pytest.fixture(scope="session", autouse=True)
+def near_tie_budget() -> Iterator[None]:
+    """Fails the session (an error at its last teardown) past ``BUDGET`` near-ties."""
+    yield
+    verdict = TALLY.verdict(BUDGET)
+    if verdict is not None:
+        pytest.fail(verdict, pytrace=False)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The session's near-ties, counted whether or not over budget."""
+    ties = TALLY.ties
+    terminalreporter.write_sep("-", f"near-ties taken: {len(ties)} (budget {BUDGET})")
+    for tie in ties:
+        terminalreporter.write_line(f"  {tie}")
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory,
           say: Callable[[str], None]) -> Iterator[Stack]:
@@ -94,5 +117,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory,
     started = time.monotonic()
     with Stack(cfg, die_with_parent=True) as running:
         running.start(progress=progress)
+        use_reference(ReferenceScorer(cfg.reference_url, cfg.served_model_name))
         say(f"stack healthy after {time.monotonic() - started:.0f} s (logs: {state / 'logs'})")
         yield running

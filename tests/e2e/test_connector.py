@@ -21,7 +21,7 @@ import pytest
 from kvturn_server.local import Stack
 from kvturn_server.local._direct import DirectConversation, control, retention_path
 
-from ._greedy import assert_same_ids, assert_same_text, chat_logprobs, completion_logprobs
+from ._greedy import assert_same_choice, assert_same_reply, chat_logprobs, completion_logprobs
 from ._helpers import Delta, descendant, metric, post, retention_stats, wait_until
 from .conftest import KV_READ_TIMEOUT, RETENTION_TTL
 
@@ -30,20 +30,21 @@ THRESHOLD = 64  # kv_recompute_threshold (vLLM's default, kept by the stack)
 GENERATE = 160  # several full blocks of output retained per turn; compared token for token
 
 
-def _conversation(stack: Stack, **kw: Any) -> DirectConversation:
+def _conversation(stack: Stack) -> DirectConversation:
+    """Both legs ask for the logprobs ``assert_same_choice`` compares with the reference's."""
     cfg = stack.config
     return DirectConversation(cfg.prefill_url, cfg.decode_url, cfg.decode_control_url,
-                              cfg.served_model_name, key=f"test/{uuid.uuid4().hex}", **kw)
+                              cfg.served_model_name, key=f"test/{uuid.uuid4().hex}",
+                              extra=completion_logprobs())
 
 
 def _plain(stack: Stack, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """The reference's completion choice: its ``token_ids`` and the logprobs that
-    ``assert_same_ids`` needs."""
+    """The reference's completion choice: its ``token_ids``, prompt ids and the logprobs that
+    ``assert_same_choice`` needs."""
     cfg = stack.config
     reply = post(f"{cfg.reference_url}/v1/completions", {
         "model": cfg.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
-        "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-        **completion_logprobs()})
+        "temperature": 0, "ignore_eos": True, **completion_logprobs()})
     choice: dict[str, Any] = reply["choices"][0]
     return choice
 
@@ -81,15 +82,15 @@ def test_six_turns_read_the_history_from_the_decode(stack: Stack) -> None:
             assert p.value.local_cache == local, (turn, p.value)
             assert p.value.transferred == retained - local, (turn, p.value)
             assert p.value.computed == len(prompt) - retained, (turn, p.value)
-            assert result.reuse["reused_tokens"] == retained - local, (turn, result.reuse)
             assert result.reuse["reason"] in ("hit", "partial"), result.reuse
+            assert 0 < result.reuse["reused_tokens"] == retained - local, (turn, result.reuse)
             # The cost model weighed the read (compute pinned: conftest.PREFILL_CONNECTOR_EXTRA;
             # the read side is a default until calibrated, which makes the source "default").
             cost = result.reuse["cost"]
             assert cost["tokens"] == retained - local, cost
             assert cost["source"] in ("default", "configured"), cost
             assert cost["read_ms"] < cost["compute_ms"], cost
-            assert_same_ids(result.token_ids, reference)
+            assert_same_choice(result.decode["choices"][0], reference)
         else:
             assert result.gone == "no_retention" and result.reuse["reason"] == "miss"
             assert "cost" not in result.reuse
@@ -122,7 +123,7 @@ def test_an_edit_inside_the_history_reads_only_the_verified_prefix(stack: Stack)
     reference = _plain(stack, second, GENERATE)
     with Delta(cfg.prefill_url) as p:
         result = conv.turn(second, GENERATE)
-    assert_same_ids(result.token_ids, reference)
+    assert_same_choice(result.decode["choices"][0], reference)
     assert p.value is not None
     assert p.value.local_cache == 2 * BLOCK, p.value
     assert p.value.transferred == 1 * BLOCK, p.value
@@ -144,7 +145,7 @@ def test_an_edit_before_the_prefills_own_cache_reads_nothing(stack: Stack) -> No
     reference = _plain(stack, second, GENERATE)
     with Delta(cfg.prefill_url) as p:
         result = conv.turn(second, GENERATE)
-    assert_same_ids(result.token_ids, reference)
+    assert_same_choice(result.decode["choices"][0], reference)
     assert p.value is not None and p.value.transferred == 0, p.value
     assert p.value.local_cache == 1 * BLOCK, p.value
     assert result.reuse["reused_tokens"] == 0
@@ -178,7 +179,7 @@ def _chat_turn(stack: Stack, conv: DirectConversation,
     """One chat turn through the legs; (decode reply, the prompt's token ids, P's sources)."""
     cfg = stack.config
     body = {"model": cfg.served_model_name, "messages": messages, "tools": TOOLS,
-            "temperature": 0, "max_tokens": 48, "ignore_eos": True, "return_token_ids": True}
+            "temperature": 0, "max_tokens": 48, "ignore_eos": True, **chat_logprobs()}
     pinned, _ = conv._pin()
     params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
               "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -228,7 +229,7 @@ def _edit_case(stack: Stack, edit: Callable[[list[dict[str, Any]]], list[dict[st
         "model": cfg.served_model_name, "messages": second_messages, "tools": TOOLS,
         "temperature": 0, "max_tokens": 48, "ignore_eos": True, **chat_logprobs()})
     second, second_prompt, sources = _chat_turn(stack, conv, second_messages)
-    assert_same_text(second["choices"][0]["message"]["content"] or "", reference)
+    assert_same_reply(second, reference)
     expected = _expected_read(retained, second_prompt, sources.local_cache)
     assert sources.transferred == expected, (sources, expected)
     assert sources.computed + sources.local_cache + sources.transferred == len(second_prompt)
@@ -283,7 +284,7 @@ def test_an_expired_retention_is_recomputed_with_the_same_output(stack: Stack) -
         result = conv.turn(second, GENERATE)
     assert result.gone == "expired"
     assert p.value is not None and p.value.transferred == 0
-    assert_same_ids(result.token_ids, reference)
+    assert_same_choice(result.decode["choices"][0], reference)
     conv.release()
     wait_until(lambda: metric(cfg.decode_url, "kvturn:retention_events_total",
                               event="expired") > expired_before, 10, "the expiry metric")
@@ -310,7 +311,7 @@ def test_keepalive_holds_a_retention_past_its_ttl(stack: Stack) -> None:
     with Delta(cfg.prefill_url) as p:
         result = conv.turn(second, GENERATE)
     assert result.gone is None and p.value is not None and p.value.transferred > 0
-    assert_same_ids(result.token_ids, reference)
+    assert_same_choice(result.decode["choices"][0], reference)
     assert metric(cfg.decode_url, "kvturn:retention_events_total", event="renewed") >= renewals
     conv.release()
 
@@ -334,7 +335,7 @@ def test_release_frees_the_blocks_and_the_next_turn_recomputes(stack: Stack) -> 
     with Delta(cfg.prefill_url) as p:
         result = conv.turn(second, GENERATE)
     assert result.gone == "released" and p.value is not None and p.value.transferred == 0
-    assert_same_ids(result.token_ids, reference)
+    assert_same_choice(result.decode["choices"][0], reference)
     conv.release()
 
 
@@ -397,7 +398,7 @@ def test_a_decode_that_stops_mid_read_costs_one_deadline_and_changes_nothing(
     assert p.value is not None and p.value.transferred == 0
     leg = {**prefilled["kv_transfer_params"], "kvturn": {"conversation": conv.key}}
     decoded = post(f"{cfg.decode_url}/v1/completions", conv.body(second, GENERATE, leg))
-    assert_same_ids(decoded["choices"][0]["token_ids"], reference)
+    assert_same_choice(decoded["choices"][0], reference)
     wait_until(lambda: metric(cfg.prefill_url, "kvturn:read_timeouts_total") > timeouts, 10,
                "the read-timeout metric")
     assert metric(cfg.prefill_url, "kvturn:fallbacks_total", reason="read-failed") > fallbacks
@@ -432,7 +433,7 @@ def test_hostile_params_read_nothing_and_change_nothing(stack: Stack) -> None:
     assert p.value is not None and p.value.transferred == 0
     leg = {**prefilled["kv_transfer_params"], "kvturn": {"conversation": conv.key}}
     decoded = post(f"{cfg.decode_url}/v1/completions", conv.body(second, 16, leg))
-    assert_same_ids(decoded["choices"][0]["token_ids"], reference)
+    assert_same_choice(decoded["choices"][0], reference)
     conv.release()
 
 
@@ -467,7 +468,7 @@ def test_over_budget_retentions_are_evicted_least_recently_used(stack: Stack) ->
     reference = _plain(stack, second, 16)
     result = conversations[0].turn(second, 16)
     assert result.gone == "evicted"
-    assert_same_ids(result.token_ids, reference)
+    assert_same_choice(result.decode["choices"][0], reference)
     for conv in conversations:
         conv.release()
 
@@ -495,14 +496,15 @@ def test_live_requests_evict_retentions_instead_of_being_preempted(stack: Stack)
     need = sum((len(p) + 8) // BLOCK + 1 for p in prompts)
     assert need + held > 399, (need, held)
 
-    def run(i: int) -> list[int]:
+    def run(i: int) -> dict[str, Any]:
         conv = _conversation(stack)
-        return conv.turn(prompts[i], 8).token_ids
+        choice: dict[str, Any] = conv.turn(prompts[i], 8).decode["choices"][0]
+        return choice
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         outputs = list(pool.map(run, range(len(prompts))))
     for output, reference in zip(outputs, references, strict=True):
-        assert_same_ids(output, reference)
+        assert_same_choice(output, reference)
     assert metric(cfg.decode_url, "vllm:num_preemptions_total") == preempted_before
     assert retention_stats(cfg.decode_control_url)["events"]["evicted"] > evicted_before
     for conv in fillers:
@@ -540,7 +542,7 @@ def test_a_restarted_decode_is_stale_and_never_read(stack: Stack, say: Any) -> N
     assert prefilled["kv_transfer_params"]["kvturn"]["reuse"]["reused_tokens"] == 0
     leg = {**prefilled["kv_transfer_params"], "kvturn": {"conversation": conv.key}}
     decoded = post(f"{cfg.decode_url}/v1/completions", conv.body(second, GENERATE, leg))
-    assert_same_ids(decoded["choices"][0]["token_ids"], reference)
+    assert_same_choice(decoded["choices"][0], reference)
     # And the conversation reuses again on the new decode.
     third = second + decoded["choices"][0]["token_ids"] + _tokens(21, 40)
     with Delta(cfg.prefill_url) as p3:

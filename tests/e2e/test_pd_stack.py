@@ -15,7 +15,7 @@ from openai import OpenAI
 
 from kvturn_server.local import Stack
 
-from ._greedy import assert_same_text, chat_logprobs
+from ._greedy import TOP, assert_same_reply, assert_same_text, chat_logprobs
 from ._helpers import Delta, descendant, failed_transfers, post
 from .conftest import KV_READ_TIMEOUT
 
@@ -60,12 +60,13 @@ def _answer(response: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def _assert_same_answer(got: dict[str, Any], reference: dict[str, Any]) -> None:
-    """Tool calls exactly; text up to a near-tie (``_greedy``)."""
+    """Tool calls exactly; text, token ids and logprobs up to a near-tie and teacher-forced
+    past it (``_greedy``)."""
     content, calls = _answer(got)
     if calls or _answer(reference)[1]:
         assert (content, calls) == _answer(reference)
     else:
-        assert_same_text(content or "", reference)
+        assert_same_reply(got, reference)
 
 
 def test_router_output_equals_plain_run_and_kv_arrives_over_nixl(stack: Stack) -> None:
@@ -96,9 +97,14 @@ def test_streaming_through_the_router_matches_plain_run(stack: Stack) -> None:
     with Delta(cfg.decode_url) as d:
         stream = client.chat.completions.create(
             model=cfg.served_model_name, messages=case["messages"], temperature=0,
-            max_tokens=32, stream=True)
-        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    assert_same_text(text, reference)
+            max_tokens=32, stream=True, logprobs=True, top_logprobs=TOP,
+            extra_body={"return_token_ids": True})
+        chunks = [c.choices[0] for c in stream if c.choices]
+    text = "".join(c.delta.content or "" for c in chunks)
+    ids = [t for c in chunks for t in (c.model_extra or {}).get("token_ids") or []]
+    pairs = [(t.token, t.logprob) for c in chunks for t in
+             ((c.logprobs.content or []) if c.logprobs else [])]
+    assert_same_text(text, reference, ids, pairs)
     assert d.value is not None and d.value.computed == 0 and d.value.transferred > 0
 
 
@@ -122,8 +128,9 @@ def test_a_stalled_transfer_is_abandoned_and_recomputed_in_bounded_time(stack: S
     with the same output, and the stack must keep working once the prefill is back."""
     cfg = stack.config
     case = {"messages": [{"role": "user", "content": "Stall test: " + _words("stall", 300)}]}
-    body = {"model": cfg.served_model_name, "temperature": 0, "max_tokens": 16, **case}
-    reference = post(f"{cfg.reference_url}/v1/chat/completions", {**body, **chat_logprobs()})
+    body = {"model": cfg.served_model_name, "temperature": 0, "max_tokens": 16, **case,
+            **chat_logprobs()}
+    reference = post(f"{cfg.reference_url}/v1/chat/completions", body)
     prefilled = post(f"{cfg.prefill_url}/v1/chat/completions", {
         **body, "max_tokens": 1,
         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}})

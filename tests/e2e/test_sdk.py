@@ -3,6 +3,7 @@ answers equal a plain run, and closing it releases the decode's retention."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,8 @@ import kvturn
 from kvturn_server.local import Stack
 from kvturn_server.local._direct import control, retention_path
 
-from ._greedy import assert_same_text
 from ._helpers import plain_chat
+from ._turns import answer_fields, answer_of, assert_same_answer
 
 MAX_TOKENS = 140
 SYSTEM = "You answer in short plans. " + " ".join(f"Step {i} is checked." for i in range(50))
@@ -41,17 +42,12 @@ def test_a_conversation_reuses_from_turn_two_and_releases_at_close(stack: Stack)
         for turn, question in enumerate(QUESTIONS):
             messages.append({"role": "user", "content": question})
             reference = _plain(stack, messages)
-            if turn % 2:
-                stream = chat.chat.completions.create(
-                    model=cfg.served_model_name, messages=messages,  # type: ignore[arg-type]
-                    temperature=0, max_tokens=MAX_TOKENS, stream=True)
-                text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-            else:
-                reply = chat.chat.completions.create(
-                    model=cfg.served_model_name, messages=messages,  # type: ignore[arg-type]
-                    temperature=0, max_tokens=MAX_TOKENS)
-                text = reply.choices[0].message.content or ""
-            assert_same_text(text, reference)
+            stream = bool(turn % 2)
+            answer = answer_of(chat.chat.completions.create(
+                model=cfg.served_model_name, messages=messages,  # type: ignore[arg-type]
+                temperature=0, max_tokens=MAX_TOKENS, stream=stream, **answer_fields()), stream)
+            assert_same_answer(answer, reference)
+            text = answer.text
             info = chat.last_turn
             assert info is not None and info.no_reuse_reason is None
             if turn:
@@ -77,4 +73,6 @@ def test_the_quickstart_runs_against_the_stack(stack: Stack) -> None:
     lines = [line for line in out.stdout.splitlines() if line.startswith("turn ")]
     assert len(lines) == 5 and "reuse=miss" in lines[0], out.stdout
     assert all("reuse=hit" in line or "reuse=partial" in line for line in lines[1:]), out.stdout
+    read = [re.search(r"reused_tokens=\s*(\d+)", line) for line in lines[1:]]
+    assert all(m is not None and int(m.group(1)) > 0 for m in read), out.stdout
     assert "released conversation" in out.stdout

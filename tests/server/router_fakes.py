@@ -81,6 +81,7 @@ class FakeBackend:
         self.control_script: deque[Behavior] = deque()
         self.health: str = "ok"  # ok | down (connection refused) | 503
         self.control_health: str = "ok"
+        self.control_secret: str | None = None  # required in X-KVTurn-Control-Secret if set
         self.reused_tokens = 48
         self.prompt_tokens = 0  # prefills: usage.prompt_tokens of a leg's reply (0: none)
         self.report: dict[str, Any] | None = None  # overrides the prefill's reuse report
@@ -331,6 +332,11 @@ class Cluster:
         if is_control:
             if request.url.path == "/health" and backend.control_health == "down":
                 raise httpx2.ConnectError("connection refused", request=request)
+            if backend.control_secret is not None and \
+                    request.headers.get("x-kvturn-control-secret") != backend.control_secret:
+                return httpx2.Response(401, json={"error": {
+                    "message": "secret required", "type": "authentication_error",
+                    "code": "unauthorized"}})
             return await backend.control(request, body)
         if request.url.path == "/health":
             if backend.health == "down":

@@ -29,6 +29,7 @@ from kvturn_server.local._process import (
     stop_group,
     wait_healthy,
 )
+from kvturn_server.local._secret import ensure_control_secret
 
 STATE_FILE = "stack.json"
 Progress = Callable[[float, list[str], list[str]], None]
@@ -309,6 +310,7 @@ class Stack:
         if not is_built(cfg.model_path, cfg.model_size):
             build_model(cfg.model_size, cfg.model_path)
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        ensure_control_secret(cfg.state_dir)
         started = time.monotonic()
         specs = server_specs(cfg)
         # vLLM first, the router once they answer: a router started beside them would see its

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator
 
 from kvturn_server.router._backend import BackendClient, BackendError
+from kvturn_server.router._control import ControlClient
 from kvturn_server.router._log import event
 
 log = logging.getLogger("kvturn.router")
@@ -163,10 +164,12 @@ class HealthChecker:
     every handle to its old retentions stale).
     """
 
-    def __init__(self, client: BackendClient, pools: list[Pool], *, interval: float,
+    def __init__(self, client: BackendClient, control: ControlClient, pools: list[Pool], *,
+                 interval: float,
                  timeout: float, on_engine_change: Callable[[Backend, str | None, str], None],
                  also: Callable[[], Awaitable[None]] | None = None) -> None:
         self.client = client
+        self.control = control
         self.pools = pools
         self.interval = interval
         self.timeout = timeout
@@ -228,8 +231,7 @@ class HealthChecker:
     async def _check_control(self, backend: Backend) -> None:
         assert backend.control_url is not None
         try:
-            reply = await self.client.call("GET", backend.control_url + "/health",
-                                           timeout=self.timeout)
+            reply = await self.control.health(backend.control_url, timeout=self.timeout)
             info = reply.json() if reply.status == 200 else None
         except (BackendError, ValueError) as exc:
             if backend.control_ok:
@@ -239,6 +241,11 @@ class HealthChecker:
             return
         engine_id = info.get("engine_id") if isinstance(info, dict) else None
         if not isinstance(engine_id, str):
+            if backend.control_ok:
+                event(log, logging.WARNING, "control_unusable", backend=backend.url,
+                      control=backend.control_url, status=reply.status,
+                      why="a missing or wrong control secret" if reply.status == 401
+                      else "no engine id in its /health answer")
             backend.control_ok = False
             return
         backend.control_ok = True

@@ -766,7 +766,7 @@ class Turn:
     # Shared bits.
 
     def _control_failed(self, backend: Backend, call: str, exc: ControlError) -> None:
-        if exc.kind in ("connect", "timeout"):
+        if exc.kind in ("connect", "timeout", "unauthorized"):
             backend.control_ok = False  # until a health check finds it answering again
         self.r.metrics.failure("control", backend.url, exc.kind)
         event(log, logging.WARNING, "control_call_failed", request_id=self.request_id,

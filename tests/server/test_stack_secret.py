@@ -17,8 +17,11 @@ from kvturn_server.local._stack import server_specs
 
 @pytest.fixture(autouse=True)
 def no_secret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.delenv(ENV_FILE, raising=False)
+    # setenv first, so that monkeypatch restores the real value (or its absence) afterwards:
+    # ensure_control_secret writes os.environ, and must not leak into other tests.
+    for name in (ENV, ENV_FILE):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def test_a_secret_is_generated_once_per_process_and_written_0600(tmp_path: Path) -> None:

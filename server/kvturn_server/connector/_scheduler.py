@@ -420,14 +420,18 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                                           request.all_token_ids, request.num_computed_tokens)
             except ValueError as exc:
                 log.warning("request %s: not retained: %s", request.request_id, exc)
+        # Every answer names this engine: the router ties the control endpoint (which names
+        # it too) to the engine behind this HTTP endpoint, and distrusts it when they differ.
         if retention is None:
             result = dict(out or {})
-            result[KVTURN_FIELD] = {"conversation": key, "retained": False}
+            result[KVTURN_FIELD] = {"conversation": key, "retained": False,
+                                    "engine_id": self.engine_id}
             return result
         view = keeper.describe(key) if keeper is not None else None
         if not isinstance(view, dict):  # expired at once (a TTL shorter than a step)
             result = dict(out or {})
-            result[KVTURN_FIELD] = {"conversation": key, "retained": False}
+            result[KVTURN_FIELD] = {"conversation": key, "retained": False,
+                                    "engine_id": self.engine_id}
             return result
         params: dict[str, Any] = view["params"]
         # What the router records without asking the control endpoint (non-streaming turns).

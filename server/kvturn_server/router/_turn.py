@@ -247,8 +247,10 @@ class Turn:
         """Pin the placement's retention; on any failure set ``reason`` and leave no pin."""
         placement, holder, key = self.placement, self.holder, self.key
         assert placement is not None and holder is not None and key is not None
-        if not holder.healthy or not holder.control_ok or holder.control_url is None:
+        if not holder.control_trusted or holder.control_url is None:
             self.reason = "stale"
+            event(log, logging.DEBUG, "pin_skipped", request_id=self.request_id,
+                  conversation=key, decode=holder.url, why=holder.distrust_reason())
             return
         if holder.engine_id is not None and placement.engine_id is not None \
                 and holder.engine_id != placement.engine_id:
@@ -271,13 +273,29 @@ class Turn:
             self._drop(placement, result.code if result.code in (
                 "expired", "released", "evicted", "replaced", "no_retention") else "gone")
             return
+        if result.engine_id is not None:
+            holder.control_engine_id = result.engine_id
         if placement.engine_id is not None and result.engine_id is not None \
                 and result.engine_id != placement.engine_id:
             self.reason = "stale"
             self._drop(placement, "engine_changed")
             self._unpin(result)
             return
+        if not holder.control_trusted:
+            # The control endpoint names another engine than the decode's HTTP side: its
+            # blocks are not the ones behind the server that would answer this turn.
+            self.reason = "stale"
+            self._engines_differ(holder)
+            self._unpin(result)
+            return
         self.pin = result
+
+    def _engines_differ(self, backend: Backend) -> None:
+        event(log, logging.WARNING, "control_distrusted", request_id=self.request_id,
+              backend=backend.url, why=backend.distrust_reason())
+        # A restart between two health checks: asking the control endpoint again now ties
+        # the two sides back together (or confirms that they differ) without waiting a round.
+        self.r.spawn(self.r.health.check_control(backend))
 
     def _drop(self, placement: Placement, why: str) -> None:
         """Forget a stale handle (only the one this turn read) and count it."""
@@ -414,7 +432,7 @@ class Turn:
         r.metrics.failure(backend.role, backend.url, kind if reply is None
                           else f"status_{reply.status}")
         if reply is None or reply.status in _UNHEALTHY:
-            pool.leg_failed(backend, f"{leg}: {message}")
+            pool.leg_failed(backend, f"{leg}: {message}", refused=kind == "connect")
         event(log, logging.WARNING, f"{leg}_attempt_failed", request_id=self.request_id,
               conversation=self.key, backend=backend.url, kind=kind, error=message)
         return _Failed(kind, message, reply)
@@ -434,7 +452,6 @@ class Turn:
                 self.reason = "miss"
         elif params is not None and self.pin_skipped:
             self.reason = self._local_coverage(reuse_report(params))
-        self._count_turn()
 
     def _local_coverage(self, report: ReuseReport | None) -> str:
         """The reuse value of a turn whose prefill held everything the retention offered:
@@ -466,6 +483,7 @@ class Turn:
         data = _json.dumps(decode_body(self.body, params, self.key if self._retains else None))
         backend = choose_decode(r.decodes, self.holder, slack=r.config.decode_affinity_slack)
         if backend is None:
+            self._count_turn()
             r.metrics.request(self.endpoint, "backend_error")
             return error_response(503, "no decode backend is healthy", type_="server_error",
                                   code="no_backend", retry_after=r.config.retry_after,
@@ -474,6 +492,7 @@ class Turn:
             result = await (self._open_stream(backend, data) if self.stream
                             else self._decode_on(backend, data))
             if not isinstance(result, _Failed):
+                self._count_turn()
                 return result
             other = r.decodes.pick(exclude=backend)
             if other is None and result.kind == "connect":
@@ -486,6 +505,16 @@ class Turn:
 
     def _decode_gave_up(self, failed: _Failed) -> Response:
         r = self.r
+        holder = self.holder
+        if self.retention_sent and holder is not None and holder.http_down:
+            # What was read came from a decode that then failed to answer (killed, its engine
+            # core orphaned): nothing of it reached the client, and its retentions are about
+            # to go with it. Not a hit; the handle is dropped, the next turn recomputes.
+            self.reason = "stale"
+            self.reused_tokens = 0
+            if self.placement is not None:
+                self._drop(self.placement, "decode_failed")
+        self._count_turn()
         r.metrics.request(self.endpoint, "backend_error")
         self._log_done(failed.reply.status if failed.reply else 0, "backend_error")
         headers = self.response_headers()
@@ -610,6 +639,10 @@ class Turn:
     async def _capture_reply(self, backend: Backend, payload: dict[str, Any],
                              decode_started: float) -> None:
         report = retained_report(payload)
+        if report is not None and report.engine_id is not None:
+            backend.http_engine_id = report.engine_id
+            if backend.control_engine_id not in (None, report.engine_id):
+                self._engines_differ(backend)
         if report is None:
             # The reply does not say (a stop string ended it: vLLM's front end answered before
             # the engine finished the request; or an older connector): ask the decode, before
@@ -644,7 +677,7 @@ class Turn:
         r = self.r
         key = self.key
         assert key is not None
-        if backend.control_url is None or not backend.control_ok:
+        if backend.control_url is None or not backend.control_trusted:
             r.metrics.capture("failed")
             return
         late = bool(self.body.get("stop"))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvturn_server.local import INSTALL_HINT, Stack, StackConfig, free_port, vllm_is_installed
+from kvturn_server.local._supervise import Backoff
 
 # Short enough that the stalled-transfer test finishes quickly, long enough that a healthy read
 # on a loaded 2-core machine never trips it.
@@ -72,7 +73,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory,
                       router_args=("--decode-continue-tokens", "0"),
                       prefill_connector_extra=PREFILL_CONNECTOR_EXTRA, **ports)
     started = time.monotonic()
-    with Stack(cfg, die_with_parent=True) as running:
+    # Supervised as `kvturn up` runs it (test_supervise.py kills a member); 1 s backoff.
+    with Stack(cfg, die_with_parent=True, supervise=True, say=say,
+               backoff=Backoff(initial=1.0)) as running:
         running.start(progress=progress)
         say(f"stack healthy after {time.monotonic() - started:.0f} s (logs: {state / 'logs'})")
         yield running

@@ -641,8 +641,13 @@ class Turn:
         report = retained_report(payload)
         if report is not None and report.engine_id is not None:
             backend.http_engine_id = report.engine_id
-            if backend.control_engine_id not in (None, report.engine_id):
-                self._engines_differ(backend)
+            if backend.control_engine_id not in (None, report.engine_id) \
+                    and backend.control_url is not None:
+                # A restart between two health checks, most likely: ask the control endpoint
+                # now, before the client has this reply and can send its next turn.
+                await self.r.health.check_control(backend)
+                if not backend.control_trusted:
+                    self._engines_differ(backend)
         if report is None:
             # The reply does not say (a stop string ended it: vLLM's front end answered before
             # the engine finished the request; or an older connector): ask the decode, before

@@ -125,6 +125,7 @@ def test_a_killed_decode_api_server_is_cleaned_up_restarted_and_never_reported_h
 
     # The conversation goes on: the new engine holds nothing of it (recompute), then reuses.
     third = turn(QUESTIONS[2])
-    assert third.reuse in ("stale", "miss") and third.reused == 0, third.headers
+    assert third.reuse in ("stale", "miss", "below-threshold") and third.reused == 0, \
+        third.headers
     fourth = turn(QUESTIONS[3])
     assert fourth.reuse in ("hit", "partial") and fourth.reused > 0, fourth.headers

@@ -26,11 +26,13 @@ def _metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-def _kill_api_server(cluster: Cluster) -> None:
-    """The decode's HTTP side is gone; its engine core (control endpoint) answers on."""
+def _kill_api_server(cluster: Cluster, how: str = "connect") -> None:
+    """The decode's HTTP side is gone; its engine core (control endpoint) answers on. A leg
+    finds the port refusing (``connect``), or a kept-alive connection reset (``broken``: what
+    the real stack showed)."""
     decode = cluster.decodes[0]
     decode.health = "down"
-    decode.fail_next(*["connect"] * 8)
+    decode.fail_next(*[how] * 8)
 
 
 def _pins(cluster: Cluster) -> int:
@@ -51,28 +53,30 @@ async def test_once_a_check_finds_the_http_side_gone_nothing_is_pinned_or_renewe
     backend = h.router.decodes.members[0]
     assert backend.healthy  # not ejected yet (eject_after 2): the control side still answers
     assert backend.control_ok and not backend.control_trusted
+    keepalive = await h.client.post("/kvturn/v1/conversations/c/keepalive")
+    assert keepalive.status_code == 503  # not "retained: true"
+    assert not any(e.path.endswith("/keepalive") for e in cluster.log)
     resp = await h.chat("c")
     assert resp.status_code in (502, 503)
     assert resp.headers["X-KVTurn-Reuse"] == "stale"
     assert resp.headers["X-KVTurn-Reused-Tokens"] == "0"
     assert _pins(cluster) == pins  # no pin of the dead server's blocks
-    keepalive = await h.client.post("/kvturn/v1/conversations/c/keepalive")
-    assert keepalive.status_code == 503  # not "retained: true"
-    assert not any(e.path.endswith("/keepalive") for e in cluster.log)
+    assert await h.router.store.get("-/c") is None  # nor a handle to them
 
 
+@pytest.mark.parametrize("how", ["connect", "broken"])
 async def test_a_death_between_two_checks_is_not_reported_as_a_hit(
-        make_harness: MakeHarness) -> None:
+        make_harness: MakeHarness, how: str) -> None:
     cluster = Cluster()
     h = await make_harness(cluster)
     await h.router.health.check_all()
     await h.chat("c")
-    _kill_api_server(cluster)  # no health check sees it before the next turn
+    _kill_api_server(cluster, how)  # no health check sees it before the next turn
     resp = await h.chat("c")
     # The pin and the prefill's read went through (the engine core still serves them), the
     # decode leg did not: the client got no answer, and the turn is no hit.
     assert _pins(cluster) == 1
-    assert resp.status_code == 502
+    assert resp.status_code in (502, 503)
     assert (resp.headers["X-KVTurn-Reuse"], resp.headers["X-KVTurn-Reused-Tokens"]) == (
         "stale", "0")
     metrics = (await h.client.get("/metrics")).text
@@ -150,3 +154,26 @@ async def test_a_pin_answer_naming_another_engine_is_unpinned(
     resp = await h.chat("c", stream=stream)
     assert resp.headers["X-KVTurn-Reuse"] != "hit"
     assert decode.pins == {}  # the pin it took was given back
+
+
+async def test_a_dead_holder_is_no_hit_even_when_no_pin_was_taken(
+        make_harness: MakeHarness) -> None:
+    """On the real stack the pin can be skipped (the prefill's own cache covers what the
+    retention offers, or its read floor says reading is not worth it) and the turn reports the
+    prefill's own coverage: a 502 from the dead holder is still no hit."""
+    cluster = Cluster()
+    cluster.prefills[0].prompt_tokens = 33
+    h = await make_harness(cluster)
+    await h.router.health.check_all()
+    await h.chat("c")
+    placement = await h.router.store.get("-/c")
+    assert placement is not None
+    # No pin (the prefill's read floor is above the gain); its own cache reports a hit.
+    h.router.prefills.members[0].read_floor = 10**6
+    h.router.prefills.members[0].read_floor_at = 10**12
+    cluster.prefills[0].report = {"reason": "hit", "reused_tokens": 0, "local_tokens": 32}
+    _kill_api_server(cluster, "broken")
+    resp = await h.chat("c")
+    assert resp.status_code in (502, 503)
+    assert (resp.headers["X-KVTurn-Reuse"], resp.headers["X-KVTurn-Reused-Tokens"]) == (
+        "stale", "0")

@@ -72,6 +72,8 @@ _GONE_REASON = {"expired": "expired", "released": "miss", "replaced": "miss"}
 _RETRYABLE = frozenset({408, 429})
 # Statuses that count against a backend's health (others are about the request).
 _UNHEALTHY = frozenset({502, 503, 504})
+# Decode failures before any answer that say the server may be gone.
+_GONE_KINDS = frozenset({"connect", "broken"})
 
 
 class _Failed:
@@ -427,12 +429,15 @@ class Turn:
                                 f"answered {status}", reply)
 
     def _leg_failed(self, pool: Pool, backend: Backend, leg: str, kind: str, message: str,
-                    reply: Reply | None = None) -> _Failed:
+                    reply: Reply | None = None, *, gone: bool | None = None) -> _Failed:
+        """``gone``: the failure says the server may be gone (default: a refused connection);
+        its control endpoint is then distrusted until a health check passes."""
         r = self.r
         r.metrics.failure(backend.role, backend.url, kind if reply is None
                           else f"status_{reply.status}")
         if reply is None or reply.status in _UNHEALTHY:
-            pool.leg_failed(backend, f"{leg}: {message}", refused=kind == "connect")
+            pool.leg_failed(backend, f"{leg}: {message}",
+                            refused=kind == "connect" if gone is None else gone)
         event(log, logging.WARNING, f"{leg}_attempt_failed", request_id=self.request_id,
               conversation=self.key, backend=backend.url, kind=kind, error=message)
         return _Failed(kind, message, reply)
@@ -506,10 +511,11 @@ class Turn:
     def _decode_gave_up(self, failed: _Failed) -> Response:
         r = self.r
         holder = self.holder
-        if self.retention_sent and holder is not None and holder.http_down:
-            # What was read came from a decode that then failed to answer (killed, its engine
-            # core orphaned): nothing of it reached the client, and its retentions are about
-            # to go with it. Not a hit; the handle is dropped, the next turn recomputes.
+        if holder is not None and holder.http_down:
+            # The conversation's decode failed to answer (killed, its engine core orphaned):
+            # nothing of what was read or held reached the client, and its retentions are
+            # about to go with it. Not a hit, whatever served the prompt; the handle is
+            # dropped, the next turn recomputes.
             self.reason = "stale"
             self.reused_tokens = 0
             if self.placement is not None:
@@ -550,7 +556,10 @@ class Turn:
                                             timeout=r.config.decode_timeout,
                                             headers=self.upstream_headers)
         except BackendError as exc:
-            return self._leg_failed(r.decodes, backend, "decode", exc.kind, str(exc))
+            # Broken before any answer, too: a kept-alive connection to a killed server reads
+            # as a reset, not as a refused connect.
+            return self._leg_failed(r.decodes, backend, "decode", exc.kind, str(exc),
+                                    gone=exc.kind in _GONE_KINDS)
         finally:
             r.metrics.leg("decode", time.perf_counter() - t0)
         if reply.status != 200:
@@ -599,7 +608,8 @@ class Turn:
                 await upstream.aclose()
             backend.in_flight -= 1
             r.metrics.leg("decode", time.perf_counter() - t0)
-            return self._leg_failed(r.decodes, backend, "decode", exc.kind, str(exc))
+            return self._leg_failed(r.decodes, backend, "decode", exc.kind, str(exc),
+                                    gone=exc.kind in _GONE_KINDS)
         now = time.perf_counter()
         r.metrics.leg("decode", now - t0)
         r.metrics.ttft.observe(now - self.started)

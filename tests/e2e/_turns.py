@@ -26,9 +26,10 @@ def chat_turn(client: OpenAI, model: str, conversation: str, messages: list[dict
               stream: bool, *, max_tokens: int, **extra: Any) -> Turn:
     """A greedy turn of ``conversation`` (its id in the body) with the top-2 logprobs the
     comparison with the plain reference needs; ``extra``: more ``create`` arguments."""
+    body = {"conversation_id": conversation, **extra.pop("extra_body", {})}
     kwargs: dict[str, Any] = {"model": model, "messages": messages, "temperature": 0,
                               "max_tokens": max_tokens, "logprobs": True, "top_logprobs": 2,
-                              "extra_body": {"conversation_id": conversation}, **extra}
+                              "extra_body": body, **extra}
     if stream:
         with client.chat.completions.with_streaming_response.create(
                 stream=True, **kwargs) as response:

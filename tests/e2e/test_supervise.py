@@ -32,6 +32,7 @@ from ._helpers import descendant, plain_chat, wait_until
 from ._turns import chat_turn
 
 MAX_TOKENS = 16
+LONG_REPLY = 160
 SYSTEM = "You are a careful agent. " + " ".join(
     f"Step {i} checks item {i} of the list." for i in range(30))
 QUESTIONS = ["List the first item.", "Now the second one.", "And the third.",
@@ -74,11 +75,13 @@ def test_a_killed_decode_api_server_is_cleaned_up_restarted_and_never_reported_h
     conversation = f"supervise-{uuid.uuid4().hex}"
     messages: list[dict[str, Any]] = [{"role": "system", "content": f"{conversation}. {SYSTEM}"}]
 
-    def turn(question: str) -> Any:
+    def turn(question: str, max_tokens: int = MAX_TOKENS) -> Any:
         messages.append({"role": "user", "content": question})
-        reference = plain_chat(cfg.reference_url, model, messages, MAX_TOKENS)
+        # ignore_eos: every reply is max_tokens long (the long one must fill a block).
+        reference = plain_chat(cfg.reference_url, model, messages, max_tokens,
+                               ignore_eos=True)
         result = chat_turn(client, model, conversation, messages, False,
-                           max_tokens=MAX_TOKENS)
+                           max_tokens=max_tokens, extra_body={"ignore_eos": True})
         assert_same_text(result.text, reference)
         assert_same_logprobs(result.logprobs, reference)
         messages.append({"role": "assistant", "content": result.text})
@@ -128,7 +131,9 @@ def test_a_killed_decode_api_server_is_cleaned_up_restarted_and_never_reported_h
     assert "its ports are free" in log
 
     # The conversation goes on: the new engine holds nothing of it (recompute), then reuses.
-    third = turn(QUESTIONS[2])
+    # A reply longer than a KV block (128 tokens), so that the new decode's retention holds a
+    # full block the prefill's own cache lacks: the next turn must read it from the decode.
+    third = turn(QUESTIONS[2], max_tokens=LONG_REPLY)
     assert third.reuse in ("stale", "miss", "below-threshold") and third.reused == 0, \
         third.headers
     fourth = turn(QUESTIONS[3])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -23,6 +24,8 @@ from kvturn_server.local import (
     read_running,
     stop_running,
 )
+from kvturn_server.local._process import log_tail
+from kvturn_server.local._supervise import Backoff
 from kvturn_server.router import add_router_args
 
 
@@ -102,20 +105,30 @@ def cmd_model_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _backoff(args: argparse.Namespace) -> Backoff:
+    return Backoff(initial=args.restart_backoff, maximum=args.restart_backoff_max)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     cfg = _stack_config(args)
-    stack = Stack(cfg, die_with_parent=not args.detach)
+    if args.detach:
+        return _up_detached(args, cfg)
+    # The members die with this process (no orphans); while it runs it restarts any that die.
+    stack = Stack(cfg, die_with_parent=True, supervise=not args.no_supervise, say=_say,
+                  backoff=_backoff(args))
     stack.check()
     print(f"starting prefill + decode vLLM and the router ({cfg.model_size} model); "
           "this takes 1-2 minutes on a small CPU host", file=sys.stderr)
     stack.start(progress=ProgressLine())
     _print_endpoints(cfg)
-    if args.detach:
-        print("running in the background; stop it with `kvturn down"
-              + (f" --state-dir {cfg.state_dir}`" if cfg.state_dir != StackConfig().state_dir
-                 else "`"))
-        return 0
-    print("press Ctrl-C to stop")
+    if args.supervised_child:
+        print("kvturn: stack healthy", flush=True)  # what the detaching parent waits for
+    else:
+        print("press Ctrl-C to stop")
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -132,6 +145,41 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("\nstopping the stack", file=sys.stderr)
         stack.stop()
     return 0
+
+
+def _up_detached(args: argparse.Namespace, cfg: StackConfig) -> int:
+    """Run the supervising ``kvturn up`` in the background (its own session, so that closing
+    the terminal does not end it) and return once the stack is healthy."""
+    Stack(cfg).check()
+    argv = [a for a in args.argv if a != "--detach"]
+    log_path = cfg.state_dir / "logs" / "supervisor.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"starting prefill + decode vLLM and the router ({cfg.model_size} model) in the "
+          f"background; this takes 1-2 minutes on a small CPU host (log: {log_path})",
+          file=sys.stderr)
+    with open(log_path, "ab") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "kvturn_server.cli", *argv, "--supervised-child"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    deadline = time.monotonic() + cfg.startup_timeout + 30
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            print(f"kvturn: the stack did not start (exit {child.returncode}); last lines of "
+                  f"{log_path}:\n{log_tail(log_path)}", file=sys.stderr)
+            return 1
+        if b"kvturn: stack healthy" in log_path.read_bytes()[-65536:]:
+            _print_endpoints(cfg)
+            print("running in the background, supervised (pid "
+                  f"{child.pid}); stop it with `kvturn down"
+                  + (f" --state-dir {cfg.state_dir}`" if cfg.state_dir
+                     != StackConfig().state_dir else "`"))
+            return 0
+        time.sleep(0.5)
+    stop_running(cfg.state_dir)
+    print(f"kvturn: the stack was not healthy within {cfg.startup_timeout:.0f} s; see "
+          f"{log_path}", file=sys.stderr)
+    return 1
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -196,7 +244,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "the router, all on 127.0.0.1. Runs until Ctrl-C unless --detach.")
     _add_stack_args(up)
     up.add_argument("--detach", action="store_true",
-                    help="return once healthy and leave the stack running (stop: kvturn down)")
+                    help="return once healthy and leave the stack running, supervised by a "
+                         "background process (stop: kvturn down)")
+    up.add_argument("--no-supervise", action="store_true",
+                    help="do not restart members that die (by default one that dies is "
+                         "stopped with its whole process group and restarted, with backoff)")
+    up.add_argument("--restart-backoff", type=float, default=Backoff().initial,
+                    metavar="SECONDS",
+                    help="wait before restarting a member that died; doubles per restart in "
+                         "a row (default: %(default)s)")
+    up.add_argument("--restart-backoff-max", type=float, default=Backoff().maximum,
+                    metavar="SECONDS", help="cap on that wait (default: %(default)s)")
+    up.add_argument("--supervised-child", action="store_true", help=argparse.SUPPRESS)
     up.set_defaults(func=cmd_up)
 
     down = sub.add_parser("down", help="stop the local stack",
@@ -255,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # `kvturn up --detach` runs itself again in the background
     try:
         return int(args.func(args))
     except StackError as exc:

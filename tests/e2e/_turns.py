@@ -62,10 +62,11 @@ def assert_same_answer(answer: Answer, reference: dict[str, Any]) -> None:
 def chat_turn(client: OpenAI, model: str, conversation: str, messages: list[dict[str, Any]],
               stream: bool, *, max_tokens: int, **extra: Any) -> Turn:
     """A greedy turn of ``conversation`` (its id in the body) with what the comparison with
-    the plain reference needs; ``extra``: more ``create`` arguments."""
+    the plain reference needs; ``extra``: more ``create`` arguments (``extra_body`` merged)."""
     kwargs: dict[str, Any] = {"model": model, "messages": messages, "temperature": 0,
                               "max_tokens": max_tokens,
-                              **answer_fields(conversation_id=conversation), **extra}
+                              **answer_fields(conversation_id=conversation,
+                                              **extra.pop("extra_body", {})), **extra}
     if stream:
         with client.chat.completions.with_streaming_response.create(
                 stream=True, **kwargs) as response:

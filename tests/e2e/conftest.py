@@ -20,6 +20,7 @@ from kvturn_server.local import (
     free_port,
     vllm_is_installed,
 )
+from kvturn_server.local._supervise import Backoff
 
 from ._forced import ReferenceScorer, use_reference
 from ._ties import BUDGET, TALLY
@@ -115,7 +116,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory,
                       prefill_connector_extra=PREFILL_CONNECTOR_EXTRA,
                       extra_vllm_args=lora_args(Path(state)), **ports)
     started = time.monotonic()
-    with Stack(cfg, die_with_parent=True) as running:
+    # Supervised as `kvturn up` runs it (test_supervise.py kills a member); 1 s backoff.
+    with Stack(cfg, die_with_parent=True, supervise=True, say=say,
+               backoff=Backoff(initial=1.0)) as running:
         running.start(progress=progress)
         use_reference(ReferenceScorer(cfg.reference_url, cfg.served_model_name))
         say(f"stack healthy after {time.monotonic() - started:.0f} s (logs: {state / 'logs'})")

@@ -81,6 +81,8 @@ class FakeBackend:
         self.control_script: deque[Behavior] = deque()
         self.health: str = "ok"  # ok | down (connection refused) | 503
         self.control_health: str = "ok"
+        self.control_secret: str | None = None  # required in X-KVTurn-Control-Secret if set
+        self.reply_engine_id: str | None = None  # decodes: the engine their replies name
         self.reused_tokens = 48
         self.prompt_tokens = 0  # prefills: usage.prompt_tokens of a leg's reply (0: none)
         self.report: dict[str, Any] | None = None  # overrides the prefill's reuse report
@@ -178,10 +180,12 @@ class FakeBackend:
         if self.report_retained and retention is not None:
             # As the connector answers: the retention's published params, and the report.
             params = {**retention.params, "kvturn": {
-                **retention.params["kvturn"], "retained": True, "engine_id": self.engine_id,
+                **retention.params["kvturn"], "retained": True,
+                "engine_id": self.reply_engine_id or self.engine_id,
                 "num_tokens": retention.num_tokens, "expires_in": 480.0}}
         elif self.report_retained:
-            params["kvturn"] = {"retained": False}
+            params["kvturn"] = {"retained": False,
+                                "engine_id": self.reply_engine_id or self.engine_id}
         return httpx2.Response(200, json={
             "id": f"cmpl-{self.name}", "object": "chat.completion",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"},
@@ -331,6 +335,11 @@ class Cluster:
         if is_control:
             if request.url.path == "/health" and backend.control_health == "down":
                 raise httpx2.ConnectError("connection refused", request=request)
+            if backend.control_secret is not None and \
+                    request.headers.get("x-kvturn-control-secret") != backend.control_secret:
+                return httpx2.Response(401, json={"error": {
+                    "message": "secret required", "type": "authentication_error",
+                    "code": "unauthorized"}})
             return await backend.control(request, body)
         if request.url.path == "/health":
             if backend.health == "down":

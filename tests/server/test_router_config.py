@@ -111,9 +111,12 @@ def test_unknown_file_settings_are_named(tmp_path: Path) -> None:
 
 def test_the_startup_summary_masks_secrets() -> None:
     cfg = RouterConfig(prefill=(P,), decode=(DecodeSpec(D, "http://decode:8201"),),
-                       state="redis://user:secret@redis:6379/0", backend_api_key="sk-1")
+                       state="redis://user:secret@redis:6379/0", backend_api_key="sk-1",
+                       control_secret="control-secret-1234")
     summary = cfg.summary()
-    assert "secret" not in str(summary) and "sk-1" not in str(summary)
+    assert ":secret@" not in str(summary) and "sk-1" not in str(summary)
+    assert "control-secret-1234" not in str(summary) and "control-secret-1234" not in repr(cfg)
+    assert summary["control_secret"] == "***"
     assert summary["state"] == "redis://user:***@redis:6379/0"
     assert summary["decode"] == "http://decode:8200(control=http://decode:8201)"
 

@@ -192,7 +192,8 @@ def test_a_turn_whose_kv_may_be_incomplete_is_not_retained(
     # An abort before the first token: the prompt may still have been loading from the
     # prefill, and vLLM counts those tokens as computed already.
     ids, out = finish(sched, pool, status=status, outputs=outputs)
-    assert out == {KVTURN_FIELD: {"conversation": KEY, "retained": False}}
+    assert out == {KVTURN_FIELD: {"conversation": KEY, "retained": False,
+                                  "engine_id": "decode-engine"}}
     assert pool.refs(ids) == [0] * 4
 
 
@@ -217,14 +218,16 @@ def test_only_blocks_whose_token_ids_are_known_are_retained(
 def test_a_model_with_several_kv_cache_groups_is_not_retained(
         sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
     ids, out = finish(sched, pool, groups=2)
-    assert out == {KVTURN_FIELD: {"conversation": KEY, "retained": False}}
+    assert out == {KVTURN_FIELD: {"conversation": KEY, "retained": False,
+                                  "engine_id": "decode-engine"}}
     assert pool.refs(ids) == [0] * 4
 
 
 def test_without_retention_a_conversation_turn_says_not_retained(pool: FakeBlockPool) -> None:
     for sched in (base_scheduler(), decode_scheduler(None)):  # no keeper; keeper not bound
         _, out = finish(sched, pool)
-        assert out == {KVTURN_FIELD: {"conversation": KEY, "retained": False}}
+        assert out == {KVTURN_FIELD: {"conversation": KEY, "retained": False,
+                                  "engine_id": "decode-engine"}}
     assert pool.refs() == [0] * pool.usable
 
 
@@ -234,7 +237,8 @@ def test_block_ids_the_keeper_refuses_are_logged_and_not_retained(
     request = FakeRequest("req-9", tokens(13), 12, decode_leg())
     with caplog.at_level(logging.WARNING, logger="kvturn.connector"):
         _, out = sched.request_finished(request, ([0, 1, 2],))  # block 0 is the null block
-    assert out == {KVTURN_FIELD: {"conversation": KEY, "retained": False}}
+    assert out == {KVTURN_FIELD: {"conversation": KEY, "retained": False,
+                                  "engine_id": "decode-engine"}}
     assert "not retained" in caplog.text
     assert pool.refs() == [0] * pool.usable
 
@@ -439,6 +443,7 @@ def test_only_the_first_ask_counts(sched: KVTurnPullScheduler, pool: FakeBlockPo
 def test_a_not_retained_turn_still_reports_its_local_hit(pool: FakeBlockPool) -> None:
     out = run_own_prompt(base_scheduler(), pool, 13, [8])  # no keeper: nothing retained
     assert out == {KVTURN_FIELD: {"conversation": KEY, "retained": False,
+                                  "engine_id": "decode-engine",
                                   "reuse": {"reason": "partial", "reused_tokens": 8,
                                             "local_tokens": 8}}}
 

@@ -32,10 +32,16 @@ class ConnectorConfig:
             wakes when traffic arrives); nixl's Python API would use 0, a busy loop.
         keep_thread_affinity: undo vLLM's CPU re-pinning of the model thread (CPU platforms).
         request_amx: ask Linux for AMX tile permission at start-up (x86 hosts with AMX).
-        control_host: address of the control endpoint (docs/http-api.md, section C).
+        control_host: address the control endpoint binds (docs/http-api.md, section C).
+            Loopback by default; in a fleet, an address inside the fleet network only, with
+            a control secret (docs/connector.md, "Network exposure").
         control_port: its port; unset means no control endpoint, and then a decode retains
             nothing (nobody could pin, describe or release what it kept). With data parallelism
             each rank adds its index, like vLLM's NIXL side channel.
+        control_secret_file: file holding the control API's shared secret; unset: the
+            ``KVTURN_CONTROL_SECRET_FILE`` or ``KVTURN_CONTROL_SECRET`` environment variable;
+            none of them: no authentication (a warning when the endpoint is not on loopback).
+            The secret itself is never a config value: this config is on vLLM's command line.
         decoder_kv_blocks_ttl: seconds a decode keeps a finished conversation's KV unless
             renewed (vLLM's key, with kvturn's lease semantics: renewable, releasable).
         retention_max_hold: seconds no keepalive can extend a retention past, from its creation.
@@ -63,6 +69,7 @@ class ConnectorConfig:
     request_amx: bool = True
     control_host: str = "127.0.0.1"
     control_port: int | None = None
+    control_secret_file: str | None = None
     decoder_kv_blocks_ttl: float = 480.0
     retention_max_hold: float = 3600.0
     retention_budget: float = 0.5
@@ -155,6 +162,15 @@ def _host(name: str, raw: Any) -> str:
     return raw
 
 
+def _path(name: str, raw: Any) -> str | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not raw:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{name} must be a file path, got {raw!r}")
+    return raw
+
+
 def _port(name: str, raw: Any) -> int | None:
     if raw is None:
         return None
@@ -217,6 +233,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "request_amx": _flag,
     "control_host": _host,
     "control_port": _port,
+    "control_secret_file": _path,
     "decoder_kv_blocks_ttl": _seconds,
     "retention_max_hold": _seconds,
     "retention_budget": _fraction,

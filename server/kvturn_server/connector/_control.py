@@ -4,6 +4,10 @@ Routes and bodies are the contract in docs/http-api.md, section C. The server ru
 daemon threads; everything it does goes through :class:`RetentionKeeper`, which never touches
 vLLM state off the engine thread. It listens where ``control_host``/``control_port`` say
 (loopback by default) and answers only the routes below.
+
+With a shared secret configured (``_control_secret.py``) every route, ``/health`` included,
+answers ``401`` to a request without it, before anything else is looked at: a pin or a release
+changes what the decode holds, and stats and retentions name conversations.
 """
 
 from __future__ import annotations
@@ -11,17 +15,20 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote
 
+from kvturn_server._control_secret import HEADER, is_loopback, secret_matches
 from kvturn_server.connector._keeper import Gone, RetentionKeeper
 
 log = logging.getLogger("kvturn.connector")
 
 PREFIX = "/kvturn/v1"
 MAX_BODY = 64 * 1024
+REFUSED_LOG_INTERVAL = 60.0
 
 
 class _Server(ThreadingHTTPServer):
@@ -39,11 +46,17 @@ class ControlServer:
 
     def __init__(self, host: str, port: int, *, engine_id: str, role: str,
                  keeper: RetentionKeeper | None,
-                 extra_stats: Callable[[], dict[str, Any]] | None = None) -> None:
+                 extra_stats: Callable[[], dict[str, Any]] | None = None,
+                 secret: str | None = None) -> None:
         self.engine_id = engine_id
         self.role = role
         self.keeper = keeper
         self.extra_stats = extra_stats or dict
+        self._secret = secret
+        self._host = host
+        self.refused = 0
+        self._lock = threading.Lock()
+        self._refused_logged_at = -REFUSED_LOG_INTERVAL
         handler = type("Handler", (_Handler,), {"control": self})
         try:
             self._server = _Server((host, port), handler)
@@ -67,9 +80,29 @@ class ControlServer:
 
     def start(self) -> ControlServer:
         self._thread.start()
-        log.info("kvturn control endpoint on %s (%s, engine %s)", self.url, self.role,
-                 self.engine_id)
+        log.info("kvturn control endpoint on %s (%s, engine %s, %s)", self.url, self.role,
+                 self.engine_id,
+                 "shared secret required" if self._secret else "no authentication")
+        warning = exposure_warning(self._host, self._secret, self.url)
+        if warning is not None:
+            log.warning("%s", warning)
         return self
+
+    def note_refused(self, what: str) -> None:
+        """Count a refused request; log one line per interval (a flood must not fill logs)."""
+        with self._lock:
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._refused_logged_at < REFUSED_LOG_INTERVAL:
+                return
+            self._refused_logged_at = now
+            count = self.refused
+        log.warning("kvturn control request %s refused: missing or wrong %s (%d refused so "
+                    "far)", what, HEADER, count)
+
+    def authorized(self, given: str | None) -> bool:
+        """Whether a request carrying ``given`` in the secret header may be served."""
+        return self._secret is None or secret_matches(given, self._secret)
 
     def stop(self) -> None:
         self._server.shutdown()
@@ -117,6 +150,16 @@ class ControlServer:
         return _not_found(f"no route {method} {path}")
 
 
+def exposure_warning(host: str, secret: str | None, url: str) -> str | None:
+    """What to warn about an endpoint bound to ``host``: None on loopback or with a secret."""
+    if secret is not None or is_loopback(host):
+        return None
+    return (f"kvturn control endpoint {url} listens on {host} with no shared secret: anyone "
+            "who reaches it can pin, describe and release this instance's retentions. Set "
+            "KVTURN_CONTROL_SECRET_FILE (or kv_connector_extra_config.control_secret_file) here "
+            "and on the routers (docs/connector.md, \"Network exposure\")")
+
+
 def _error(message: str, type_: str, code: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "code": code}}
 
@@ -146,11 +189,19 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch("DELETE")
 
     def _dispatch(self, method: str) -> None:
+        authorized = self.control.authorized(self.headers.get(HEADER))
         try:
             body = self._read_body()
         except ValueError as exc:
             # The body may be unread: what is left of it must not be parsed as a request.
-            self._send(400, _error(str(exc), "invalid_request_error", "bad_body"), close=True)
+            if not authorized:
+                self._unauthorized(close=True)
+            else:
+                self._send(400, _error(str(exc), "invalid_request_error", "bad_body"),
+                           close=True)
+            return
+        if not authorized:
+            self._unauthorized()
             return
         try:
             status, payload = self.control.handle(method, self.path, body)
@@ -159,6 +210,13 @@ class _Handler(BaseHTTPRequestHandler):
             status, payload = 500, _error(f"{type(exc).__name__}: {exc}", "server_error",
                                           "internal")
         self._send(status, payload)
+
+    def _unauthorized(self, *, close: bool = False) -> None:
+        self.control.note_refused(f"{self.command} {self.path.split('?', 1)[0][:200]} from "
+                                  f"{self.client_address[0]}")
+        self._send(401, _error(f"this control endpoint requires the fleet's shared secret in "
+                               f"the {HEADER} header", "authentication_error",
+                               "unauthorized"), close=close)
 
     def _read_body(self) -> dict[str, Any]:
         if self.headers.get("Transfer-Encoding"):

@@ -22,6 +22,7 @@ in the same shape as a prefill's ``kvturn.reuse``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,8 +31,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
 
+from kvturn_server._control_secret import ControlSecretError, resolve_secret
 from kvturn_server.connector._calibration import Calibration
-from kvturn_server.connector._config import ConnectorConfig
+from kvturn_server.connector._config import ConnectorConfig, ConnectorConfigError
 from kvturn_server.connector._control import ControlServer
 from kvturn_server.connector._cost import CostModel, ReadCost
 from kvturn_server.connector._engine import EngineWaker, Housekeeper
@@ -122,8 +124,13 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         if self.is_decode:
             self.keeper = self._make_keeper(kv_cache_config)
         port = config.control_port + vllm_config.parallel_config.data_parallel_index
+        try:
+            secret = resolve_secret(os.environ, config.control_secret_file)
+        except ControlSecretError as exc:
+            raise ConnectorConfigError(str(exc)) from exc
         self.control = ControlServer(config.control_host, port, engine_id=engine_id, role=role,
-                                     keeper=self.keeper, extra_stats=self._control_stats).start()
+                                     keeper=self.keeper, extra_stats=self._control_stats,
+                                     secret=secret).start()
 
     def _make_calibration(self, vllm_config: Any, kv_cache_config: Any) -> Calibration | None:
         cfg = self.kvturn_config
@@ -440,14 +447,18 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                                           request.num_computed_tokens, extras=extras)
             except ValueError as exc:
                 log.warning("request %s: not retained: %s", request.request_id, exc)
+        # Every answer names this engine: the router ties the control endpoint (which names
+        # it too) to the engine behind this HTTP endpoint, and distrusts it when they differ.
         if retention is None:
             result = dict(out or {})
-            result[KVTURN_FIELD] = {"conversation": key, "retained": False}
+            result[KVTURN_FIELD] = {"conversation": key, "retained": False,
+                                    "engine_id": self.engine_id}
             return result
         view = keeper.describe(key) if keeper is not None else None
         if not isinstance(view, dict):  # expired at once (a TTL shorter than a step)
             result = dict(out or {})
-            result[KVTURN_FIELD] = {"conversation": key, "retained": False}
+            result[KVTURN_FIELD] = {"conversation": key, "retained": False,
+                                    "engine_id": self.engine_id}
             return result
         params: dict[str, Any] = view["params"]
         # What the router records without asking the control endpoint (non-streaming turns).

@@ -8,6 +8,7 @@ params, unpin, run the decode leg with the prefill's params plus the conversatio
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.parse
@@ -15,6 +16,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvturn_server._control_secret import HEADER, resolve_secret
 from kvturn_server.local._http import post_json
 
 NULL_PARAMS: dict[str, Any] = {
@@ -23,11 +25,16 @@ NULL_PARAMS: dict[str, Any] = {
 
 
 def control(url: str, method: str, path: str, body: dict[str, Any] | None = None,
-            timeout: float = 10.0) -> tuple[int, dict[str, Any]]:
-    """Call a connector's control endpoint; (status, JSON body), also for 4xx answers."""
+            timeout: float = 10.0, *, secret: str | None = None) -> tuple[int, dict[str, Any]]:
+    """Call a connector's control endpoint; (status, JSON body), also for 4xx answers.
+    ``secret`` defaults to this process's (``KVTURN_CONTROL_SECRET[_FILE]``; the local stack
+    sets one, ``_stack.py``); ``""`` sends none."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url + path, data=data, method=method,
-                                 headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json"}
+    secret = resolve_secret(os.environ) if secret is None else secret
+    if secret:
+        headers[HEADER] = secret
+    req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())

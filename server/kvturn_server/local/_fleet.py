@@ -34,6 +34,7 @@ from kvturn_server.local._process import (
     stop_group,
     wait_healthy,
 )
+from kvturn_server.local._secret import ensure_control_secret
 from kvturn_server.local._stack import (
     INSTALL_HINT,
     Progress,
@@ -234,6 +235,7 @@ class Fleet:
         cfg = self.config
         if not is_built(cfg.model_path, cfg.model_size):
             build_model(cfg.model_size, cfg.model_path)
+        ensure_control_secret(cfg.state_dir)
         started = time.monotonic()
         try:
             for i in self.instances:

@@ -34,6 +34,9 @@ class ServerSpec:
     health_url: str
     log_path: Path
     env: Mapping[str, str] = field(default_factory=dict)
+    other_ports: tuple[int, ...] = ()
+    """Ports it binds besides ``port`` (NIXL side channel, control endpoint): a restart waits
+    until they are free."""
 
 
 def _die_with_parent() -> None:

@@ -8,11 +8,14 @@ ports.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -29,8 +32,12 @@ from kvturn_server.local._process import (
     stop_group,
     wait_healthy,
 )
+from kvturn_server.local._secret import ensure_control_secret
+from kvturn_server.local._supervise import Backoff, Say, Supervisor
 
 STATE_FILE = "stack.json"
+# Seconds `kvturn down` waits for the supervising process to stop the members itself.
+SUPERVISOR_STOP_TIMEOUT = 90.0
 Progress = Callable[[float, list[str], list[str]], None]
 
 
@@ -205,10 +212,14 @@ def _vllm_spec(cfg: StackConfig, name: str, port: int, role: str | None,
     if role == "kv_consumer" and cfg.decode_num_blocks is not None:
         # A small decode cache makes retention budgets and memory pressure testable.
         argv += ["--num-gpu-blocks-override", str(cfg.decode_num_blocks)]
+    other_ports: tuple[int, ...] = ()
+    if role is not None:
+        control = cfg.prefill_control_port if role == "kv_producer" else cfg.decode_control_port
+        other_ports = tuple(p for p in (side_channel_port, control) if p is not None)
     return ServerSpec(
         name=name, argv=argv, port=port, health_url=f"{cfg.url(port)}/health",
         log_path=cfg.state_dir / "logs" / f"{name}.log",
-        env=_vllm_env(cfg, side_channel_port))
+        env=_vllm_env(cfg, side_channel_port), other_ports=other_ports)
 
 
 def server_specs(cfg: StackConfig) -> list[ServerSpec]:
@@ -242,14 +253,17 @@ class RunningStack:
     config: StackConfig
     pids: dict[str, int]
     started_at: float
+    supervisor: int | None = None
+    """The process that supervises the members (``kvturn up``): ``kvturn down`` stops it first,
+    or it would restart what is being stopped."""
 
     def to_json(self) -> str:
         cfg = asdict(self.config)
         cfg["state_dir"] = str(self.config.state_dir)
         cfg["model_dir"] = str(self.config.model_path)
         cfg["extra_vllm_args"] = list(self.config.extra_vllm_args)
-        return json.dumps({"config": cfg, "pids": self.pids, "started_at": self.started_at},
-                          indent=2)
+        return json.dumps({"config": cfg, "pids": self.pids, "started_at": self.started_at,
+                           "supervisor": self.supervisor}, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> RunningStack:
@@ -258,8 +272,10 @@ class RunningStack:
         cfg["state_dir"] = Path(cfg["state_dir"])
         cfg["model_dir"] = Path(cfg["model_dir"])
         cfg["extra_vllm_args"] = tuple(cfg.get("extra_vllm_args", ()))
+        supervisor = data.get("supervisor")
         return cls(StackConfig(**cfg), {k: int(v) for k, v in data["pids"].items()},
-                   float(data["started_at"]))
+                   float(data["started_at"]),
+                   int(supervisor) if supervisor is not None else None)
 
 
 def read_running(state_dir: Path) -> RunningStack | None:
@@ -272,20 +288,47 @@ def read_running(state_dir: Path) -> RunningStack | None:
     except (ValueError, KeyError, TypeError):
         path.unlink(missing_ok=True)
         return None
-    if any(pid_alive(pid) for pid in running.pids.values()):
+    pids = [*running.pids.values(), *([running.supervisor] if running.supervisor else [])]
+    if any(pid_alive(pid) for pid in pids):
         return running
     path.unlink(missing_ok=True)
     return None
 
 
 class Stack:
-    """Start and stop the local prefill/decode/router stack described by a ``StackConfig``."""
+    """Start and stop the local prefill/decode/router stack described by a ``StackConfig``.
 
-    def __init__(self, config: StackConfig, *, die_with_parent: bool = False) -> None:
+    With ``supervise``, a member that dies after start-up is cleaned up (its whole process
+    group) and restarted with backoff (``_supervise.py``); ``say`` gets one line per step.
+    """
+
+    def __init__(self, config: StackConfig, *, die_with_parent: bool = False,
+                 supervise: bool = False, say: Say | None = None,
+                 backoff: Backoff | None = None) -> None:
         self.config = config
         self.die_with_parent = die_with_parent
+        self.supervise = supervise
+        self.say = say
+        self.backoff = backoff
+        self.supervisor: Supervisor | None = None
+        # Held while members are replaced: by restart(), stop() and the supervisor.
+        self.lock = threading.RLock()
         self._procs: dict[str, tuple[ServerSpec, subprocess.Popen[bytes]]] = {}
         self.startup_seconds: float | None = None
+
+    # What the supervisor uses (``_supervise.Members``).
+
+    def member_procs(self) -> dict[str, tuple[ServerSpec, subprocess.Popen[bytes]]]:
+        return dict(self._procs)
+
+    def replace_member(self, name: str, proc: subprocess.Popen[bytes]) -> None:
+        spec = self._procs[name][0]
+        self._procs[name] = (spec, proc)
+        self._record()
+
+    @property
+    def startup_timeout(self) -> float:
+        return self.config.startup_timeout
 
     def check(self) -> None:
         """Raise StackError if the stack cannot start here (before anything is launched)."""
@@ -312,6 +355,7 @@ class Stack:
         if not is_built(cfg.model_path, cfg.model_size):
             build_model(cfg.model_size, cfg.model_path)
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        ensure_control_secret(cfg.state_dir)
         started = time.monotonic()
         specs = server_specs(cfg)
         # vLLM first, the router once they answer: a router started beside them would see its
@@ -331,11 +375,15 @@ class Stack:
         except BaseException:
             self.stop()
             raise
+        if self.supervise:
+            self.supervisor = Supervisor(self, host=cfg.host, backoff=self.backoff,
+                                         say=self.say).start()
+            self._record()
         return self
 
     def _record(self) -> None:
         running = RunningStack(self.config, {n: p.pid for n, (_, p) in self._procs.items()},
-                               time.time())
+                               time.time(), os.getpid() if self.supervisor else None)
         path = self.config.state_dir / STATE_FILE
         tmp = path.with_suffix(".tmp")
         tmp.write_text(running.to_json())
@@ -347,19 +395,24 @@ class Stack:
     def restart(self, name: str, progress: Progress | None = None) -> float:
         """Stop one server and start it again with the same command line; return the seconds
         until it was healthy again. A restarted vLLM is a new engine (new engine id)."""
-        spec, proc = self._procs[name]
-        stop_group(proc.pid)
-        self._procs[name] = (spec, launch(spec, die_with_parent=self.die_with_parent))
-        self._record()
+        with self.lock:  # the supervisor must not take this stop for a death
+            spec, proc = self._procs[name]
+            stop_group(proc.pid)
+            self._procs[name] = (spec, launch(spec, die_with_parent=self.die_with_parent))
+            self._record()
         return wait_healthy({name: self._procs[name]}, timeout=self.config.startup_timeout,
                             progress=progress)
 
     def stop(self) -> None:
-        # Router first, so that no new request reaches a stopping vLLM.
-        for name in sorted(self._procs, key=lambda n: n != "router"):
-            stop_group(self._procs[name][1].pid)
-        self._procs.clear()
-        (self.config.state_dir / STATE_FILE).unlink(missing_ok=True)
+        if self.supervisor is not None:
+            self.supervisor.stop()  # first: it would restart what is being stopped
+            self.supervisor = None
+        with self.lock:
+            # Router first, so that no new request reaches a stopping vLLM.
+            for name in sorted(self._procs, key=lambda n: n != "router"):
+                stop_group(self._procs[name][1].pid)
+            self._procs.clear()
+            (self.config.state_dir / STATE_FILE).unlink(missing_ok=True)
 
     def __enter__(self) -> Stack:
         return self
@@ -373,6 +426,14 @@ def stop_running(state_dir: Path) -> RunningStack | None:
     running = read_running(state_dir)
     if running is None:
         return None
+    supervisor = running.supervisor
+    if supervisor is not None and supervisor != os.getpid() and pid_alive(supervisor):
+        # It stops the members itself (and would restart them if they were stopped first).
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(supervisor, signal.SIGTERM)
+        deadline = time.monotonic() + SUPERVISOR_STOP_TIMEOUT
+        while pid_alive(supervisor) and time.monotonic() < deadline:
+            time.sleep(0.2)
     for name in sorted(running.pids, key=lambda n: n != "router"):
         pid = running.pids[name]
         if pid_alive(pid):

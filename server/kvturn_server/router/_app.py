@@ -66,14 +66,15 @@ class Router:
                     max_connections=None, max_keepalive_connections=512))
         self.client = BackendClient(transport, connect_timeout=config.connect_timeout,
                                     api_key=config.backend_api_key)
-        self.control = ControlClient(self.client, timeout=config.control_timeout)
+        self.control = ControlClient(self.client, timeout=config.control_timeout,
+                                     secret=config.control_secret)
         self.prefills = Pool("prefill", [Backend("prefill", url) for url in config.prefill],
                              eject_after=config.eject_after, readmit_after=config.readmit_after)
         self.decodes = Pool("decode", [Backend("decode", d.url, d.control)
                                        for d in config.decode],
                             eject_after=config.eject_after, readmit_after=config.readmit_after)
         self.metrics = RouterMetrics([self.prefills, self.decodes])
-        self.health = HealthChecker(self.client, [self.prefills, self.decodes],
+        self.health = HealthChecker(self.client, self.control, [self.prefills, self.decodes],
                                     interval=config.health_interval,
                                     timeout=config.health_timeout,
                                     on_engine_change=self._engine_changed, also=self._purge)

@@ -20,11 +20,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from kvturn_server._control_secret import (
+    ENV,
+    ENV_FILE,
+    ControlSecretError,
+    check_secret,
+    read_secret_file,
+)
 
 
 class RouterConfigError(ValueError):
@@ -120,6 +130,10 @@ class RouterConfig:
         body_timeout: seconds a client has to send a request's whole body; past it the
             router answers 408 and closes the connection.
         backend_api_key: sent as ``Authorization: Bearer`` to every backend, if set.
+        control_secret: the decodes' control API secret (``X-KVTurn-Control-Secret`` on every
+            control call); from a config file or ``KVTURN_CONTROL_SECRET``, never a flag.
+        control_secret_file: a file holding it (``--control-secret-file``,
+            ``KVTURN_CONTROL_SECRET_FILE``); read at start-up.
         http_client: ``pooled`` (the router's lean keep-alive transport) or ``httpx``
             (httpx2's default transport; slower, for comparison or odd networks).
         capture_attempts: how often the router asks a decode for a just-finished stream's
@@ -171,6 +185,8 @@ class RouterConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     body_timeout: float = 60.0
     backend_api_key: str | None = field(default=None, repr=False)
+    control_secret: str | None = field(default=None, repr=False)
+    control_secret_file: str | None = None
     http_client: str = "pooled"
     capture_attempts: int = 3
     capture_retry_delay: float = 0.05
@@ -240,6 +256,23 @@ class RouterConfig:
         if self.log_format not in ("text", "json"):
             raise RouterConfigError(f"log_format must be 'text' or 'json', got "
                                     f"{self.log_format!r}")
+        self._resolve_control_secret()
+
+    def _resolve_control_secret(self) -> None:
+        if self.control_secret is not None and self.control_secret_file is not None:
+            raise RouterConfigError("give control_secret or control_secret_file, not both")
+        try:
+            if self.control_secret_file is not None:
+                secret: str | None = read_secret_file(self.control_secret_file)
+            elif self.control_secret is not None:
+                if not isinstance(self.control_secret, str):
+                    raise RouterConfigError("control_secret must be a string")
+                secret = check_secret(self.control_secret, "the router config")
+            else:
+                secret = None
+        except ControlSecretError as exc:
+            raise RouterConfigError(str(exc)) from exc
+        object.__setattr__(self, "control_secret", secret)
 
     @property
     def effective_pin_ttl(self) -> float:
@@ -250,7 +283,7 @@ class RouterConfig:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "backend_api_key":
+            if f.name in ("backend_api_key", "control_secret"):
                 value = "***" if value else None
             elif f.name == "decode":
                 value = ",".join(f"{d.url}(control={d.control})" for d in value)
@@ -420,6 +453,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         "--kv-reuse", action=argparse.BooleanOptionalAction, default=None,
         help="keep conversations' KV on the decodes and reuse it (default); --no-kv-reuse "
              "runs stock P/D (ids then only give affinity)")
+    parser.add_argument(
+        "--control-secret-file", default=None, metavar="PATH",
+        help="file holding the decodes' control API secret (default: $KVTURN_CONTROL_SECRET_FILE, "
+             "else $KVTURN_CONTROL_SECRET, else none); the secret itself is never a flag")
     parser.add_argument("--http-client", choices=("pooled", "httpx"), default=None,
                         help="backend HTTP transport (default: pooled)")
     parser.add_argument("--log-level", choices=_LOG_LEVELS, default=None,
@@ -428,17 +465,26 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="default: text (key=value)")
 
 
-def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
-    """The config from ``add_router_args`` flags (and ``--config``); RouterConfigError with a
-    one-line reason when it is not usable."""
+def router_config_from_args(args: argparse.Namespace,
+                            environ: Mapping[str, str] | None = None) -> RouterConfig:
+    """The config from ``add_router_args`` flags (and ``--config``), the control secret from
+    the environment when neither names one; RouterConfigError with a one-line reason when it
+    is not usable."""
     values: dict[str, Any] = {}
     if getattr(args, "config", None) is not None:
         values.update({k.replace("-", "_"): v
                        for k, v in load_config_file(args.config).items()})
     names = {"prefill", "decode", "host", "port", "state", "http_client", "log_level",
-             "log_format", "prefill_policy", "kv_reuse", *(name for name, _, _ in _FLAGS)}
+             "log_format", "prefill_policy", "kv_reuse", "control_secret_file",
+             *(name for name, _, _ in _FLAGS)}
     for name in names:
         value = getattr(args, name, None)
         if value is not None:
             values[name] = tuple(value) if name in ("prefill", "decode") else value
+    if "control_secret" not in values and "control_secret_file" not in values:
+        environ = os.environ if environ is None else environ
+        if environ.get(ENV_FILE):
+            values["control_secret_file"] = environ[ENV_FILE]
+        elif environ.get(ENV):
+            values["control_secret"] = environ[ENV]
     return RouterConfig.from_mapping(values)

@@ -2,7 +2,8 @@
 
 Every call is bounded by the control timeout. Answers come back typed: a ``Retention``, a
 ``Gone`` (the decode says there is nothing under that key, and why), or a ``ControlError``
-(unreachable, timed out, or an answer that is not the contract's).
+(unreachable, timed out, refused for a missing or wrong secret, or an answer that is not the
+contract's). With a secret configured, every call carries it (``_control_secret.py``).
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+from kvturn_server._control_secret import HEADER
 from kvturn_server.router._backend import BackendClient, BackendError, Reply
 
 PREFIX = "/kvturn/v1"
 
 
 class ControlError(Exception):
-    """The control endpoint could not be used; ``kind`` as BackendError's, or ``bad_reply``."""
+    """The control endpoint could not be used; ``kind`` as BackendError's, ``bad_reply``, or
+    ``unauthorized`` (it answered 401: the secrets differ)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -48,9 +51,11 @@ class Gone:
 
 
 class ControlClient:
-    def __init__(self, client: BackendClient, *, timeout: float) -> None:
+    def __init__(self, client: BackendClient, *, timeout: float,
+                 secret: str | None = None) -> None:
         self.client = client
         self.timeout = timeout
+        self.headers = {HEADER: secret} if secret else None
 
     async def pin(self, control_url: str, key: str, ttl: float) -> Retention | Gone:
         """Hold the retention's blocks for ``ttl`` seconds; its params are safe to read until
@@ -85,11 +90,21 @@ class ControlClient:
             raise ControlError("bad_reply", f"{control_url}: release answered {reply.status}")
         return True
 
+    async def health(self, control_url: str, *, timeout: float) -> Reply:
+        """``GET /health`` (the engine id), for the health checker."""
+        return await self.client.call("GET", control_url + "/health", timeout=timeout,
+                                      headers=self.headers)
+
     async def _call(self, method: str, url: str, body: bytes | None = None) -> Reply:
         try:
-            return await self.client.call(method, url, body, timeout=self.timeout)
+            reply = await self.client.call(method, url, body, timeout=self.timeout,
+                                           headers=self.headers)
         except BackendError as exc:
             raise ControlError(exc.kind, str(exc)) from exc
+        if reply.status == 401:
+            raise ControlError("unauthorized", f"{method} {url}: the control endpoint refused "
+                                               f"this router's secret ({HEADER})")
+        return reply
 
 
 def _q(part: str) -> str:

@@ -102,6 +102,12 @@ async def _keepalive(router: Router, conversation_id: str, key: str,
             and decode.engine_id != placement.engine_id:
         await _forget(router, key, placement, "engine_changed")
         raise _no_retention("stale", "its decode restarted")
+    if not decode.control_trusted:
+        # Its engine core may still answer (it outlives a killed API server), but nothing it
+        # keeps can serve a turn: no lease is renewed on the word of a server that is gone.
+        event(log, logging.WARNING, "keepalive_refused", request_id=request_id,
+              conversation=key, backend=decode.url, why=decode.distrust_reason())
+        raise _unavailable(router, "the decode holding this conversation is not answering")
     try:
         result = await router.control.keepalive(decode.control_url, key)
     except ControlError as exc:

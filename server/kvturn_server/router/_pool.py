@@ -11,6 +11,12 @@
 - **Control endpoint**: a decode whose control endpoint fails is still used for decoding, but
   gets no pins or captures until its control endpoint answers again (a hanging one would
   otherwise cost every turn a control timeout).
+- **One engine behind both**: a decode's control endpoint is trusted only while it speaks for
+  the engine behind its HTTP endpoint (:attr:`Backend.control_trusted`): the HTTP side's last
+  health check or leg succeeded, and the engine id its replies name (``kv_transfer_params``)
+  is the one the control endpoint names. vLLM's engine core, which serves the control
+  endpoint and the NIXL reads, outlives a killed API server for minutes: without this the
+  router would pin, and prefills read, blocks of a server that can no longer answer.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator
 
 from kvturn_server.router._backend import BackendClient, BackendError
+from kvturn_server.router._control import ControlClient
 from kvturn_server.router._log import event
 
 log = logging.getLogger("kvturn.router")
@@ -29,9 +36,9 @@ log = logging.getLogger("kvturn.router")
 class Backend:
     """One vLLM instance and what the router knows about it."""
 
-    __slots__ = ("continuing", "control_ok", "control_url", "engine_id", "failures", "healthy",
-                 "in_flight", "last_error", "read_floor", "read_floor_at", "role", "successes",
-                 "url")
+    __slots__ = ("continuing", "control_engine_id", "control_ok", "control_url", "engine_id",
+                 "failures", "healthy", "http_down", "http_engine_id", "in_flight", "last_error",
+                 "read_floor", "read_floor_at", "role", "successes", "url")
 
     def __init__(self, role: str, url: str, control_url: str | None = None) -> None:
         self.role = role
@@ -49,11 +56,41 @@ class Backend:
         self.read_floor_at = 0.0
         self.failures = 0
         self.successes = 0
+        # The HTTP side's last health check failed, or a leg found nothing listening: the
+        # server may be gone while its engine core (and control endpoint) lives on.
+        self.http_down = False
+        # The engine the router takes to be behind this decode (from either side, the
+        # freshest); then what each side itself last named: the control endpoint (health
+        # checks, pin and describe answers) and the HTTP endpoint (its replies' params).
         self.engine_id: str | None = None
+        self.control_engine_id: str | None = None
+        self.http_engine_id: str | None = None
         self.last_error: str | None = None
 
     def __repr__(self) -> str:
         return f"Backend({self.role} {self.url}{'' if self.healthy else ', ejected'})"
+
+    @property
+    def control_trusted(self) -> bool:
+        """Whether pins, captures and keepalives may go to this decode's control endpoint:
+        it answers, the HTTP side is up (not ejected, last check passed, no refused connection
+        since), and both sides name the same engine where both have named one."""
+        if self.control_url is None or not self.control_ok or not self.healthy \
+                or self.http_down:
+            return False
+        return self.http_engine_id is None or self.control_engine_id is None \
+            or self.http_engine_id == self.control_engine_id
+
+    def distrust_reason(self) -> str:
+        """Why :attr:`control_trusted` is False (for logs)."""
+        if self.control_url is None:
+            return "no control endpoint"
+        if not self.control_ok:
+            return "control endpoint not answering"
+        if not self.healthy or self.http_down:
+            return f"HTTP endpoint down ({self.last_error})"
+        return (f"HTTP endpoint names engine {self.http_engine_id}, control endpoint "
+                f"{self.control_engine_id}")
 
     @contextlib.contextmanager
     def lease(self) -> Iterator[None]:
@@ -122,17 +159,22 @@ class Pool:
         backend is back at once (else a decode that restarted between two checks would be
         skipped, and its conversations called stale, until two more checks passed)."""
         backend.failures = 0
+        backend.http_down = False
         if not backend.healthy:
             backend.healthy = True
             backend.successes = 0
             event(log, logging.INFO, "backend_readmitted", role=self.role, backend=backend.url,
                   by="request")
 
-    def leg_failed(self, backend: Backend, why: str) -> None:
+    def leg_failed(self, backend: Backend, why: str, *, refused: bool = False) -> None:
+        """``refused``: nothing listened (connection refused), the server is gone."""
+        if refused:
+            self._down(backend)
         self._failed(backend, why)
 
     def check_passed(self, backend: Backend) -> None:
         backend.failures = 0
+        backend.http_down = False
         if backend.healthy:
             return
         backend.successes += 1
@@ -143,7 +185,15 @@ class Pool:
 
     def check_failed(self, backend: Backend, why: str) -> None:
         backend.successes = 0
+        self._down(backend)
         self._failed(backend, why)
+
+    @staticmethod
+    def _down(backend: Backend) -> None:
+        backend.http_down = True
+        # Whatever answers next on the HTTP side may be another engine (a restart): what it
+        # named before is no longer known.
+        backend.http_engine_id = None
 
     def _failed(self, backend: Backend, why: str) -> None:
         backend.last_error = why
@@ -163,10 +213,12 @@ class HealthChecker:
     every handle to its old retentions stale).
     """
 
-    def __init__(self, client: BackendClient, pools: list[Pool], *, interval: float,
+    def __init__(self, client: BackendClient, control: ControlClient, pools: list[Pool], *,
+                 interval: float,
                  timeout: float, on_engine_change: Callable[[Backend, str | None, str], None],
                  also: Callable[[], Awaitable[None]] | None = None) -> None:
         self.client = client
+        self.control = control
         self.pools = pools
         self.interval = interval
         self.timeout = timeout
@@ -223,13 +275,13 @@ class HealthChecker:
             else:
                 pool.check_failed(backend, f"health check answered {reply.status}")
         if backend.control_url is not None:
-            await self._check_control(backend)
+            await self.check_control(backend)
 
-    async def _check_control(self, backend: Backend) -> None:
+    async def check_control(self, backend: Backend) -> None:
+        """Ask the decode's control endpoint which engine it is (also outside a round)."""
         assert backend.control_url is not None
         try:
-            reply = await self.client.call("GET", backend.control_url + "/health",
-                                           timeout=self.timeout)
+            reply = await self.control.health(backend.control_url, timeout=self.timeout)
             info = reply.json() if reply.status == 200 else None
         except (BackendError, ValueError) as exc:
             if backend.control_ok:
@@ -239,9 +291,15 @@ class HealthChecker:
             return
         engine_id = info.get("engine_id") if isinstance(info, dict) else None
         if not isinstance(engine_id, str):
+            if backend.control_ok:
+                event(log, logging.WARNING, "control_unusable", backend=backend.url,
+                      control=backend.control_url, status=reply.status,
+                      why="a missing or wrong control secret" if reply.status == 401
+                      else "no engine id in its /health answer")
             backend.control_ok = False
             return
         backend.control_ok = True
+        backend.control_engine_id = engine_id
         if engine_id != backend.engine_id:
             old = backend.engine_id
             backend.engine_id = engine_id

@@ -75,6 +75,8 @@ _GONE_REASON = {"expired": "expired", "released": "miss", "replaced": "miss"}
 _RETRYABLE = frozenset({408, 429})
 # Statuses that count against a backend's health (others are about the request).
 _UNHEALTHY = frozenset({502, 503, 504})
+# Decode failures before any answer that say the server may be gone.
+_GONE_KINDS = frozenset({"connect", "broken"})
 
 
 class _Failed:
@@ -250,8 +252,10 @@ class Turn:
         """Pin the placement's retention; on any failure set ``reason`` and leave no pin."""
         placement, holder, key = self.placement, self.holder, self.key
         assert placement is not None and holder is not None and key is not None
-        if not holder.healthy or not holder.control_ok or holder.control_url is None:
+        if not holder.control_trusted or holder.control_url is None:
             self.reason = "stale"
+            event(log, logging.DEBUG, "pin_skipped", request_id=self.request_id,
+                  conversation=key, decode=holder.url, why=holder.distrust_reason())
             return
         if holder.engine_id is not None and placement.engine_id is not None \
                 and holder.engine_id != placement.engine_id:
@@ -274,13 +278,29 @@ class Turn:
             self._drop(placement, result.code if result.code in (
                 "expired", "released", "evicted", "replaced", "no_retention") else "gone")
             return
+        if result.engine_id is not None:
+            holder.control_engine_id = result.engine_id
         if placement.engine_id is not None and result.engine_id is not None \
                 and result.engine_id != placement.engine_id:
             self.reason = "stale"
             self._drop(placement, "engine_changed")
             self._unpin(result)
             return
+        if not holder.control_trusted:
+            # The control endpoint names another engine than the decode's HTTP side: its
+            # blocks are not the ones behind the server that would answer this turn.
+            self.reason = "stale"
+            self._engines_differ(holder)
+            self._unpin(result)
+            return
         self.pin = result
+
+    def _engines_differ(self, backend: Backend) -> None:
+        event(log, logging.WARNING, "control_distrusted", request_id=self.request_id,
+              backend=backend.url, why=backend.distrust_reason())
+        # A restart between two health checks: asking the control endpoint again now ties
+        # the two sides back together (or confirms that they differ) without waiting a round.
+        self.r.spawn(self.r.health.check_control(backend))
 
     def _drop(self, placement: Placement, why: str) -> None:
         """Forget a stale handle (only the one this turn read) and count it."""
@@ -412,12 +432,15 @@ class Turn:
                                 f"answered {status}", reply)
 
     def _leg_failed(self, pool: Pool, backend: Backend, leg: str, kind: str, message: str,
-                    reply: Reply | None = None) -> _Failed:
+                    reply: Reply | None = None, *, gone: bool | None = None) -> _Failed:
+        """``gone``: the failure says the server may be gone (default: a refused connection);
+        its control endpoint is then distrusted until a health check passes."""
         r = self.r
         r.metrics.failure(backend.role, backend.url, kind if reply is None
                           else f"status_{reply.status}")
         if reply is None or reply.status in _UNHEALTHY:
-            pool.leg_failed(backend, f"{leg}: {message}")
+            pool.leg_failed(backend, f"{leg}: {message}",
+                            refused=kind == "connect" if gone is None else gone)
         event(log, logging.WARNING, f"{leg}_attempt_failed", request_id=self.request_id,
               conversation=self.key, backend=backend.url, kind=kind, error=message)
         return _Failed(kind, message, reply)
@@ -437,7 +460,6 @@ class Turn:
                 self.reason = "miss"
         elif params is not None and self.pin_skipped:
             self.reason = self._local_coverage(reuse_report(params))
-        self._count_turn()
 
     def _local_coverage(self, report: ReuseReport | None) -> str:
         """The reuse value of a turn whose prefill held everything the retention offered:
@@ -469,6 +491,7 @@ class Turn:
         data = _json.dumps(decode_body(self.body, params, self.key if self._retains else None))
         backend = choose_decode(r.decodes, self.holder, slack=r.config.decode_affinity_slack)
         if backend is None:
+            self._count_turn()
             r.metrics.request(self.endpoint, "backend_error")
             return error_response(503, "no decode backend is healthy", type_="server_error",
                                   code="no_backend", retry_after=r.config.retry_after,
@@ -477,6 +500,7 @@ class Turn:
             result = await (self._open_stream(backend, data) if self.stream
                             else self._decode_on(backend, data))
             if not isinstance(result, _Failed):
+                self._count_turn()
                 return result
             other = r.decodes.pick(exclude=backend)
             if other is None and result.kind == "connect":
@@ -489,6 +513,17 @@ class Turn:
 
     def _decode_gave_up(self, failed: _Failed) -> Response:
         r = self.r
+        holder = self.holder
+        if holder is not None and holder.http_down:
+            # The conversation's decode failed to answer (killed, its engine core orphaned):
+            # nothing of what was read or held reached the client, and its retentions are
+            # about to go with it. Not a hit, whatever served the prompt; the handle is
+            # dropped, the next turn recomputes.
+            self.reason = "stale"
+            self.reused_tokens = 0
+            if self.placement is not None:
+                self._drop(self.placement, "decode_failed")
+        self._count_turn()
         r.metrics.request(self.endpoint, "backend_error")
         self._log_done(failed.reply.status if failed.reply else 0, "backend_error")
         headers = self.response_headers()
@@ -524,7 +559,10 @@ class Turn:
                                             timeout=r.config.decode_timeout,
                                             headers=self.upstream_headers)
         except BackendError as exc:
-            return self._leg_failed(r.decodes, backend, "decode", exc.kind, str(exc))
+            # Broken before any answer, too: a kept-alive connection to a killed server reads
+            # as a reset, not as a refused connect.
+            return self._leg_failed(r.decodes, backend, "decode", exc.kind, str(exc),
+                                    gone=exc.kind in _GONE_KINDS)
         finally:
             r.metrics.leg("decode", time.perf_counter() - t0)
         if reply.status != 200:
@@ -573,7 +611,8 @@ class Turn:
                 await upstream.aclose()
             backend.in_flight -= 1
             r.metrics.leg("decode", time.perf_counter() - t0)
-            return self._leg_failed(r.decodes, backend, "decode", exc.kind, str(exc))
+            return self._leg_failed(r.decodes, backend, "decode", exc.kind, str(exc),
+                                    gone=exc.kind in _GONE_KINDS)
         now = time.perf_counter()
         r.metrics.leg("decode", now - t0)
         r.metrics.ttft.observe(now - self.started)
@@ -613,6 +652,15 @@ class Turn:
     async def _capture_reply(self, backend: Backend, payload: dict[str, Any],
                              decode_started: float) -> None:
         report = retained_report(payload)
+        if report is not None and report.engine_id is not None:
+            backend.http_engine_id = report.engine_id
+            if backend.control_engine_id not in (None, report.engine_id) \
+                    and backend.control_url is not None:
+                # A restart between two health checks, most likely: ask the control endpoint
+                # now, before the client has this reply and can send its next turn.
+                await self.r.health.check_control(backend)
+                if not backend.control_trusted:
+                    self._engines_differ(backend)
         if report is None:
             # The reply does not say (a stop string ended it: vLLM's front end answered before
             # the engine finished the request; or an older connector): ask the decode, before
@@ -647,7 +695,7 @@ class Turn:
         r = self.r
         key = self.key
         assert key is not None
-        if backend.control_url is None or not backend.control_ok:
+        if backend.control_url is None or not backend.control_trusted:
             r.metrics.capture("failed")
             return
         late = bool(self.body.get("stop"))
@@ -769,7 +817,7 @@ class Turn:
     # Shared bits.
 
     def _control_failed(self, backend: Backend, call: str, exc: ControlError) -> None:
-        if exc.kind in ("connect", "timeout"):
+        if exc.kind in ("connect", "timeout", "unauthorized"):
             backend.control_ok = False  # until a health check finds it answering again
         self.r.metrics.failure("control", backend.url, exc.kind)
         event(log, logging.WARNING, "control_call_failed", request_id=self.request_id,

@@ -202,8 +202,9 @@ def test_a_turn_whose_inputs_cannot_be_covered_is_not_retained(
     with caplog.at_level(logging.WARNING, logger="kvturn.connector"):
         turn = Turn(image_prompt(), REPLY, mm_features=[image(Opaque(), 0)])
     assert not turn.retained
-    assert turn.out is not None and turn.out[KVTURN_FIELD] == {"conversation": KEY,
-                                                                "retained": False}
+    assert turn.out is not None
+    assert turn.out[KVTURN_FIELD] == {"conversation": KEY, "retained": False,
+                                      "engine_id": turn.decode.engine_id}
     assert turn.decode.keeper is not None
     assert not isinstance(turn.decode.keeper.describe(KEY), dict)
     assert "multimodal inputs cannot be covered" in caplog.text

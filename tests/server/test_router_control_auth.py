@@ -112,3 +112,15 @@ def test_unusable_secrets_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(RouterConfigError, match="not both"):
         RouterConfig(prefill=(P,), decode=(D,), control_secret=SECRET,
                      control_secret_file=str(tmp_path / "s"))
+
+
+@pytest.mark.parametrize("flag", ["--control-secret", "--control-sec"])
+def test_a_secret_typed_as_a_flag_is_refused_not_read_as_a_file_name(
+        flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # An abbreviation of --control-secret-file would make the secret a path, and the
+    # "cannot read" error would print it.
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([flag, "s3cret-s3cret-s3cret"])
+    assert "unrecognized arguments" in capsys.readouterr().err

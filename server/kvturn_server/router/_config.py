@@ -420,6 +420,9 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     """The ``kvturn router`` flags; build the config with :func:`router_config_from_args`."""
+    # No abbreviations: "--control-secret X" must not be read as --control-secret-file X (the
+    # "cannot read file" error would print the secret).
+    parser.allow_abbrev = False
     parser.add_argument(
         "--config", type=Path, default=None, metavar="PATH",
         help="TOML (or .json) file of router settings, by field name (prefill, decode, state, "

@@ -17,9 +17,8 @@ from openai import OpenAI
 
 from kvturn_server.local import Stack
 
-from ._greedy import assert_same_logprobs, assert_same_text
 from ._helpers import Delta, plain_chat
-from ._turns import Turn, chat_turn
+from ._turns import Turn, assert_same_answer, chat_turn
 
 MAX_TOKENS = 140  # past one KV block: every turn leaves decode-generated blocks to read
 SYSTEM = "You are a careful assistant. " + " ".join(
@@ -45,8 +44,7 @@ def _turns(stack: Stack, steps: list[dict[str, Any]]) -> list[tuple[Turn, int]]:
             turn = chat_turn(client, model, conversation, messages, False,
                              max_tokens=MAX_TOKENS, extra_body={"conversation_id": conversation,
                                                                 **body})
-        assert_same_text(turn.text, reference)
-        assert_same_logprobs(turn.logprobs, reference)
+        assert_same_answer(turn, reference)
         assert p.value is not None
         done.append((turn, int(p.value.transferred)))
         messages.append({"role": "assistant", "content": turn.text})

@@ -65,8 +65,8 @@ def chat_turn(client: OpenAI, model: str, conversation: str, messages: list[dict
     the plain reference needs; ``extra``: more ``create`` arguments (``extra_body`` merged)."""
     kwargs: dict[str, Any] = {"model": model, "messages": messages, "temperature": 0,
                               "max_tokens": max_tokens,
-                              **answer_fields(conversation_id=conversation,
-                                              **extra.pop("extra_body", {})), **extra}
+                              **answer_fields(**{"conversation_id": conversation,
+                                                 **extra.pop("extra_body", {})}), **extra}
     if stream:
         with client.chat.completions.with_streaming_response.create(
                 stream=True, **kwargs) as response:

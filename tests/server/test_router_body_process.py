@@ -3,6 +3,7 @@ bodies sent to exhaust it: its memory and its connections stay bounded."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -106,3 +107,22 @@ def test_a_body_that_never_completes_frees_its_connection(
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert b"body_timeout" in reply
     assert took < 5  # --body-timeout 1
+
+
+@pytest.mark.parametrize("garbage", [
+    b"NOT AN HTTP REQUEST\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nhost router\r\n\r\n",  # a header without a colon
+    b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: ten\r\n\r\n",
+])
+def test_a_request_that_does_not_parse_gets_an_openai_shaped_400(
+        router: tuple[int, subprocess.Popen[bytes]], garbage: bytes) -> None:
+    port, _ = router
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(garbage)
+        reply = _response(sock)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), reply[:200]
+    assert b"content-type: application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "bad_request"
+    assert error["message"].startswith("malformed HTTP request")

@@ -34,6 +34,7 @@ from kvturn_server.router._errors import error_response
 from kvturn_server.router._log import event, setup_logging
 from kvturn_server.router._metrics import RouterMetrics
 from kvturn_server.router._pool import Backend, HealthChecker, Pool
+from kvturn_server.router._protocol import h11_protocol, httptools_protocol
 from kvturn_server.router._state import ConversationStore, StoreError, open_store
 from kvturn_server.router._transport import PooledTransport
 from kvturn_server.router._turn import completion
@@ -260,8 +261,8 @@ def create_app(config: RouterConfig, transport: httpx2.AsyncBaseTransport | None
     return RouterApp(router, app)
 
 
-def _uvicorn_options() -> dict[str, str]:
-    options = {}
+def _uvicorn_options() -> dict[str, Any]:
+    options: dict[str, Any] = {"http": h11_protocol()}
     with contextlib.suppress(ImportError):
         import uvloop  # noqa: F401
 
@@ -269,7 +270,7 @@ def _uvicorn_options() -> dict[str, str]:
     with contextlib.suppress(ImportError):
         import httptools  # noqa: F401
 
-        options["http"] = "httptools"
+        options["http"] = httptools_protocol()
     return options
 
 
@@ -306,4 +307,4 @@ def serve(config: RouterConfig) -> None:
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning",
                 access_log=False, proxy_headers=False, server_header=False,
                 timeout_graceful_shutdown=math.ceil(config.drain_timeout),
-                **_uvicorn_options())  # type: ignore[arg-type]
+                **_uvicorn_options())

@@ -44,10 +44,13 @@ from kvturn_server.bench._agent_report import (
     aggregate_comparison,
     cdf_points,
     median_tree,
+    pooled_comparison,
     spread,
+    tail_makeup,
     verdict,
 )
 from kvturn_server.bench._host import cpu_info, describe_cpu, host_info
+from kvturn_server.bench._stats import bootstrap_ratio
 from kvturn_server.local._metrics import PromptSources
 from tests.server.bench_fakes import (
     ConversationEndpoints,
@@ -844,3 +847,48 @@ def test_router_arguments_reach_the_stack_and_the_results() -> None:
     settings = AgentBenchSettings(router_args=("--decode-continue-tokens", "256"))
     assert agent_stack_config(settings, {}).router_args == ("--decode-continue-tokens", "256")
     assert settings.describe()["router_args"] == ["--decode-continue-tokens", "256"]
+
+
+def test_first_turns_are_summarized_apart() -> None:
+    off, on = (summarize(run, planned_turns=4) for run in _runs())
+    assert off["ttft_ms_turn1"]["n"] == 1 and off["ttft_ms_turn1"]["p50"] == 100.0
+    cmp = compare({"off": off, "on": on})
+    assert cmp is not None and cmp["ttft_ms_turn1_p50_off_over_on"] == 1.0
+
+
+def test_the_bootstrap_interval_brackets_the_ratio_and_is_reproducible() -> None:
+    rng = random.Random(1)
+    a = [rng.uniform(200, 400) for _ in range(60)]
+    b = [rng.uniform(50, 100) for _ in range(60)]
+    low, high = bootstrap_ratio(a, b, 0.9)
+    assert low is not None and high is not None
+    point = percentile(a, 0.9) / percentile(b, 0.9)  # type: ignore[operator]
+    assert low <= point <= high and low > 2.5 and high < 6.0
+    assert bootstrap_ratio(a, b, 0.9) == (low, high)
+    assert bootstrap_ratio([], b, 0.5) == (None, None)
+
+
+def test_pooled_ratios_pool_every_repeat_and_split_first_turns() -> None:
+    runs = _runs(0) + _runs(1, on_scale=2.0)
+    pooled = pooled_comparison(runs)
+    assert pooled is not None and pooled["turns"] == {"off": 6, "on": 6}
+    # off pools 100, 300, 500 twice; on 100, 50, 60 and 200, 100, 120.
+    assert pooled["ttft_ms_all_p50_off_over_on"]["ratio"] == pytest.approx(300 / 100)
+    assert pooled["ttft_ms_turn1_p50_off_over_on"]["ratio"] == round(100 / 150, 3)
+    assert pooled["ttft_ms_turn2plus_p50_off_over_on"]["ratio"] == pytest.approx(400 / 80)
+    assert pooled_comparison([r for r in runs if r.mode == "off"]) is None
+
+
+def test_the_tail_makeup_counts_first_turns_at_or_above_the_on_quantile() -> None:
+    makeup = tail_makeup(_runs(0) + _runs(1), 0.9)
+    # The on mode's slowest turn is its first (100 ms against 50 and 60).
+    assert makeup == {0: {"turns": 1, "first_turns": 1}, 1: {"turns": 1, "first_turns": 1}}
+
+
+def test_results_carry_the_pooled_verdict() -> None:
+    settings = AgentBenchSettings(agents=1, turns=4, repeats=2)
+    results = build_results(settings, _runs(0) + _runs(1, on_scale=1.5), machine=AMD)
+    cmp = results["comparison"]
+    assert cmp["verdict"]["pooled_never_slower"] is True
+    assert "pooled over the repeats" in table(results)
+    assert "verdict over the pooled turns: kvturn was never slower" in table(results)

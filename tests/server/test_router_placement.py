@@ -5,6 +5,7 @@ docs/http-api.md (B, "Placement"); router/_placement.py, router/_history.py.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -329,3 +330,18 @@ async def test_a_range_the_prefill_declined_to_read_is_not_pinned_for_again(
     prefill = h.router.prefills.members[0]
     learn_read_floor(prefill, declined=0, reused=16, now=prefill.read_floor_at)
     assert prefill.read_floor == 15
+
+
+async def test_the_debug_line_of_a_turn_names_its_route_and_each_leg_s_time(
+        make_harness: MakeHarness, caplog: pytest.LogCaptureFixture) -> None:
+    cluster = Cluster()
+    h = await make_harness(cluster, decode_continue_tokens=512)
+    with caplog.at_level(logging.DEBUG, logger="kvturn.router"):
+        await h.chat("c", messages=[U1])
+        await h.chat("c", messages=turn2())
+    lines = [r for r in caplog.records if r.getMessage() == "request"]
+    assert len(lines) == 2
+    first, second = (r.kvturn_fields for r in lines)
+    assert first["route"] == "prefill" and second["route"] == "decode"
+    assert first["prefill_ms"] >= 0 and first["decode_ms"] >= 0
+    assert "prefill_ms" not in second and second["decode_ms"] >= 0

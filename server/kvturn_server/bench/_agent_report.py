@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,9 +32,11 @@ from kvturn_server.bench._agent_workload import (
 from kvturn_server.bench._host import describe_cpu, host_info
 from kvturn_server.bench._stats import (
     MIB,
+    bootstrap_ratio,
     cdf_points,
     distribution,
     fmt,
+    percentile,
     ratio,
     rounded,
     turn_summary,
@@ -272,7 +274,7 @@ def compare(summaries: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         return None
     off, on = summaries["off"], summaries["on"]
     out: dict[str, Any] = {}
-    for key in ("ttft_ms", "ttft_ms_turn2plus", "itl_ms"):
+    for key in ("ttft_ms", "ttft_ms_turn1", "ttft_ms_turn2plus", "itl_ms"):
         for q in ("p50", "p90", "p99"):
             out[f"{key}_{q}_off_over_on"] = ratio(off[key][q], on[key][q])
     out["itl_ms_p99_on_over_off"] = ratio(on["itl_ms"]["p99"], off["itl_ms"]["p99"])
@@ -345,6 +347,53 @@ def verdict(per_repeat: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "itl_p99_on_over_off_max": max((v for v in itl if v is not None), default=None),
         "itl_p99_within_10pct": every(itl, lambda v: v <= ITL_P99_TOLERANCE),
     }
+
+
+POOLED_NOTE = (
+    "every repeat's turns of a mode pooled (repeats x agents x turns a mode), the off/on ratio "
+    "of each quantile with a 95 % percentile-bootstrap interval (2,000 rounds, seeded); "
+    "turn1 = first turns: a new conversation has nothing to reuse, so they are the same work "
+    "in both modes and differ only by what else the host runs meanwhile")
+POOLED_SCOPES: dict[str, Callable[[TurnRecord], bool]] = {
+    "all": lambda r: True, "turn1": lambda r: r.turn == 1, "turn2plus": lambda r: r.turn > 1}
+
+
+def pooled_comparison(runs: Sequence[ModeRun]) -> dict[str, Any] | None:
+    """The off/on TTFT ratios over every repeat's turns pooled (``POOLED_NOTE``)."""
+    ttft: dict[str, dict[str, list[float]]] = {}
+    for mode in ("off", "on"):
+        ttft[mode] = {scope: [r.ttft_ms for run in runs if run.mode == mode
+                              for r in run.records
+                              if r.ok and r.ttft_ms is not None and keep(r)]
+                      for scope, keep in POOLED_SCOPES.items()}
+    if not ttft["off"]["all"] or not ttft["on"]["all"]:
+        return None
+    out: dict[str, Any] = {"note": POOLED_NOTE,
+                           "turns": {m: len(ttft[m]["all"]) for m in ("off", "on")}}
+    for scope in POOLED_SCOPES:
+        for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+            off, on = ttft["off"][scope], ttft["on"][scope]
+            low, high = bootstrap_ratio(off, on, q)
+            out[f"ttft_ms_{scope}_{name}_off_over_on"] = {
+                "ratio": ratio(percentile(off, q), percentile(on, q)), "low": low,
+                "high": high}
+    return out
+
+
+def tail_makeup(runs: Sequence[ModeRun], q: float) -> dict[int, dict[str, int]]:
+    """Per repeat, the on mode's turns at or above its own TTFT quantile ``q``: how many, and
+    how many of them are first turns (which kvturn cannot speed up: nothing to reuse)."""
+    out: dict[int, dict[str, int]] = {}
+    for run in runs:
+        if run.mode != "on":
+            continue
+        ok = [r for r in run.records if r.ok and r.ttft_ms is not None]
+        cut = percentile([r.ttft_ms for r in ok if r.ttft_ms is not None], q)
+        if cut is None:
+            continue
+        tail = [r for r in ok if r.ttft_ms is not None and r.ttft_ms >= cut]
+        out[run.repeat] = {"turns": len(tail), "first_turns": sum(r.turn == 1 for r in tail)}
+    return out
 
 
 def aggregate_comparison(per_repeat: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -422,13 +471,28 @@ def build_results(settings: AgentBenchSettings, runs: Sequence[ModeRun],
         **(extra or {}),
         "modes_note": MODES_NOTE,
         "modes": modes,
-        "comparison": aggregate_comparison(
-            [rep["comparison"] for rep in repeats if rep["comparison"] is not None]),
+        "comparison": _with_pooled(aggregate_comparison(
+            [rep["comparison"] for rep in repeats if rep["comparison"] is not None]), runs),
         "repeats": repeats,
         "agents": [asdict(a) for run in runs for a in run.agents],
         "turns": [r.to_json() for run in runs for r in run.records],
         "samples": [asdict(s) for run in runs for s in run.samples],
     }
+
+
+def _with_pooled(cmp: dict[str, Any] | None, runs: Sequence[ModeRun]) -> dict[str, Any] | None:
+    if cmp is None:
+        return None
+    pooled = pooled_comparison(runs)
+    checks = [f"ttft_ms_all_{q}_off_over_on" for q in ("p50", "p90", "p99")] + [
+        "ttft_ms_turn2plus_p50_off_over_on"]
+    values = [None if pooled is None else pooled[k]["ratio"] for k in checks]
+    pooled_ok = None if any(v is None for v in values) else all(
+        v is not None and v >= 1.0 for v in values)
+    return {**cmp, "verdict": {**cmp["verdict"], "pooled_never_slower": pooled_ok},
+            "pooled": pooled,
+            "on_tail_makeup": {"p90": {str(k): v for k, v in tail_makeup(runs, 0.9).items()},
+                               "p99": {str(k): v for k, v in tail_makeup(runs, 0.99).items()}}}
 
 
 # The table.
@@ -495,6 +559,9 @@ def _comparison_rows(cmp: dict[str, Any]) -> list[str]:
               "ttft_ms_p90_off_over_on": "TTFT p90 off/on",
               "ttft_ms_p99_off_over_on": "TTFT p99 off/on",
               "ttft_ms_turn2plus_p50_off_over_on": "turns 2+ p50 off/on",
+              "ttft_ms_turn2plus_p99_off_over_on": "turns 2+ p99 off/on",
+              "ttft_ms_turn1_p50_off_over_on": "first turns p50 off/on",
+              "ttft_ms_turn1_p90_off_over_on": "first turns p90 off/on",
               "itl_ms_p50_off_over_on": "ITL p50 off/on",
               "itl_ms_p99_on_over_off": "ITL p99 on/off",
               "tpot_ms_p50_on_over_off": "TPOT p50 on/off",
@@ -504,7 +571,9 @@ def _comparison_rows(cmp: dict[str, Any]) -> list[str]:
     rows = ["ratios of repeat 1, 2, ... (min / median / max); off/on above 1: kvturn faster or "
             "computing less:"]
     for key, label in labels.items():
-        sp = cmp["spread"][key]
+        sp = cmp["spread"].get(key)
+        if sp is None:  # a JSON from before the key existed
+            continue
         values = " ".join(fmt(v, ".2f") for v in sp["per_repeat"])
         rows.append(f"  {label:<24}{values:<24}({fmt(sp['min'], '.2f')} / "
                     f"{fmt(sp['median'], '.2f')} / {fmt(sp['max'], '.2f')})")
@@ -521,12 +590,53 @@ def _comparison_rows(cmp: dict[str, Any]) -> list[str]:
                           for s in v["slower"])
         rows.append(f"verdict: kvturn was SLOWER in {len(v['slower'])} of "
                     f"{n * len(NEVER_SLOWER)} checks: {worst}")
+    rows.extend(_tail_rows(cmp))
+    rows.extend(_pooled_rows(cmp.get("pooled")))
+    if v.get("pooled_never_slower") is not None:
+        rows.append("verdict over the pooled turns: kvturn was " + (
+            "never slower: TTFT p50, p90, p99 and turns 2+ p50 off/on >= 1.00"
+            if v["pooled_never_slower"] else "SLOWER in a pooled TTFT quantile"))
     yes_no = {True: "yes", False: "NO", None: "not measured"}
     rows.append(f"computed tokens (prefill + decode) on <= off in every repeat: "
                 f"{yes_no[v['computed_never_more']]}; ITL p99 on/off <= "
                 f"{ITL_P99_TOLERANCE:.2f} in every repeat: {yes_no[v['itl_p99_within_10pct']]}"
                 f" (max {fmt(v['itl_p99_on_over_off_max'], '.2f')})")
     return rows
+
+
+def _tail_rows(cmp: dict[str, Any]) -> list[str]:
+    makeup = cmp.get("on_tail_makeup") or {}
+    rows = []
+    for q in ("p90", "p99"):
+        per = makeup.get(q) or {}
+        if per:
+            parts = ", ".join(f"repeat {int(k) + 1}: {v['first_turns']} of {v['turns']}"
+                              for k, v in sorted(per.items(), key=lambda kv: int(kv[0])))
+            rows.append(f"  first turns among the on mode's turns at or above its TTFT {q}: "
+                        f"{parts}")
+    return rows
+
+
+def _pooled_rows(pooled: dict[str, Any] | None) -> list[str]:
+    if not pooled:
+        return []
+
+    def cell(key: str) -> str:
+        v = pooled[key]
+        return (f"{fmt(v['ratio'], '.2f')} [{fmt(v['low'], '.2f')}-"
+                f"{fmt(v['high'], '.2f')}]")
+
+    turns = pooled["turns"]
+    return [f"pooled over the repeats ({turns['off']} off / {turns['on']} on turns), off/on "
+            "with 95 % bootstrap intervals:",
+            f"  all turns   p50 {cell('ttft_ms_all_p50_off_over_on')}, p90 "
+            f"{cell('ttft_ms_all_p90_off_over_on')}, p99 {cell('ttft_ms_all_p99_off_over_on')}",
+            f"  turns 2+    p50 {cell('ttft_ms_turn2plus_p50_off_over_on')}, p90 "
+            f"{cell('ttft_ms_turn2plus_p90_off_over_on')}, p99 "
+            f"{cell('ttft_ms_turn2plus_p99_off_over_on')}",
+            f"  first turns p50 {cell('ttft_ms_turn1_p50_off_over_on')}, p90 "
+            f"{cell('ttft_ms_turn1_p90_off_over_on')} (nothing to reuse: the same work in "
+            "both modes)"]
 
 
 # The plot.

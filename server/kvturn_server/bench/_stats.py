@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -70,13 +71,33 @@ class Turn(Protocol):
 
 def turn_summary(records: Sequence[Turn], wall_s: float) -> dict[str, Any]:
     """A run's turns that succeeded and failed, its wall time, turns per second, and the TTFT
-    of every turn and of turns 2+ (the ones that can reuse a previous turn's KV)."""
+    of every turn, of first turns (a new conversation: nothing to reuse, the same work in
+    every mode) and of turns 2+ (the ones that can reuse a previous turn's KV)."""
     ok = [r for r in records if r.ok]
     ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
+    first = [r.ttft_ms for r in ok if r.ttft_ms is not None and r.turn == 1]
     later = [r.ttft_ms for r in ok if r.ttft_ms is not None and r.turn > 1]
     return {"turns_ok": len(ok), "errors": len(records) - len(ok), "wall_s": round(wall_s, 3),
             "turns_per_s": round(len(ok) / wall_s, 4) if wall_s > 0 else None,
-            "ttft_ms": distribution(ttft), "ttft_ms_turn2plus": distribution(later)}
+            "ttft_ms": distribution(ttft), "ttft_ms_turn1": distribution(first),
+            "ttft_ms_turn2plus": distribution(later)}
+
+
+def bootstrap_ratio(a: Sequence[float], b: Sequence[float], q: float, *, rounds: int = 2000,
+                    seed: int = 0) -> tuple[float | None, float | None]:
+    """A 95 % percentile-bootstrap interval of ``quantile(a, q) / quantile(b, q)``: both
+    samples resampled with replacement ``rounds`` times (seeded, so a run's JSON is
+    reproducible from its turns). (None, None) when either sample is empty."""
+    if not a or not b:
+        return None, None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(rounds):
+        num = percentile(rng.choices(a, k=len(a)), q)
+        den = percentile(rng.choices(b, k=len(b)), q)
+        if num is not None and den:
+            ratios.append(num / den)
+    return rounded(percentile(ratios, 0.025)), rounded(percentile(ratios, 0.975))
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:

@@ -95,8 +95,8 @@ class Turn:
     """The state of one completion request while it runs."""
 
     __slots__ = ("body", "continued", "decode_backend", "endpoint", "holder", "identity",
-                 "key", "no_reuse", "path", "pin", "pin_skipped", "placement", "prefill_backend",
-                 "prefill_choice", "prefill_tokens", "r", "reason", "request_id",
+                 "key", "legs_ms", "no_reuse", "path", "pin", "pin_skipped", "placement",
+                 "prefill_backend", "prefill_choice", "prefill_tokens", "r", "reason", "request_id",
                  "retention_sent", "reused_tokens", "route", "started", "stream",
                  "transcript", "upstream_headers")
 
@@ -132,6 +132,8 @@ class Turn:
         self.route = "prefill"
         self.continued = 0  # estimated tokens this turn holds of the decode's budget
         self.transcript: Transcript | None = None
+        # Each leg's latency (the last one of a retried leg), for the per-request debug line.
+        self.legs_ms: dict[str, float] = {}
 
     # The turn.
 
@@ -267,11 +269,11 @@ class Turn:
         try:
             result = await r.control.pin(holder.control_url, key, r.config.effective_pin_ttl)
         except ControlError as exc:
-            r.metrics.leg("pin", time.perf_counter() - t0)
+            self._leg("pin", time.perf_counter() - t0)
             self._control_failed(holder, "pin", exc)
             self.reason = "stale"
             return
-        r.metrics.leg("pin", time.perf_counter() - t0)
+        self._leg("pin", time.perf_counter() - t0)
         holder.control_ok = True
         if isinstance(result, Gone):
             self.reason = _GONE_REASON.get(result.code, "stale")
@@ -407,7 +409,7 @@ class Turn:
         except BackendError as exc:
             return self._leg_failed(r.prefills, backend, "prefill", exc.kind, str(exc))
         finally:
-            r.metrics.leg("prefill", time.perf_counter() - t0)
+            self._leg("prefill", time.perf_counter() - t0)
         status = reply.status
         if status == 200:
             try:
@@ -564,7 +566,7 @@ class Turn:
             return self._leg_failed(r.decodes, backend, "decode", exc.kind, str(exc),
                                     gone=exc.kind in _GONE_KINDS)
         finally:
-            r.metrics.leg("decode", time.perf_counter() - t0)
+            self._leg("decode", time.perf_counter() - t0)
         if reply.status != 200:
             return self._decode_status(backend, reply)
         r.decodes.leg_succeeded(backend)
@@ -610,11 +612,11 @@ class Turn:
             if upstream is not None:
                 await upstream.aclose()
             backend.in_flight -= 1
-            r.metrics.leg("decode", time.perf_counter() - t0)
+            self._leg("decode", time.perf_counter() - t0)
             return self._leg_failed(r.decodes, backend, "decode", exc.kind, str(exc),
                                     gone=exc.kind in _GONE_KINDS)
         now = time.perf_counter()
-        r.metrics.leg("decode", now - t0)
+        self._leg("decode", now - t0)
         r.metrics.ttft.observe(now - self.started)
         r.decodes.leg_succeeded(backend)
         self.decode_backend = backend
@@ -717,7 +719,7 @@ class Turn:
             elif result.created_ago is None \
                     or result.created_ago <= time.perf_counter() - decode_started:
                 break
-        r.metrics.leg("capture", time.perf_counter() - t0)
+        self._leg("capture", time.perf_counter() - t0)
         if isinstance(result, Gone):
             r.metrics.capture("not_retained")
             placement = self.placement
@@ -824,6 +826,10 @@ class Turn:
               conversation=self.key, backend=backend.url, call=call, kind=exc.kind,
               error=str(exc))
 
+    def _leg(self, leg: str, seconds: float) -> None:
+        self.r.metrics.leg(leg, seconds)
+        self.legs_ms[leg] = round(seconds * 1000, 2)
+
     def _state_error(self, op: str, exc: StoreError) -> None:
         self.r.metrics.state_errors.inc()
         event(log, logging.WARNING, "state_store_failed", request_id=self.request_id,
@@ -838,7 +844,8 @@ class Turn:
                   prefill_choice=self.prefill_choice if self.route == "prefill" else None,
                   prefill=self.prefill_backend.url if self.prefill_backend else None,
                   decode=self.decode_backend.url if self.decode_backend else None,
-                  ms=round((time.perf_counter() - self.started) * 1000, 2))
+                  ms=round((time.perf_counter() - self.started) * 1000, 2),
+                  **{f"{leg}_ms": ms for leg, ms in self.legs_ms.items()})
 
 
 def _prompt_tokens(payload: Any) -> int:

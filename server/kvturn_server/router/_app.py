@@ -1,7 +1,8 @@
 """The router: wiring (pools, backend client, control client, state, metrics) and its HTTP app.
 
 Endpoints (docs/http-api.md, section A): ``POST /v1/chat/completions``, ``POST
-/v1/completions`` (``_turn.py``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
+/v1/completions`` (``_turn.py``), ``GET /v1/models``, ``GET /health``, ``GET /ready``,
+``GET /metrics``,
 ``POST /kvturn/v1/conversations/{id}/keepalive`` and ``DELETE /kvturn/v1/conversations/{id}``
 (``_conversations.py``).
 """
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
@@ -82,6 +84,8 @@ class Router:
         self._store = store
         self._tasks: set[asyncio.Task[Any]] = set()
         self.started = False
+        # Set on SIGTERM (``_drain.py``): /ready answers 503, requests are still served.
+        self.draining = False
 
     @property
     def store(self) -> ConversationStore:
@@ -178,6 +182,43 @@ class Router:
                 "state": self.store.kind}
         return Response(_json.dumps(body), media_type="application/json")
 
+    def begin_drain(self, why: str) -> None:
+        """Leave the load balancers' rotation: /ready answers 503 from now on."""
+        if not self.draining:
+            self.draining = True
+            event(log, logging.INFO, "router_draining", why=why,
+                  grace_s=self.config.drain_grace, drain_timeout_s=self.config.drain_timeout)
+
+    def not_ready_reason(self) -> str | None:
+        """Why this router should get no traffic now, or None when it should."""
+        if self.draining:
+            return "draining: the router is shutting down"
+        if not self.started:
+            return "starting"
+        if self.health.running and self.health.rounds == 0:
+            return "the first health checks of the backends have not finished"
+        for pool in (self.prefills, self.decodes):
+            if not pool.healthy:
+                return (f"no healthy {pool.role} backend ({len(pool.members)} known, all "
+                        f"ejected)" if pool.members else f"no {pool.role} backend known yet")
+        return None
+
+    async def ready_endpoint(self, request: Request) -> Response:
+        """Readiness (for a load balancer's probe): 200 with at least one healthy prefill and
+        decode, 503 otherwise and while draining; the body says why."""
+        why = self.not_ready_reason()
+        body: dict[str, Any] = {
+            "status": "ready" if why is None else "not_ready",
+            "prefill": {"healthy": len(self.prefills.healthy),
+                        "total": len(self.prefills.members)},
+            "decode": {"healthy": len(self.decodes.healthy),
+                       "total": len(self.decodes.members)},
+            "draining": self.draining}
+        if why is not None:
+            body["why"] = why
+        return Response(_json.dumps(body), status_code=200 if why is None else 503,
+                        media_type="application/json")
+
     async def metrics_endpoint(self, request: Request) -> Response:
         try:
             self.metrics.conversations.set(await self.store.size())
@@ -251,6 +292,7 @@ def create_app(config: RouterConfig, transport: httpx2.AsyncBaseTransport | None
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", router.models, methods=["GET"]),
             Route("/health", router.health_endpoint, methods=["GET"]),
+            Route("/ready", router.ready_endpoint, methods=["GET"]),
             Route("/metrics", router.metrics_endpoint, methods=["GET"]),
             Route("/kvturn/v1/conversations/{rest:path}", conversations,
                   methods=["POST", "DELETE"]),
@@ -296,15 +338,24 @@ def _check_state(config: RouterConfig) -> None:
 
 
 def serve(config: RouterConfig) -> None:
-    """Run the router until SIGINT/SIGTERM (``kvturn router``); in-flight requests and streams
-    get ``drain_timeout`` seconds to finish. RouterConfigError (one line) when it cannot start:
-    an unreachable Redis state store."""
+    """Run the router until SIGINT/SIGTERM (``kvturn router``): SIGTERM drains
+    (``_drain.py``: ``drain_grace`` seconds of service while /ready answers 503, then
+    in-flight requests and streams get ``drain_timeout`` seconds to finish). RouterConfigError
+    (one line) when it cannot start: an unreachable Redis state store."""
     import uvicorn
+
+    from kvturn_server.router._drain import DrainingServer
 
     _check_state(config)
     setup_logging(config.log_level, config.log_format)
     event(log, logging.INFO, "router_config", **config.summary())
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning",
-                access_log=False, proxy_headers=False, server_header=False,
-                timeout_graceful_shutdown=math.ceil(config.drain_timeout),
-                **_uvicorn_options())
+    app = create_app(config)
+    server_config = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level="warning", access_log=False,
+        proxy_headers=False, server_header=False,
+        timeout_graceful_shutdown=math.ceil(config.drain_timeout), **_uvicorn_options())
+    server = DrainingServer(server_config, app.router, grace=config.drain_grace)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:
+        sys.exit(3)  # uvicorn's code for a server that could not start (port taken)

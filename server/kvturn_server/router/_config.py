@@ -61,7 +61,24 @@ class DecodeSpec:
                     f"decode {text!r}: unknown option {option!r} (the form is "
                     "URL[,control=URL])")
             control = _base_url(value, "decode control")
+        if control is not None:
+            _same_discovery(url, control)
         return cls(url, control or default_control_url(url))
+
+    @property
+    def discovered(self) -> bool:
+        """Whether this entry names a DNS name to resolve rather than one instance."""
+        return self.url.startswith(DNS_PREFIX)
+
+
+def _same_discovery(url: str, control: str) -> None:
+    """A discovered decode's control endpoint is on each of its addresses: the control URL
+    names the same DNS name (only its scheme and port are used)."""
+    if url.startswith(DNS_PREFIX) != control.startswith(DNS_PREFIX) or (
+            url.startswith(DNS_PREFIX) and urlsplit(url).hostname != urlsplit(control).hostname):
+        raise RouterConfigError(
+            f"decode {url}: a dns+ decode's control URL is dns+ on the same name (e.g. "
+            f"control=dns+http://NAME:9201), and a plain decode's is plain; got {control}")
 
 
 def default_control_url(url: str) -> str:
@@ -74,6 +91,11 @@ def default_control_url(url: str) -> str:
     return f"{parts.scheme}://{host}:{port + 1}"
 
 
+# A backend URL with this scheme prefix names a DNS name whose every address is a backend
+# (a Kubernetes headless Service), re-resolved every ``discovery_interval`` (``_discovery.py``).
+DNS_PREFIX = "dns+"
+
+
 def _base_url(url: str, what: str) -> str:
     url = url.strip().rstrip("/")
     try:
@@ -81,10 +103,13 @@ def _base_url(url: str, what: str) -> str:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError as exc:
         raise RouterConfigError(f"{what} URL {url!r}: {exc}") from exc
-    if parts.scheme not in ("http", "https") or not parts.hostname \
-            or parts.netloc.endswith(":"):
+    scheme = parts.scheme.removeprefix(DNS_PREFIX)
+    if scheme not in ("http", "https") or not parts.hostname or parts.netloc.endswith(":"):
         raise RouterConfigError(
-            f"{what} URL must look like http://host:port (or https://), got {url!r}")
+            f"{what} URL must look like http://host:port (or https://, or dns+http://name:port "
+            f"for every address of a DNS name), got {url!r}")
+    if parts.scheme.startswith(DNS_PREFIX) and parts.port is None:
+        raise RouterConfigError(f"{what} URL {url!r}: a dns+ URL needs a port")
     if parts.query or parts.fragment:
         raise RouterConfigError(f"{what} URL {url!r} must not have a query or fragment")
     return url
@@ -125,6 +150,14 @@ class RouterConfig:
             so that its next turn reports ``expired`` rather than ``miss``.
         retry_after: seconds clients are told to wait on transient errors (``Retry-After``).
         drain_timeout: seconds a shutdown waits for in-flight requests and streams.
+        drain_grace: seconds between SIGTERM and the start of that shutdown, during which
+            ``/ready`` answers 503 (so that load balancers take the router out of rotation)
+            while new requests are still served; 0 (default) shuts down at once.
+        discovery_interval: seconds between two resolutions of the ``dns+http://`` backends
+            (``_discovery.py``): new addresses join their pool, vanished ones are drained.
+        otel: export an OpenTelemetry span per backend leg over OTLP (``_tracing.py``; needs
+            the ``kvturn[otel]`` extra; the exporter reads the standard ``OTEL_*``
+            variables, e.g. ``OTEL_EXPORTER_OTLP_ENDPOINT``).
         max_body_bytes: largest request body accepted; a body is refused (413) as soon as
             this many bytes have arrived, declared or chunked.
         body_timeout: seconds a client has to send a request's whole body; past it the
@@ -182,6 +215,9 @@ class RouterConfig:
     remember_expired: float = 600.0
     retry_after: float = 1.0
     drain_timeout: float = 30.0
+    drain_grace: float = 0.0
+    discovery_interval: float = 10.0
+    otel: bool = False
     max_body_bytes: int = 32 * 1024 * 1024
     body_timeout: float = 60.0
     backend_api_key: str | None = field(default=None, repr=False)
@@ -218,9 +254,9 @@ class RouterConfig:
         object.__setattr__(self, "decode", decode)
         for name in ("prefill_timeout", "connect_timeout", "decode_timeout", "control_timeout",
                      "health_interval", "health_timeout", "retention_ttl", "retry_after",
-                     "drain_timeout", "body_timeout"):
+                     "drain_timeout", "body_timeout", "discovery_interval"):
             _positive(name, getattr(self, name))
-        for name in ("remember_expired", "capture_retry_delay"):
+        for name in ("remember_expired", "capture_retry_delay", "drain_grace"):
             _positive(name, getattr(self, name), allow_zero=True)
         if self.pin_ttl is not None:
             _positive("pin_ttl", self.pin_ttl)
@@ -238,8 +274,10 @@ class RouterConfig:
             raise RouterConfigError(
                 f"prefill_policy must be one of {', '.join(PREFILL_POLICIES)}, got "
                 f"{self.prefill_policy!r}")
-        if not isinstance(self.kv_reuse, bool):
-            raise RouterConfigError(f"kv_reuse must be true or false, got {self.kv_reuse!r}")
+        for name in ("kv_reuse", "otel"):
+            if not isinstance(getattr(self, name), bool):
+                raise RouterConfigError(f"{name} must be true or false, got "
+                                        f"{getattr(self, name)!r}")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise RouterConfigError(f"port must be 0-65535, got {self.port!r}")
         if self.state != "memory" and not self.state.startswith(("redis://", "rediss://",
@@ -334,8 +372,10 @@ def _decode_entry(entry: Any) -> DecodeSpec:
             and set(entry) <= {"url", "control"}:
         url = _base_url(entry["url"], "decode")
         control = entry.get("control")
-        return DecodeSpec(url, _base_url(control, "decode control") if control
-                          else default_control_url(url))
+        if control:
+            control = _base_url(control, "decode control")
+            _same_discovery(url, control)
+        return DecodeSpec(url, control or default_control_url(url))
     raise RouterConfigError(
         f"a decode entry is 'URL[,control=URL]' or {{url = URL, control = URL}}, got {entry!r}")
 
@@ -396,6 +436,11 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                                 "turn reports 'expired', not 'miss')"),
     ("retry_after", float, "Retry-After seconds on transient errors"),
     ("drain_timeout", float, "seconds shutdown waits for in-flight requests and streams"),
+    ("drain_grace", float, "seconds after SIGTERM during which /ready answers 503 and new "
+                           "requests are still served, before the shutdown starts (give "
+                           "load balancers time to take the router out of rotation)"),
+    ("discovery_interval", float, "seconds between two DNS resolutions of dns+http:// "
+                                  "backends"),
     ("max_body_bytes", int, "largest request body accepted (413 as soon as more has "
                             "arrived, chunked or not)"),
     ("body_timeout", float, "seconds a client has to send a whole request body (then 408 "
@@ -466,6 +511,94 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="default: info (one line per request at debug)")
     parser.add_argument("--log-format", choices=("text", "json"), default=None,
                         help="default: text (key=value)")
+    parser.add_argument(
+        "--otel", action=argparse.BooleanOptionalAction, default=None,
+        help="export an OpenTelemetry span per backend leg (pin, prefill, decode, capture) "
+             "over OTLP/HTTP, configured by the standard OTEL_* variables (needs "
+             "pip install 'kvturn[otel]'); W3C traceparent is passed to the backends "
+             "either way")
+    parser.epilog = ENV_EPILOG
+    if parser.formatter_class is argparse.HelpFormatter:
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+ENV_PREFIX = "KVTURN_"
+
+ENV_EPILOG = """\
+environment:
+  Every setting can also come from a KVTURN_<FLAG> variable: the flag's name in capitals,
+  dashes as underscores (--prefill-policy -> KVTURN_PREFILL_POLICY, --health-interval ->
+  KVTURN_HEALTH_INTERVAL, --config -> KVTURN_CONFIG). A flag wins over its variable, a
+  variable over the config file. Lists are separated by spaces:
+  KVTURN_PREFILL="http://p0:8100 http://p1:8100",
+  KVTURN_DECODE="http://d0:8200,control=http://d0:9201 http://d1:8200".
+  Switches take true/false (also 1/0, yes/no, on/off): KVTURN_KV_REUSE=false.
+  Secrets: KVTURN_CONTROL_SECRET or KVTURN_CONTROL_SECRET_FILE, KVTURN_BACKEND_API_KEY.
+
+discovery:
+  A backend given as dns+http://NAME:PORT stands for every address NAME resolves to (a
+  Kubernetes headless Service), resolved again every --discovery-interval seconds: new
+  addresses join the pool, vanished ones get no new turns and finish what they serve.
+  A discovered decode's control endpoint: ,control=dns+http://NAME:PORT (default PORT+1).
+
+shutdown:
+  On SIGTERM /ready answers 503 at once; requests are still served for --drain-grace
+  seconds, then the router stops accepting and gives in-flight requests and streams up to
+  --drain-timeout seconds. A second signal skips the grace.
+"""
+
+
+def _env_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def _choice(choices: tuple[str, ...]) -> Any:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"invalid choice: {text!r} (choose from {', '.join(choices)})")
+        return text
+    return parse
+
+
+# Setting -> how its KVTURN_* variable's text is read (the flag's own type). The control
+# secret's two variables keep their own rule (below): they apply only when the config file
+# names no secret.
+_ENV_SETTINGS: dict[str, Any] = {
+    "prefill": str.split, "decode": str.split, "host": str, "port": int, "state": str,
+    "prefill_policy": _choice(PREFILL_POLICIES), "kv_reuse": _env_bool,
+    "http_client": _choice(("pooled", "httpx")),
+    "log_level": _choice(_LOG_LEVELS), "log_format": _choice(("text", "json")),
+    "otel": _env_bool, **{name: type_ for name, type_, _ in _FLAGS},
+}
+
+
+def env_name(setting: str) -> str:
+    """``prefill_policy`` -> ``KVTURN_PREFILL_POLICY`` (the flag ``--prefill-policy``)."""
+    return ENV_PREFIX + setting.upper()
+
+
+def settings_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The settings given as ``KVTURN_*`` variables (empty ones count as unset), read as
+    their flags read them; RouterConfigError naming the variable when one cannot be."""
+    values: dict[str, Any] = {}
+    for name, convert in _ENV_SETTINGS.items():
+        text = environ.get(env_name(name), "")
+        if not text.strip():
+            continue
+        try:
+            value = convert(text.strip())
+        except ValueError as exc:
+            detail = (f"invalid {convert.__name__} value: {text!r}"
+                      if convert in (int, float) else str(exc))
+            raise RouterConfigError(
+                f"{env_name(name)} (as --{name.replace('_', '-')}): {detail}") from exc
+        values[name] = tuple(value) if isinstance(value, list) else value
+    return values
 
 
 def router_config_from_args(args: argparse.Namespace,
@@ -473,19 +606,20 @@ def router_config_from_args(args: argparse.Namespace,
     """The config from ``add_router_args`` flags (and ``--config``), the control secret from
     the environment when neither names one; RouterConfigError with a one-line reason when it
     is not usable."""
+    environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
-    if getattr(args, "config", None) is not None:
+    config_file = getattr(args, "config", None)
+    if config_file is None and environ.get(env_name("config")):
+        config_file = Path(environ[env_name("config")])
+    if config_file is not None:
         values.update({k.replace("-", "_"): v
-                       for k, v in load_config_file(args.config).items()})
-    names = {"prefill", "decode", "host", "port", "state", "http_client", "log_level",
-             "log_format", "prefill_policy", "kv_reuse", "control_secret_file",
-             *(name for name, _, _ in _FLAGS)}
-    for name in names:
+                       for k, v in load_config_file(config_file).items()})
+    values.update(settings_from_env(environ))
+    for name in (*_ENV_SETTINGS, "control_secret_file"):
         value = getattr(args, name, None)
         if value is not None:
             values[name] = tuple(value) if name in ("prefill", "decode") else value
     if "control_secret" not in values and "control_secret_file" not in values:
-        environ = os.environ if environ is None else environ
         if environ.get(ENV_FILE):
             values["control_secret_file"] = environ[ENV_FILE]
         elif environ.get(ENV):

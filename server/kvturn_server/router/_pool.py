@@ -239,6 +239,11 @@ class HealthChecker:
                 await self._task
             self._task = None
 
+    @property
+    def running(self) -> bool:
+        """Whether checks run in the background (``start``ed, not ``stop``ped)."""
+        return self._task is not None
+
     def poke(self) -> None:
         """Run the next round now."""
         self._wake.set()

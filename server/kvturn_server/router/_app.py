@@ -38,6 +38,7 @@ from kvturn_server.router._metrics import RouterMetrics
 from kvturn_server.router._pool import Backend, HealthChecker, Pool
 from kvturn_server.router._protocol import h11_protocol, httptools_protocol
 from kvturn_server.router._state import ConversationStore, StoreError, open_store
+from kvturn_server.router._tracing import Tracing, make_tracing
 from kvturn_server.router._transport import PooledTransport
 from kvturn_server.router._turn import completion
 
@@ -81,6 +82,7 @@ class Router:
                                     interval=config.health_interval,
                                     timeout=config.health_timeout,
                                     on_engine_change=self._engine_changed, also=self._purge)
+        self.tracing: Tracing = make_tracing(config.otel)
         self._store = store
         self._tasks: set[asyncio.Task[Any]] = set()
         self.started = False
@@ -117,6 +119,7 @@ class Router:
         for task in list(self._tasks):
             task.cancel()
         await self.client.aclose()
+        self.tracing.shutdown()
         if self._store is not None:
             await self._store.aclose()
         self.started = False

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -59,6 +60,7 @@ from kvturn_server.router._placement import (
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import Placement, StoreError
 from kvturn_server.router._stream import RelayResponse, StreamEnd
+from kvturn_server.router._tracing import LegSpan, incoming_trace
 from kvturn_server.router._validate import validate_request
 
 if TYPE_CHECKING:
@@ -98,7 +100,7 @@ class Turn:
                  "key", "legs_ms", "no_reuse", "path", "pin", "pin_skipped", "placement",
                  "prefill_backend", "prefill_choice", "prefill_tokens", "r", "reason", "request_id",
                  "retention_sent", "reused_tokens", "route", "started", "stream",
-                 "transcript", "upstream_headers")
+                 "trace", "transcript", "upstream_headers")
 
     def __init__(self, router: Router, *, request_id: str, endpoint: str, path: str,
                  body: dict[str, Any], identity: Identity | None, no_reuse: bool,
@@ -114,6 +116,9 @@ class Turn:
         self.started = started
         self.stream = body.get("stream") is True
         self.upstream_headers = {"x-request-id": request_id}
+        # Spans per leg and the traceparent each leg carries (``_tracing.py``); the client's
+        # trace context, when it sent one, is set by the endpoint.
+        self.trace = router.tracing.turn({}, request_id)
         self.placement: Placement | None = None
         self.holder: Backend | None = None
         self.pin: Retention | None = None
@@ -266,13 +271,16 @@ class Turn:
             return
         r = self.r
         t0 = time.perf_counter()
+        span = self.trace.leg("pin", holder.url)
         try:
             result = await r.control.pin(holder.control_url, key, r.config.effective_pin_ttl)
         except ControlError as exc:
+            span.end(exc.kind)
             self._leg("pin", time.perf_counter() - t0)
             self._control_failed(holder, "pin", exc)
             self.reason = "stale"
             return
+        span.end()
         self._leg("pin", time.perf_counter() - t0)
         holder.control_ok = True
         if isinstance(result, Gone):
@@ -401,15 +409,18 @@ class Turn:
         """One prefill attempt: its transfer params, a client error to return, or _Failed."""
         r = self.r
         t0 = time.perf_counter()
+        span = self.trace.leg("prefill", backend.url)
         try:
             with backend.lease():
                 reply = await r.client.call("POST", backend.url + self.path, data,
                                             timeout=r.config.prefill_timeout,
-                                            headers=self.upstream_headers)
+                                            headers=self._leg_headers(span))
         except BackendError as exc:
+            span.end(exc.kind)
             return self._leg_failed(r.prefills, backend, "prefill", exc.kind, str(exc))
         finally:
             self._leg("prefill", time.perf_counter() - t0)
+        span.end(None if reply.status == 200 else f"status {reply.status}")
         status = reply.status
         if status == 200:
             try:
@@ -555,18 +566,21 @@ class Turn:
     async def _decode_on(self, backend: Backend, data: bytes) -> Response | _Failed:
         r = self.r
         t0 = time.perf_counter()
+        span = self.trace.leg("decode", backend.url)
         try:
             with backend.lease():
                 reply = await r.client.call("POST", backend.url + self.path, data,
                                             timeout=r.config.decode_timeout,
-                                            headers=self.upstream_headers)
+                                            headers=self._leg_headers(span))
         except BackendError as exc:
+            span.end(exc.kind)
             # Broken before any answer, too: a kept-alive connection to a killed server reads
             # as a reset, not as a refused connect.
             return self._leg_failed(r.decodes, backend, "decode", exc.kind, str(exc),
                                     gone=exc.kind in _GONE_KINDS)
         finally:
             self._leg("decode", time.perf_counter() - t0)
+        span.end(None if reply.status == 200 else f"status {reply.status}")
         if reply.status != 200:
             return self._decode_status(backend, reply)
         r.decodes.leg_succeeded(backend)
@@ -595,14 +609,16 @@ class Turn:
         t0 = time.perf_counter()
         backend.in_flight += 1
         upstream: UpstreamStream | None = None
+        span = self.trace.leg("decode", backend.url)
         try:
             upstream = await r.client.open_stream(backend.url + self.path, data,
                                                   timeout=r.config.decode_timeout,
-                                                  headers=self.upstream_headers)
+                                                  headers=self._leg_headers(span))
             if upstream.status != 200:
                 body = await upstream.read_all()
                 await upstream.aclose()
                 backend.in_flight -= 1
+                span.end(f"status {upstream.status}")
                 reply = Reply(upstream.status, upstream.content_type, body)
                 return self._decode_status(backend, reply)
             first = await upstream.next_chunk()
@@ -612,6 +628,7 @@ class Turn:
             if upstream is not None:
                 await upstream.aclose()
             backend.in_flight -= 1
+            span.end(exc.kind)
             self._leg("decode", time.perf_counter() - t0)
             return self._leg_failed(r.decodes, backend, "decode", exc.kind, str(exc),
                                     gone=exc.kind in _GONE_KINDS)
@@ -633,6 +650,7 @@ class Turn:
 
         async def finish(end: StreamEnd) -> None:
             backend.in_flight -= 1
+            span.end(None if end.error is None else end.error.kind)
             if end.error is not None:
                 self._leg_failed(r.decodes, backend, "decode", end.error.kind, str(end.error))
             r.metrics.request(self.endpoint, end.outcome)
@@ -702,6 +720,7 @@ class Turn:
             return
         late = bool(self.body.get("stop"))
         t0 = time.perf_counter()
+        span = self.trace.leg("capture", backend.url)
         result: Retention | Gone | None = None
         for attempt in range(r.config.capture_attempts):
             if attempt:
@@ -709,6 +728,7 @@ class Turn:
             try:
                 result = await r.control.describe(backend.control_url, key)
             except ControlError as exc:
+                span.end(exc.kind)
                 self._control_failed(backend, "describe", exc)
                 r.metrics.capture("failed")
                 return
@@ -719,6 +739,7 @@ class Turn:
             elif result.created_ago is None \
                     or result.created_ago <= time.perf_counter() - decode_started:
                 break
+        span.end()
         self._leg("capture", time.perf_counter() - t0)
         if isinstance(result, Gone):
             r.metrics.capture("not_retained")
@@ -818,6 +839,10 @@ class Turn:
 
     # Shared bits.
 
+    def _leg_headers(self, span: LegSpan) -> dict[str, str]:
+        return {**self.upstream_headers, **span.headers} if span.headers \
+            else self.upstream_headers
+
     def _control_failed(self, backend: Backend, call: str, exc: ControlError) -> None:
         if exc.kind in ("connect", "timeout", "unauthorized"):
             backend.control_ok = False  # until a health check finds it answering again
@@ -886,4 +911,12 @@ async def completion(router: Router, request: Request) -> Response:
     turn = Turn(router, request_id=request_id, endpoint=endpoint, path=path,
                 body=client_body(body), identity=identity,
                 no_reuse="x-kvturn-no-reuse" in headers, started=started)
+    traced(turn, headers)
     return await turn.run()
+
+
+def traced(turn: Turn, headers: Mapping[str, str]) -> None:
+    """Give ``turn``'s legs the client's W3C trace context (``_tracing.py``)."""
+    incoming = incoming_trace(headers)
+    if incoming or turn.r.tracing.enabled:
+        turn.trace = turn.r.tracing.turn(incoming, turn.request_id)

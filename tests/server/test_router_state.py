@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 
 from kvturn_server.router import MemoryStore, Placement, StoreError
-from kvturn_server.router._state import ConversationStore, open_store
+from kvturn_server.router._state import SUPERSEDED, ConversationStore, open_store
 from kvturn_server.router._state_redis import RedisStore
 from tests.server.conftest import MakeHarness
-from tests.server.router_fakes import Cluster, ManualClock
+from tests.server.router_fakes import AsgiCall, Cluster, ManualClock
 
 MakeStore = Callable[..., Awaitable[ConversationStore]]
 
@@ -194,3 +196,79 @@ async def test_a_state_store_outage_costs_reuse_not_turns(make_harness: MakeHarn
     line = next(x for x in metrics.splitlines()
                 if x.startswith("kvturn_router_state_errors_total "))
     assert float(line.split()[1]) >= 4
+
+
+async def test_put_keeps_the_newest_version(make_store: MakeStore) -> None:
+    clock = ManualClock()
+    store = await make_store(clock)
+    newer = Placement(decode="http://d1:8200", engine_id="e", num_tokens=20,
+                      expires_at=clock() + 100, turn="t2", version=clock() + 1.0)
+    older = Placement(decode="http://d0:8200", engine_id="e", num_tokens=10,
+                      expires_at=clock() + 100, turn="t1", version=clock())
+    assert await store.put("k", newer) == 0
+    assert await store.put("k", older) == SUPERSEDED
+    assert await store.get("k") == newer
+    # The same version again (a keepalive renewing the lease) is written.
+    renewed = Placement(decode="http://d1:8200", engine_id="e", num_tokens=20,
+                        expires_at=clock() + 200, turn="t2", version=clock() + 1.0)
+    assert await store.put("k", renewed) == 0
+    assert await store.get("k") == renewed
+    # A record of an older router (no version) never beats a versioned one.
+    assert await store.put("k", _placement(clock, "t0")) == SUPERSEDED
+
+
+async def test_an_entry_past_its_deadline_does_not_block_an_older_version(
+        make_store: MakeStore) -> None:
+    clock = ManualClock()
+    store = await make_store(clock, remember_expired=0.0)
+    await store.put("k", Placement(decode="http://d1:8200", engine_id="e", num_tokens=1,
+                                   expires_at=clock() + 1, turn="t2", version=clock() + 50))
+    clock.advance(2)
+    assert await store.put("k", _placement(clock, "t3")) == 0
+
+
+async def test_two_replicas_racing_keep_the_newest(redis_url: str) -> None:
+    clock = ManualClock()
+    routers = [RedisStore(redis_url, prefix="race:", clock=clock) for _ in range(2)]
+    try:
+        for round_ in range(20):
+            key = f"k{round_}"
+            offers = [Placement(decode=f"http://d{i}:8200", engine_id="e", num_tokens=i,
+                                expires_at=clock() + 100, turn=f"t{i}",
+                                version=clock() + (i + round_) % 2)
+                      for i in range(2)]
+            order = [0, 1] if round_ % 2 else [1, 0]
+            await asyncio.gather(*(routers[i].put(key, offers[i]) for i in order))
+            newest = max(offers, key=lambda p: p.version)
+            assert await routers[0].get(key) == newest
+    finally:
+        for store in routers:
+            await store.aclose()
+
+
+async def test_a_turn_whose_retention_is_superseded_releases_its_own(
+        make_harness: MakeHarness) -> None:
+    cluster = Cluster(decodes=2)
+    h = await make_harness(cluster)
+    await h.chat("c")
+    key, first = next((k, d) for d in cluster.decodes for k in d.retentions)
+    other = next(d for d in cluster.decodes if d is not first)
+    # The next turn decodes on the holder; while it streams, a concurrent turn on another
+    # router records a newer retention on the other decode.
+    first.gate = asyncio.Event()
+    call = AsgiCall(h.app, "POST", "/v1/chat/completions", json.dumps(
+        {"model": "m", "messages": [], "stream": True, "conversation_id": "c"}).encode(),
+        {"content-type": "application/json"})
+    await call.next_body()
+    newest = Placement(decode=other.url, engine_id=None, num_tokens=99,
+                       expires_at=h.clock() + 100, turn="other-router",
+                       version=h.clock() + 10)
+    await h.router.store.put(key, newest)
+    first.gate.set()
+    await call.done()
+    await h.router.wait_idle()
+    assert await h.router.store.get(key) == newest
+    releases = [e for e in cluster.calls(f"{first.name}.control", "DELETE")
+                if "/retentions/" in e.path]
+    assert len(releases) == 1
+    assert not cluster.calls(f"{other.name}.control", "DELETE")

@@ -29,9 +29,10 @@ from starlette.types import Receive, Scope, Send
 
 from kvturn_server.router import _json
 from kvturn_server.router._backend import BackendClient, BackendError
-from kvturn_server.router._config import RouterConfig, RouterConfigError
+from kvturn_server.router._config import DNS_PREFIX, RouterConfig, RouterConfigError
 from kvturn_server.router._control import ControlClient
 from kvturn_server.router._conversations import conversation_endpoint
+from kvturn_server.router._discovery import Discovery, targets
 from kvturn_server.router._errors import error_response
 from kvturn_server.router._log import event, setup_logging
 from kvturn_server.router._metrics import RouterMetrics
@@ -72,11 +73,20 @@ class Router:
                                     api_key=config.backend_api_key)
         self.control = ControlClient(self.client, timeout=config.control_timeout,
                                      secret=config.control_secret)
-        self.prefills = Pool("prefill", [Backend("prefill", url) for url in config.prefill],
-                             eject_after=config.eject_after, readmit_after=config.readmit_after)
+        found = targets(config.prefill, config.decode)
+        self.prefills = Pool("prefill", [Backend("prefill", url) for url in config.prefill
+                                         if not url.startswith(DNS_PREFIX)],
+                             eject_after=config.eject_after, readmit_after=config.readmit_after,
+                             discovered=any(t.role == "prefill" for t in found))
         self.decodes = Pool("decode", [Backend("decode", d.url, d.control)
-                                       for d in config.decode],
-                            eject_after=config.eject_after, readmit_after=config.readmit_after)
+                                       for d in config.decode if not d.discovered],
+                            eject_after=config.eject_after, readmit_after=config.readmit_after,
+                            discovered=any(t.role == "decode" for t in found))
+        # dns+ backends (``_discovery.py``): resolved at start, then every interval.
+        self.discovery = Discovery(found, {"prefill": self.prefills, "decode": self.decodes},
+                                   interval=config.discovery_interval,
+                                   timeout=config.connect_timeout,
+                                   on_change=self._members_changed)
         self.metrics = RouterMetrics([self.prefills, self.decodes])
         self.health = HealthChecker(self.client, self.control, [self.prefills, self.decodes],
                                     interval=config.health_interval,
@@ -105,6 +115,9 @@ class Router:
                                            remember_expired=c.remember_expired,
                                            prefix=c.state_prefix, timeout=c.control_timeout,
                                            clock=self.clock)
+        if self.discovery.targets:
+            await self.discovery.refresh()
+            self.discovery.start()
         if health_checks:
             self.health.start()
         self.started = True
@@ -113,6 +126,7 @@ class Router:
 
     async def aclose(self) -> None:
         """Stop health checks, let background calls (unpins, releases) finish, close."""
+        await self.discovery.stop()
         await self.health.stop()
         with contextlib.suppress(TimeoutError):
             await self.wait_idle(self.config.drain_timeout)
@@ -140,6 +154,9 @@ class Router:
         async with asyncio.timeout(timeout):
             while self._tasks:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def _members_changed(self) -> None:
+        self.health.poke()  # check the newcomers now rather than an interval from now
 
     def _engine_changed(self, backend: Backend, old: str | None, new: str) -> None:
         if old is not None:

@@ -21,7 +21,8 @@
 - ``kvturn_router_stale_handles_total{reason}``: handles found stale and dropped: ``expired``,
   ``engine_changed``, ``unknown_decode``, ``evicted``, ``released``, ``replaced``,
   ``no_retention``.
-- ``kvturn_router_captures_total{outcome}``: ``recorded``, ``not_retained``, ``failed``.
+- ``kvturn_router_captures_total{outcome}``: ``recorded``, ``not_retained``, ``failed``,
+  ``superseded`` (a concurrent turn of the conversation recorded a newer retention).
 - ``kvturn_router_conversations``: conversations in the state table.
 - ``kvturn_router_conversation_evictions_total``: conversations the table cap pushed out.
 - ``kvturn_router_state_errors_total``: state-store calls that failed (the turn went on).

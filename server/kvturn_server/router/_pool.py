@@ -106,8 +106,8 @@ class Pool:
     """The backends of one role."""
 
     def __init__(self, role: str, members: list[Backend], *, eject_after: int,
-                 readmit_after: int) -> None:
-        if not members:
+                 readmit_after: int, discovered: bool = False) -> None:
+        if not members and not discovered:
             raise ValueError(f"a {role} pool needs at least one backend")
         self.role = role
         self.members = members
@@ -118,6 +118,18 @@ class Pool:
 
     def by_url(self, url: str) -> Backend | None:
         return self._by_url.get(url)
+
+    def add(self, backend: Backend) -> None:
+        """A backend joins (``_discovery.py``)."""
+        self.members.append(backend)
+        self._by_url[backend.url] = backend
+
+    def remove(self, backend: Backend) -> None:
+        """A backend leaves: no new requests; those in flight hold the backend itself and
+        finish (``_discovery.py``)."""
+        if self._by_url.get(backend.url) is backend:
+            del self._by_url[backend.url]
+            self.members.remove(backend)
 
     @property
     def healthy(self) -> list[Backend]:

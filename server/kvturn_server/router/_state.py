@@ -13,6 +13,10 @@ Semantics, for both:
   (``get`` and ``put`` count as use) and says how many went.
 - ``delete(key, turn=...)`` deletes only the entry that turn recorded, so a turn that found a
   stale handle cannot delete a newer one recorded meanwhile by a concurrent turn.
+- ``put`` is a compare-and-set on ``Placement.version`` (when the retention was made, store
+  clock): a placement older than the live one is not written (``SUPERSEDED``). Two turns of
+  one conversation running at once, on two router replicas or one, thus keep the newest
+  retention, whichever router writes last.
 - Times come from one injected clock (wall-clock seconds; Redis shares them between replicas).
 
 The store is a hint, never the authority: the decode's pin answer is. A lost or stale entry
@@ -54,6 +58,7 @@ class Placement:
         prefill_tokens: prompt tokens of that leg.
         history: the messages of the last turn's request (chat only), for the decode's
             continuation of short turns (``_placement.py``).
+        version: store-clock time the retention was made; ``put`` keeps the newest.
     """
 
     decode: str
@@ -66,6 +71,7 @@ class Placement:
     prefill: str | None = None
     prefill_tokens: int = 0
     history: History | None = None
+    version: float = 0.0
 
     def to_json(self) -> bytes:
         data: dict[str, Any] = {
@@ -73,7 +79,8 @@ class Placement:
             "expires_at": self.expires_at, "turn": self.turn,
             "readable_tokens": self.readable_tokens, "block_size": self.block_size,
             "prefill": self.prefill, "prefill_tokens": self.prefill_tokens,
-            "history": None if self.history is None else self.history.to_dict()}
+            "history": None if self.history is None else self.history.to_dict(),
+            "version": self.version}
         return _json.dumps(data)
 
     @classmethod
@@ -91,7 +98,8 @@ class Placement:
                        block_size=int(raw.get("block_size") or 0),
                        prefill=None if prefill is None else str(prefill),
                        prefill_tokens=int(raw.get("prefill_tokens") or 0),
-                       history=History.from_dict(raw.get("history")))
+                       history=History.from_dict(raw.get("history")),
+                       version=float(raw.get("version") or 0.0))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise StoreError(f"unreadable placement record: {exc}") from exc
 
@@ -99,6 +107,10 @@ class Placement:
     def cached_tokens(self) -> int:
         """Tokens of the retention a prefix cache can use (full blocks)."""
         return self.num_tokens if self.readable_tokens is None else self.readable_tokens
+
+
+# What ``put`` returns when the live entry is newer than the one offered.
+SUPERSEDED = -1
 
 
 class ConversationStore(Protocol):
@@ -109,7 +121,8 @@ class ConversationStore(Protocol):
     async def get(self, key: str) -> Placement | None: ...
 
     async def put(self, key: str, placement: Placement) -> int:
-        """Insert or replace; returns how many entries the cap evicted."""
+        """Insert or replace unless the live entry is newer (a higher ``version``); returns
+        how many entries the cap evicted, or ``SUPERSEDED`` when not written."""
         ...
 
     async def delete(self, key: str, *, turn: str | None = None) -> bool:
@@ -151,6 +164,9 @@ class MemoryStore:
         return entry[0]
 
     async def put(self, key: str, placement: Placement) -> int:
+        old = self._entries.get(key)
+        if old is not None and old[0].version > placement.version and old[1] > self._clock():
+            return SUPERSEDED
         deadline = placement.expires_at + self.remember_expired
         self._seq += 1
         self._entries[key] = (placement, deadline, self._seq)

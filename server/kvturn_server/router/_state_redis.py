@@ -40,8 +40,16 @@ redis.call('ZADD', KEYS[2], redis.call('INCR', KEYS[4]), ARGV[1])
 return v
 """
 
-# KEYS: value, lru, exp, seq.  ARGV: member, value, deadline, ttl_ms, cap, value prefix.
+# KEYS: value, lru, exp, seq.  ARGV: member, value, deadline, ttl_ms, cap, value prefix,
+# version. -1: the live entry is newer (compare-and-set on the version).
 _PUT = """
+local old = redis.call('GET', KEYS[1])
+if old then
+  local ok, rec = pcall(cjson.decode, old)
+  if ok and type(rec) == 'table' and tonumber(rec['version'] or 0) > tonumber(ARGV[7]) then
+    return -1
+  end
+end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[4])
 redis.call('ZADD', KEYS[2], redis.call('INCR', KEYS[4]), ARGV[1])
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
@@ -126,7 +134,8 @@ class RedisStore:
         ttl_ms = max(1, math.ceil((deadline - self._clock()) * 1000))
         evicted = await self._run(
             self._put, [self._values + key, self._lru, self._exp, self._seq],
-            [key, placement.to_json(), repr(deadline), ttl_ms, self.max_entries, self._values])
+            [key, placement.to_json(), repr(deadline), ttl_ms, self.max_entries, self._values,
+             repr(placement.version)])
         return int(evicted)
 
     async def delete(self, key: str, *, turn: str | None = None) -> bool:

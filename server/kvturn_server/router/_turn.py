@@ -58,7 +58,7 @@ from kvturn_server.router._placement import (
     read_gain,
 )
 from kvturn_server.router._pool import Backend, Pool
-from kvturn_server.router._state import Placement, StoreError
+from kvturn_server.router._state import SUPERSEDED, Placement, StoreError
 from kvturn_server.router._stream import RelayResponse, StreamEnd
 from kvturn_server.router._tracing import LegSpan, incoming_trace
 from kvturn_server.router._validate import validate_request
@@ -751,11 +751,12 @@ class Turn:
         assert result is not None
         readable, block_size = readable_tokens(result.params)
         await self._record(backend, result.engine_id or backend.engine_id, result.num_tokens,
-                           result.expires_in, readable=readable, block_size=block_size)
+                           result.expires_in, readable=readable, block_size=block_size,
+                           made_ago=result.created_ago or 0.0)
 
     def _placement_for(self, backend: Backend, engine_id: str | None, num_tokens: int,
                        expires_in: float, *, readable: int | None,
-                       block_size: int) -> Placement:
+                       block_size: int, made_ago: float = 0.0) -> Placement:
         """This turn's record: where it is retained, and which prefill holds its prompt (the
         one that computed this turn's prefill leg, else the one recorded before)."""
         old = self.placement
@@ -766,8 +767,10 @@ class Turn:
             prefill, prefill_tokens = old.prefill, old.prefill_tokens
         else:
             prefill, prefill_tokens = None, 0
+        now = self.r.clock()
         return Placement(decode=backend.url, engine_id=engine_id, num_tokens=num_tokens,
-                         expires_at=self.r.clock() + expires_in, turn=self.request_id,
+                         expires_at=now + expires_in, turn=self.request_id,
+                         version=now - made_ago,
                          readable_tokens=readable, block_size=block_size, prefill=prefill,
                          prefill_tokens=prefill_tokens,
                          history=None if self.transcript is None else self.transcript.history())
@@ -791,7 +794,7 @@ class Turn:
 
     async def _record(self, backend: Backend, engine_id: str | None, num_tokens: int,
                       expires_in: float, *, readable: int | None = None,
-                      block_size: int = 0) -> None:
+                      block_size: int = 0, made_ago: float = 0.0) -> None:
         r = self.r
         key = self.key
         assert key is not None
@@ -806,12 +809,17 @@ class Turn:
                 event(log, logging.WARNING, "decode_restarted", backend=backend.url,
                       old_engine_id=old_engine, engine_id=engine_id)
         placement = self._placement_for(backend, engine_id, num_tokens, expires_in,
-                                        readable=readable, block_size=block_size)
+                                        readable=readable, block_size=block_size,
+                                        made_ago=made_ago)
         try:
             evicted = await r.store.put(key, placement)
         except StoreError as exc:
             r.metrics.capture("failed")
             self._state_error("put", exc)
+            return
+        if evicted == SUPERSEDED:
+            r.metrics.capture("superseded")
+            self._superseded(backend)
             return
         r.metrics.capture("recorded")
         if evicted:
@@ -819,6 +827,25 @@ class Turn:
         old = self.placement
         if old is not None and old.decode != backend.url:
             self._release_on(old.decode)
+
+    def _superseded(self, backend: Backend) -> None:
+        """A concurrent turn of this conversation (on this router or another) recorded a
+        newer retention: this one is not kept. Freed on its decode unless the newer one is
+        on the same decode (which then holds only the newer one, under the same key)."""
+        r = self.r
+        key = self.key
+        assert key is not None
+
+        async def free() -> None:
+            try:
+                newest = await r.store.get(key)
+            except StoreError as exc:
+                self._state_error("get", exc)
+                return
+            if newest is not None and newest.decode != backend.url:
+                self._release_on(backend.url)
+
+        r.spawn(free())
 
     def _release_on(self, decode_url: str) -> None:
         """The conversation moved: free its previous retention on the old decode."""

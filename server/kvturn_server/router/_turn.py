@@ -751,12 +751,11 @@ class Turn:
         assert result is not None
         readable, block_size = readable_tokens(result.params)
         await self._record(backend, result.engine_id or backend.engine_id, result.num_tokens,
-                           result.expires_in, readable=readable, block_size=block_size,
-                           made_ago=result.created_ago or 0.0)
+                           result.expires_in, readable=readable, block_size=block_size)
 
     def _placement_for(self, backend: Backend, engine_id: str | None, num_tokens: int,
                        expires_in: float, *, readable: int | None,
-                       block_size: int, made_ago: float = 0.0) -> Placement:
+                       block_size: int) -> Placement:
         """This turn's record: where it is retained, and which prefill holds its prompt (the
         one that computed this turn's prefill leg, else the one recorded before)."""
         old = self.placement
@@ -770,7 +769,7 @@ class Turn:
         now = self.r.clock()
         return Placement(decode=backend.url, engine_id=engine_id, num_tokens=num_tokens,
                          expires_at=now + expires_in, turn=self.request_id,
-                         version=now - made_ago,
+                         version=now,
                          readable_tokens=readable, block_size=block_size, prefill=prefill,
                          prefill_tokens=prefill_tokens,
                          history=None if self.transcript is None else self.transcript.history())
@@ -794,7 +793,7 @@ class Turn:
 
     async def _record(self, backend: Backend, engine_id: str | None, num_tokens: int,
                       expires_in: float, *, readable: int | None = None,
-                      block_size: int = 0, made_ago: float = 0.0) -> None:
+                      block_size: int = 0) -> None:
         r = self.r
         key = self.key
         assert key is not None
@@ -809,8 +808,7 @@ class Turn:
                 event(log, logging.WARNING, "decode_restarted", backend=backend.url,
                       old_engine_id=old_engine, engine_id=engine_id)
         placement = self._placement_for(backend, engine_id, num_tokens, expires_in,
-                                        readable=readable, block_size=block_size,
-                                        made_ago=made_ago)
+                                        readable=readable, block_size=block_size)
         try:
             evicted = await r.store.put(key, placement)
         except StoreError as exc:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import httpx2
 import pytest
 
-from kvturn_server.router import Router, RouterConfig, RouterConfigError, create_app
+from kvturn_server.router import Router, RouterApp, RouterConfig, RouterConfigError, create_app
 from kvturn_server.router._discovery import resolve
 from tests.server.conftest import TEST_SETTINGS
 from tests.server.router_fakes import DEFAULT_SSE, AsgiCall, Cluster, ManualClock, wait_for
@@ -27,8 +28,17 @@ class FakeDns:
         return list(self.names.get(name, []))
 
 
+@dataclass
+class Discovered:
+    router: Router
+    cluster: Cluster
+    dns: FakeDns
+    client: httpx2.AsyncClient
+    app: RouterApp
+
+
 @pytest.fixture
-async def discovered() -> AsyncIterator[tuple[Router, Cluster, FakeDns, httpx2.AsyncClient]]:
+async def discovered() -> AsyncIterator[Discovered]:
     cluster = Cluster(prefills=1, decodes=2)
     dns = FakeDns(decodes=["decode0"], prefills=["prefill0"])
     config = RouterConfig(prefill=("dns+http://prefills:8100",),
@@ -40,7 +50,7 @@ async def discovered() -> AsyncIterator[tuple[Router, Cluster, FakeDns, httpx2.A
     await router.start(health_checks=False)
     client = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app),
                                 base_url="http://router")
-    yield router, cluster, dns, client
+    yield Discovered(router, cluster, dns, client, app)
     await client.aclose()
     await router.aclose()
 
@@ -50,9 +60,9 @@ def _body(conversation: str, stream: bool = False) -> bytes:
                        "stream": stream, "conversation_id": conversation}).encode()
 
 
-async def test_members_join_and_leave_with_dns(
-        discovered: tuple[Router, Cluster, FakeDns, httpx2.AsyncClient]) -> None:
-    router, cluster, dns, client = discovered
+async def test_members_join_and_leave_with_dns(discovered: Discovered) -> None:
+    router, cluster, dns, client = (discovered.router, discovered.cluster, discovered.dns,
+                                    discovered.client)
     assert [b.url for b in router.decodes.members] == ["http://decode0:8200"]
     assert router.decodes.members[0].control_url == "http://decode0:8201"
     assert [b.url for b in router.prefills.members] == ["http://prefill0:8100"]
@@ -60,7 +70,7 @@ async def test_members_join_and_leave_with_dns(
 
     # A stream in flight on decode0 when it leaves.
     cluster.decodes[0].gate = asyncio.Event()
-    call = AsgiCall(router_app(client), "POST", "/v1/chat/completions", _body("a", True),
+    call = AsgiCall(discovered.app, "POST", "/v1/chat/completions", _body("a", True),
                     {"content-type": "application/json"})
     first, _ = await call.next_body()
     assert first == DEFAULT_SSE[0]
@@ -103,12 +113,6 @@ async def test_members_join_and_leave_with_dns(
     assert reply.status_code == 503 and reply.json()["why"] == "no decode backend known yet"
     reply = await client.post("/v1/chat/completions", content=_body("d"))
     assert reply.status_code == 503
-
-
-def router_app(client: httpx2.AsyncClient) -> object:
-    transport = client._transport
-    assert isinstance(transport, httpx2.ASGITransport)
-    return transport.app
 
 
 async def test_the_discovery_loop_runs_every_interval() -> None:

@@ -144,7 +144,7 @@ async def test_real_resolution_of_localhost() -> None:
 
 
 @pytest.mark.parametrize(("decode", "message"), [
-    ("dns+http://decodes", "a dns+ URL needs a port"),
+    ("dns+http://decodes", r"a dns\+ URL needs a port"),
     ("dns+http://decodes:8200,control=dns+http://other:9201", "on the same name"),
     ("dns+http://decodes:8200,control=http://decodes:9201", "on the same name"),
     ("dns+ftp://decodes:8200", "must look like http://host:port"),

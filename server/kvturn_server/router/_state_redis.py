@@ -41,10 +41,11 @@ return v
 """
 
 # KEYS: value, lru, exp, seq.  ARGV: member, value, deadline, ttl_ms, cap, value prefix,
-# version. -1: the live entry is newer (compare-and-set on the version).
+# version, now. -1: the live entry is newer (compare-and-set on the version).
 _PUT = """
 local old = redis.call('GET', KEYS[1])
-if old then
+local dl = redis.call('ZSCORE', KEYS[3], ARGV[1])
+if old and ((not dl) or tonumber(dl) > tonumber(ARGV[8])) then
   local ok, rec = pcall(cjson.decode, old)
   if ok and type(rec) == 'table' and tonumber(rec['version'] or 0) > tonumber(ARGV[7]) then
     return -1
@@ -135,7 +136,7 @@ class RedisStore:
         evicted = await self._run(
             self._put, [self._values + key, self._lru, self._exp, self._seq],
             [key, placement.to_json(), repr(deadline), ttl_ms, self.max_entries, self._values,
-             repr(placement.version)])
+             repr(placement.version), repr(self._clock())])
         return int(evicted)
 
     async def delete(self, key: str, *, turn: str | None = None) -> bool:

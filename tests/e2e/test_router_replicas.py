@@ -80,9 +80,11 @@ def test_turns_alternating_between_two_routers_reuse_every_turn(
                          stream=number % 2 == 1, max_tokens=MAX_TOKENS)
         assert_same_answer(turn, reference)
         if number:
-            # The other router recorded the last turn in Redis: this one pinned and read it.
+            # The other router recorded the last turn in Redis: without that record a turn
+            # is a "miss". With it, this router pins and reads the decode's retention, or (the
+            # prefill it picks computed the last turn and still caches it all: kv-aware
+            # placement, also from the record) skips the read; either way a hit.
             assert turn.reuse in ("hit", "partial"), (number, turn.headers)
-            assert turn.reused > 0, (number, turn.headers)
         messages.append({"role": "assistant", "content": turn.text})
 
 
@@ -139,4 +141,4 @@ def test_killing_one_router_loses_only_its_in_flight_requests(
     turn = chat_turn(survivor, cfg.served_model_name, conversation, messages, stream=False,
                      max_tokens=MAX_TOKENS)
     assert_same_answer(turn, reference)
-    assert turn.reuse in ("hit", "partial") and turn.reused > 0, turn.headers
+    assert turn.reuse in ("hit", "partial"), turn.headers

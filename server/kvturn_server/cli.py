@@ -27,6 +27,7 @@ from kvturn_server.local import (
 from kvturn_server.local._process import log_tail
 from kvturn_server.local._supervise import Backoff
 from kvturn_server.router import add_router_args
+from kvturn_server.sim import add_simulate_parser
 
 
 def _add_stack_args(p: argparse.ArgumentParser) -> None:
@@ -310,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sdk_bench_parser(bench_sub)
     add_agent_bench_parser(bench_sub)
     add_fleet_bench_parser(bench_sub)
+    add_simulate_parser(sub)
     return parser
 
 

@@ -1,0 +1,185 @@
+"""``kvturn simulate``: the fleet simulator's command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kvturn_server.sim._config import (
+    PROFILES,
+    FleetSpec,
+    SimSettings,
+    standard_policies,
+)
+from kvturn_server.sim._report import compare, describe, plot, sweep, sweep_table, table
+from kvturn_server.sim._workload import WorkloadSpec, load_trace, synthetic
+
+
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX, got {text!r}") from exc
+    return low, high
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas: {text!r}") \
+            from exc
+
+
+def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``simulate`` to ``kvturn``'s subcommands (sets ``func``)."""
+    w, f = WorkloadSpec(), FleetSpec()
+    names = ", ".join(standard_policies())
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "simulate", help="simulate a fleet of prefills and decodes serving many agents, "
+                         "running kvturn's own retention, reuse and placement code",
+        description="A discrete-event simulation of N prefills and M decodes serving agent "
+                    "conversations (drawn from production tool-gap quantiles, or read from "
+                    "--trace). The decodes run the connector's own retention table, the "
+                    "prefills its verified-reuse and cost decision, the router its placement "
+                    "code. Compares retention policies on the same conversations (" + names
+                    + "), sweeps kvturn's lease over --sweep-budgets x --sweep-ttls, prints "
+                    "Markdown tables and writes JSON and a PNG. See docs/simulate.md.")
+    g = p.add_argument_group("workload")
+    g.add_argument("--conversations", type=int, default=w.conversations,
+                   help="synthetic conversations (default: %(default)s)")
+    g.add_argument("--window", type=float, default=w.window_s,
+                   help="seconds over which conversations start, uniformly (default: "
+                        "%(default)s)")
+    g.add_argument("--turns", type=_pair, default=w.turns, metavar="MIN,MAX",
+                   help="turns per conversation (default: %(default)s)")
+    g.add_argument("--system-tokens", type=int, default=w.system_tokens,
+                   help="system prompt tokens (default: %(default)s)")
+    g.add_argument("--own-system", action="store_true",
+                   help="every conversation has its own system prompt (default: one shared "
+                        "system prompt, as one agent product sends)")
+    g.add_argument("--message-tokens", type=_pair, default=w.message_tokens, metavar="MIN,MAX",
+                   help="tokens of each turn's new message (default: %(default)s)")
+    g.add_argument("--reply-tokens", type=_pair, default=w.reply_tokens, metavar="MIN,MAX",
+                   help="tokens of each reply (default: %(default)s)")
+    g.add_argument("--gap-p50", type=float, default=w.gap_p50_s,
+                   help="tool gap median, seconds (default: %(default)s)")
+    g.add_argument("--gap-p90", type=float, default=w.gap_p90_s,
+                   help="tool gap p90, seconds (default: %(default)s)")
+    g.add_argument("--gap-cap", type=float, default=w.gap_cap_s,
+                   help="longest tool gap, seconds: the traces' p99 (default: %(default)s)")
+    g.add_argument("--trace", type=Path, default=None,
+                   help="read conversations from this file instead (kvturn JSONL, or vLLM "
+                        "benchmarks/multi_turn / ShareGPT JSON; docs/simulate.md)")
+    g.add_argument("--seed", type=int, default=w.seed, help="default: %(default)s")
+    g = p.add_argument_group("fleet")
+    g.add_argument("--prefills", type=int, default=f.prefills, help="default: %(default)s")
+    g.add_argument("--decodes", type=int, default=f.decodes, help="default: %(default)s")
+    g.add_argument("--memory-gib", type=float, default=f.memory_gib,
+                   help="accelerator memory per instance (default: %(default)s, an H200)")
+    g.add_argument("--memory-utilization", type=float, default=f.memory_utilization,
+                   help="vLLM's gpu_memory_utilization (default: %(default)s)")
+    g.add_argument("--weights-gib", type=float, default=f.weights_gib,
+                   help="model weights per instance (default: %(default)s, Qwen3-32B bf16)")
+    g.add_argument("--kv-bytes-per-token", type=int, default=f.kv_bytes_per_token,
+                   help="layers x KV heads x head size x 2 x dtype bytes (default: "
+                        "%(default)s, Qwen3-32B bf16)")
+    g.add_argument("--block-size", type=int, default=f.block_size,
+                   help="tokens per KV block (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=f.max_num_seqs,
+                   help="requests one decode runs at once (default: %(default)s)")
+    g.add_argument("--profile", choices=sorted(PROFILES), default="qwen3-32b-h200",
+                   help="the cost model's numbers (docs/simulate.md; default: %(default)s)")
+    g = p.add_argument_group("policies and outputs")
+    g.add_argument("--policies", default=",".join(standard_policies()), metavar="NAME,...",
+                   help=f"which to compare, of {names} (default: all)")
+    g.add_argument("--budget", type=float, default=0.5,
+                   help="retention budget of kvturn-lease and lru-budget, a fraction of each "
+                        "decode's KV (default: %(default)s)")
+    g.add_argument("--lease-ttl", type=float, default=480.0,
+                   help="kvturn-lease's lease, seconds; clients renew every eighth of it "
+                        "(default: %(default)s)")
+    g.add_argument("--sweep-budgets", type=_floats, default=(0.1, 0.25, 0.5, 1.0),
+                   metavar="B,...", help="budgets of the sweep; empty: no sweep "
+                                         "(default: 0.1,0.25,0.5,1)")
+    g.add_argument("--sweep-ttls", type=_floats, default=(60.0, 480.0, 1800.0), metavar="S,...",
+                   help="lease lengths of the sweep (default: 60,480,1800)")
+    g.add_argument("--sweep-conversations", type=int, default=5000,
+                   help="the sweep runs the first this many conversations by start time (the "
+                        "same arrival rate, a shorter window) to stay quick (default: "
+                        "%(default)s)")
+    g.add_argument("--ttft-slo", type=float, default=2.0,
+                   help="TTFT a turn must meet to count in goodput, seconds (default: "
+                        "%(default)s)")
+    g.add_argument("--json", type=Path, default=Path("simulate.json"),
+                   help="results (default: %(default)s)")
+    g.add_argument("--plot", type=Path, default=None,
+                   help="PNG path (default: the JSON path with .png)")
+    g.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=cmd_simulate)
+    return p
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    try:
+        workload = WorkloadSpec(
+            conversations=args.conversations, window_s=args.window, turns=args.turns,
+            system_tokens=args.system_tokens, shared_system=not args.own_system,
+            message_tokens=args.message_tokens, reply_tokens=args.reply_tokens,
+            gap_p50_s=args.gap_p50, gap_p90_s=args.gap_p90, gap_cap_s=args.gap_cap,
+            seed=args.seed)
+        fleet = FleetSpec(prefills=args.prefills, decodes=args.decodes,
+                          memory_gib=args.memory_gib,
+                          memory_utilization=args.memory_utilization,
+                          weights_gib=args.weights_gib,
+                          kv_bytes_per_token=args.kv_bytes_per_token,
+                          block_size=args.block_size, max_num_seqs=args.max_num_seqs)
+        known = standard_policies(budget=args.budget, ttl_s=args.lease_ttl)
+        wanted = [n for n in args.policies.split(",") if n]
+        unknown = [n for n in wanted if n not in known]
+        if unknown or not wanted:
+            raise ValueError(f"unknown policies {unknown}; choose from {', '.join(known)}")
+        conversations = (load_trace(args.trace, window_s=args.window, gaps=workload.gaps,
+                                    seed=args.seed)
+                         if args.trace is not None else synthetic(workload))
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"kvturn simulate: {exc}\n")
+        return 2
+    base = SimSettings(fleet=fleet, cost=PROFILES[args.profile], ttft_slo_s=args.ttft_slo)
+    progress = None if args.quiet else sys.stderr
+    turns = sum(c.turns for c in conversations)
+    if progress is not None:
+        print(f"[simulate] {len(conversations):,} conversations, {turns:,} turns; "
+              f"{fleet.prefills} prefills + {fleet.decodes} decodes, "
+              f"{fleet.decode_capacity:,} blocks of {fleet.block_size} tokens each",
+              file=progress, flush=True)
+    results, recorders = compare(base, conversations, [known[n] for n in wanted],
+                                 progress=progress)
+    rows = sweep(replace(base), conversations[:args.sweep_conversations], args.sweep_budgets,
+                 args.sweep_ttls, progress=progress) if args.sweep_budgets else []
+    wall = round(time.monotonic() - started, 1)
+    data = {"benchmark": "kvturn simulate", "config": {
+        **describe(base), "workload": None if args.trace else {
+            **workload.__dict__, "gaps": workload.gaps.describe()},
+        "trace": None if args.trace is None else str(args.trace),
+        "conversations": len(conversations), "turns": turns,
+        "sweep_conversations": min(args.sweep_conversations, len(conversations))},
+        "policies": results, "sweep": rows, "wall_s": wall}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
+    plot_path = args.plot or args.json.with_suffix(".png")
+    plotted = plot(plot_path, results, recorders, rows)
+    out = sys.stdout
+    out.write(table(results) + "\n")
+    if rows:
+        out.write("\n" + sweep_table(rows) + "\n")
+    out.write(f"\n{len(conversations):,} conversations, {turns:,} turns, {len(wanted)} "
+              f"policies{f' + {len(rows)} sweep runs' if rows else ''} in {wall:.0f} s; JSON "
+              f"{args.json}{f', plot {plot_path}' if plotted else ''}\n")
+    return 0

@@ -1,0 +1,432 @@
+"""The discrete-event simulation: agents, the router, prefills and decodes on one clock.
+
+The decisions are kvturn's own code, imported: the router's placement
+(:mod:`kvturn_server.router._placement`, :mod:`~kvturn_server.router._history`), the
+prefill's verified reuse and read-or-compute choice (:func:`decide_reuse` with the connector's
+:class:`CostModel`), and the decode's retention table (:class:`RetentionTable`, with the
+simulator's clock). This file only moves time: it decides nothing those modules decide.
+
+A turn, as the router runs it (``router/_turn.py``):
+
+1. The router looks up the conversation's placement. If the decode holding it can continue the
+   turn (:func:`continuation`), the decode computes the part it lacks itself.
+2. Otherwise a prefill is chosen (:func:`choose_prefill`); the retention is pinned when it
+   holds more than that prefill does (:func:`read_gain`, :func:`read_floor`). The prefill
+   takes its own prefix-cache hit, reads the verified range the cost model prefers to read,
+   computes the rest (FIFO behind the prefill's other work), then unpins.
+3. A decode is chosen (:func:`choose_decode`); it allocates the request's blocks (evicting
+   retentions rather than starving), pulls the prompt's KV it lacks, and decodes the reply.
+4. The finished turn is retained (or not, by policy), the placement recorded, an older
+   retention on another decode released; the agent's tool gap follows, with keepalives and a
+   final release as the policy's clients send them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, TextIO
+
+from kvturn_server.connector._cost import CostModel, CostSettings
+from kvturn_server.connector._hashing import verified_prefix_blocks
+from kvturn_server.connector._reuse import decide_reuse
+from kvturn_server.router._history import Transcript
+from kvturn_server.router._placement import (
+    choose_decode,
+    choose_prefill,
+    continuation,
+    learn_read_floor,
+    read_floor,
+    read_gain,
+)
+from kvturn_server.router._pool import Backend, Pool
+from kvturn_server.router._state import Placement
+from kvturn_server.sim._config import SimSettings
+from kvturn_server.sim._instances import (
+    SHARED_SYSTEM,
+    SimDecode,
+    SimPrefill,
+    conversation_hash,
+    prompt_hashes,
+)
+from kvturn_server.sim._metrics import Recorder
+from kvturn_server.sim._workload import FRAMING_TOKENS, Conversation
+
+_PAD: dict[int, str] = {}
+
+
+def _pad(tokens: int) -> str:
+    # The router measures messages in serialised characters: one per token keeps its rate
+    # estimate exact, and shared strings keep memory flat.
+    text = _PAD.get(tokens)
+    if text is None:
+        text = _PAD[tokens] = "x" * tokens
+    return text
+
+
+@dataclass(slots=True)
+class _Turn:
+    conv: Conversation
+    index: int
+    arrived: float
+    prompt: int
+    first: bytes
+    placement: Placement | None = None
+    holder: Backend | None = None
+    transcript: Transcript | None = None
+    prefill: Backend | None = None
+    decode: Backend | None = None
+    route: str = "prefill"
+    reason: str = "miss"
+    computed: int = 0
+    reused: int = 0
+    local_hit: int = 0
+    continued: int = 0
+    ready_at: float = 0.0
+    blocks: tuple[int, ...] = field(default_factory=tuple)
+
+
+class Simulation:
+    """One run of one policy over one list of conversations."""
+
+    def __init__(self, settings: SimSettings, conversations: list[Conversation], *,
+                 progress: TextIO | None = None, progress_every_s: float = 5.0) -> None:
+        self.s = settings
+        self.conversations = conversations
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._seq = itertools.count()
+        fleet, policy = settings.fleet, settings.policy
+        self.block_size = fleet.block_size
+        self.prefills = [SimPrefill(f"p{i}", fleet.prefill_capacity)
+                         for i in range(fleet.prefills)]
+        self.decodes = [SimDecode(f"d{i}", fleet.decode_capacity, policy,
+                                  max_num_seqs=fleet.max_num_seqs, clock=self.clock)
+                        for i in range(fleet.decodes)]
+        self.prefill_pool = Pool("prefill", [Backend("prefill", p.name) for p in self.prefills],
+                                 eject_after=3, readmit_after=2)
+        self.decode_pool = Pool("decode", [Backend("decode", d.name) for d in self.decodes],
+                                eject_after=3, readmit_after=2)
+        self._prefill_of = {p.name: p for p in self.prefills}
+        self._decode_of = {d.name: d for d in self.decodes}
+        cost = settings.cost
+        # The connector's own cost model, configured (not calibrated): the prefill's decision
+        # and the simulated read time both come from it.
+        self.cost_model = CostModel(
+            CostSettings(read_fixed_ms=cost.read_fixed_ms, read_gbps=cost.read_gbps,
+                         compute_tokens_per_s=cost.compute_tokens_per_s,
+                         compute_attention_tokens=cost.attention_tokens),
+            bytes_per_token=fleet.kv_bytes_per_token)
+        self.placements: dict[str, Placement] = {}
+        self.recorder = Recorder(settings, self.decodes)
+        self._progress = progress
+        self._progress_every = progress_every_s
+        self._request_ids = itertools.count()
+        self.active = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    # The event loop.
+
+    def at(self, when: float, fn: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._events, (when, next(self._seq), fn, args))
+
+    def run(self) -> Recorder:
+        for conv in self.conversations:
+            self.at(conv.start_s, self._start, conv)
+        horizon = max((c.start_s for c in self.conversations), default=0.0)
+        self.at(0.0, self._sample)
+        wall0 = last = time.monotonic()
+        events = self._events
+        while events:
+            when, _, fn, args = heapq.heappop(events)
+            self.now = when
+            fn(*args)
+            if self._progress is not None and not self.recorder.turns % 2000:
+                wall = time.monotonic()
+                if wall - last >= self._progress_every:
+                    last = wall
+                    self._say(wall - wall0, horizon)
+            if self.active == 0 and all(f is self._sample for _, _, f, _ in events):
+                break
+        self.recorder.finish(self.now)
+        return self.recorder
+
+    def _say(self, wall: float, horizon: float) -> None:
+        assert self._progress is not None
+        print(f"[simulate {self.s.policy.name}] t={self.now:,.0f} s "
+              f"(arrivals end {horizon:,.0f} s), {self.recorder.turns:,} turns, "
+              f"{self.active:,} conversations active, {wall:.0f} s wall",
+              file=self._progress, flush=True)
+
+    def _sample(self) -> None:
+        for decode in self.decodes:
+            decode.give_back(decode.table.expire())
+        self.recorder.sample(self.now)
+        if self.active or any(f is not self._sample for _, _, f, _ in self._events):
+            self.at(self.now + self.s.sample_interval_s, self._sample)
+
+    # The agents.
+
+    def _start(self, conv: Conversation) -> None:
+        self.active += 1
+        self._turn(conv, 0)
+
+    def _turn(self, conv: Conversation, index: int) -> None:
+        prompt = conv.prompt_tokens(index)
+        turn = _Turn(conv, index, self.now, prompt, conversation_hash(conv.cid))
+        self._route(turn)
+
+    def _after(self, turn: _Turn) -> None:
+        """The reply is complete: the agent's tool gap, then the next turn, or the end."""
+        conv, policy = turn.conv, self.s.policy
+        if turn.index + 1 >= conv.turns:
+            if policy.release:
+                placement = self.placements.pop(conv.cid, None)
+                if placement is not None:
+                    decode = self._decode_of[placement.decode]
+                    decode.give_back(decode.table.release(conv.cid)[1])
+            else:
+                self.placements.pop(conv.cid, None)
+            self.active -= 1
+            return
+        gap = conv.gaps_s[turn.index]
+        if policy.keepalive_s is not None and policy.retain:
+            k = policy.keepalive_s
+            for n in range(1, int(gap / k) + 1):
+                if n * k < gap:
+                    self.at(self.now + n * k, self._keepalive, conv.cid)
+        self.at(self.now + gap, self._turn, conv, turn.index + 1)
+
+    def _keepalive(self, key: str) -> None:
+        placement = self.placements.get(key)
+        if placement is None:
+            return
+        retention = self._decode_of[placement.decode].table.keepalive(key)
+        if retention is not None:
+            self.placements[key] = replace(placement, expires_at=retention.expires_at)
+
+    # The router.
+
+    def _messages(self, turn: _Turn) -> list[dict[str, Any]]:
+        conv = turn.conv
+        messages: list[dict[str, Any]] = [{"role": "system", "content": _pad(conv.system_tokens)}]
+        for i in range(turn.index):
+            messages.append({"role": "user", "content": _pad(conv.messages[i])})
+            messages.append({"role": "assistant", "content": _pad(conv.replies[i])})
+        messages.append({"role": "user", "content": _pad(conv.messages[turn.index])})
+        return messages
+
+    def _route(self, turn: _Turn) -> None:
+        s = self.s
+        key = turn.conv.cid
+        placement = self.placements.get(key)
+        if placement is not None:
+            turn.placement = placement
+            turn.holder = self.decode_pool.by_url(placement.decode)
+        if s.policy.retain and s.router.decode_continue_tokens > 0:
+            turn.transcript = Transcript(self._messages(turn))
+        if placement is not None and turn.holder is not None:
+            estimate, why = continuation(
+                placement=placement, holder=turn.holder, transcript=turn.transcript,
+                now=self.now, max_tokens=s.router.decode_continue_tokens,
+                budget=s.router.decode_continue_budget)
+            if not why:
+                turn.route, turn.reason, turn.continued = "decode", "hit", estimate
+                turn.holder.continuing += estimate
+                turn.decode = turn.holder
+                turn.decode.in_flight += 1
+                turn.ready_at = self.now + s.cost.leg_overhead_ms / 1e3
+                self._admit(turn)
+                return
+        prefill, _ = choose_prefill(self.prefill_pool, s.router.prefill_policy, placement,
+                                    slack=s.router.prefill_affinity_slack)
+        assert prefill is not None
+        turn.prefill = prefill
+        prefill.in_flight += 1
+        self._prefill(turn)
+
+    # The prefill leg.
+
+    def _prefill(self, turn: _Turn) -> None:
+        s, bs = self.s, self.block_size
+        prefill = turn.prefill
+        assert prefill is not None
+        sim = self._prefill_of[prefill.url]
+        full = turn.prompt // bs
+        hashes = prompt_hashes(turn.first, full)
+        own = min(sim.cached_blocks(turn.first), full)
+        shared = min(sim.cached_blocks(SHARED_SYSTEM), self._system_blocks(turn.conv), full)
+        local = max(own, shared) * bs
+        pin = None
+        decode = None
+        placement = turn.placement
+        if placement is not None and turn.holder is not None:
+            gain = read_gain(placement, prefill)
+            if gain >= max(1, s.router.min_read_tokens) and gain > read_floor(prefill, self.now):
+                decode = self._decode_of[placement.decode]
+                pin = decode.table.pin(turn.conv.cid, s.router.pin_ttl_s)
+                if pin is None:
+                    turn.reason = str(decode.table.gone_reason(turn.conv.cid))
+                    self.placements.pop(turn.conv.cid, None)
+            else:
+                turn.reason = "below-threshold"
+        read_tokens = 0
+        read_s = 0.0
+        if pin is not None:
+            retention = pin[0]
+            decision = decide_reuse(
+                prompt_hashes=hashes, local_hit_tokens=local,
+                retained_hashes=retention.block_hashes,
+                retained_block_ids=retention.readable_block_ids, block_size=bs,
+                threshold=s.router.recompute_threshold, expired=False, engine_known=True,
+                enabled=True, cost=self.cost_model.estimate)
+            turn.reason = decision.reason.value
+            read_tokens = decision.num_tokens
+            if decision.reused:
+                read_s = self.cost_model.estimate(read_tokens, local).read_ms / 1e3
+            declined = decision.cost.tokens if decision.cheaper_to_compute and decision.cost \
+                else 0
+            learn_read_floor(prefill, declined=declined, reused=read_tokens, now=self.now)
+        elif own > shared and turn.reason in ("miss", "below-threshold"):
+            # The prefill's own prefix cache still holds the conversation's last prompt: reuse
+            # without a read (what stock P/D with affinity gets, too).
+            turn.reason = "local"
+        covered = local + read_tokens
+        computed = max(1, turn.prompt - covered)
+        turn.computed = computed
+        turn.reused = turn.prompt - computed
+        turn.local_hit = local
+        compute_s = self.cost_model.work(computed, covered) / s.cost.compute_tokens_per_s
+        ready = self.now + s.cost.leg_overhead_ms / 2e3 + read_s
+        start = max(ready, sim.busy_until)
+        sim.busy_until = start + compute_s
+        self.at(sim.busy_until, self._prefill_done, turn, pin, decode, sim, full)
+
+    def _prefill_done(self, turn: _Turn, pin: Any, decode: SimDecode | None, sim: SimPrefill,
+                      full: int) -> None:
+        if pin is not None and decode is not None:
+            decode.give_back(decode.table.unpin(pin[1].pin_id)[1])
+        sim.remember(turn.first, full)
+        if turn.conv.shared_system:
+            sim.remember(SHARED_SYSTEM, self._system_blocks(turn.conv))
+        assert turn.prefill is not None
+        turn.prefill.in_flight -= 1
+        target = choose_decode(self.decode_pool, turn.holder,
+                               slack=self.s.router.decode_affinity_slack)
+        assert target is not None
+        turn.decode = target
+        target.in_flight += 1
+        turn.ready_at = self.now + self.s.cost.leg_overhead_ms / 2e3
+        self._admit(turn)
+
+    def _system_blocks(self, conv: Conversation) -> int:
+        """Full blocks of the shared system prompt (0 when the conversation has its own)."""
+        if not conv.shared_system:
+            return 0
+        return (conv.system_tokens + FRAMING_TOKENS) // self.block_size
+
+    # The decode leg.
+
+    def _admit(self, turn: _Turn) -> None:
+        assert turn.decode is not None
+        decode = self._decode_of[turn.decode.url]
+        if decode.waiting:
+            decode.waiting.append(turn)
+            return
+        if not self._try_start(turn, decode):
+            decode.waiting.append(turn)
+
+    def _try_start(self, turn: _Turn, decode: SimDecode) -> bool:
+        s, bs = self.s, self.block_size
+        blocks = math.ceil((turn.prompt + turn.conv.replies[turn.index]) / bs)
+        ids = decode.allocate(blocks)
+        if ids is None:
+            return False
+        turn.blocks = ids
+        start = max(self.now, turn.ready_at)
+        # The decode's own prefix cache: the conversation's retention, when it holds one.
+        retention = decode.table.touch(turn.conv.cid)
+        hit = self._system_blocks(turn.conv) * bs  # hot on every decode
+        if retention is not None:
+            hit = max(hit, verified_prefix_blocks(prompt_hashes(turn.first, turn.prompt // bs),
+                                                  retention.block_hashes) * bs)
+        if turn.route == "decode":
+            computed = max(1, turn.prompt - hit)
+            turn.computed, turn.reused = computed, turn.prompt - computed
+            if retention is None:
+                turn.reason = "miss"  # the router's placement outlived the retention
+            work = self.cost_model.work(computed, turn.prompt - computed)
+            first = start + work / s.cost.compute_tokens_per_s + s.cost.itl_ms / 1e3
+        else:
+            pull = max(0, turn.prompt - hit)
+            pull_s = self.cost_model.estimate(pull, 0).read_ms / 1e3 if pull else 0.0
+            first = start + pull_s + s.cost.itl_ms / 1e3
+        reply = turn.conv.replies[turn.index]
+        self.at(first, self._first_token, turn)
+        self.at(first + (reply - 1) * s.cost.itl_ms / 1e3, self._decode_done, turn, decode)
+        return True
+
+    def _first_token(self, turn: _Turn) -> None:
+        if turn.continued and turn.holder is not None:
+            turn.holder.continuing = max(0, turn.holder.continuing - turn.continued)
+            turn.continued = 0
+        self.recorder.turn(turn.conv, turn.index, ttft=self.now - turn.arrived,
+                           prompt=turn.prompt, computed=turn.computed, reused=turn.reused,
+                           reason=turn.reason, route=turn.route, when=self.now)
+
+    def _decode_done(self, turn: _Turn, decode: SimDecode) -> None:
+        s, bs = self.s, self.block_size
+        key = turn.conv.cid
+        decode.live -= 1
+        assert turn.decode is not None
+        turn.decode.in_flight -= 1
+        tokens = turn.prompt + turn.conv.replies[turn.index] - 1
+        if s.policy.retain:
+            freed = decode.table.retain(
+                key, f"r{next(self._request_ids)}", turn.blocks,
+                prompt_hashes(turn.first, tokens // bs), tokens)
+            decode.give_back(freed)
+            retention = decode.table.get(key)
+            old = self.placements.get(key)
+            if retention is not None:
+                self.placements[key] = Placement(
+                    decode=decode.name, engine_id=None, num_tokens=tokens,
+                    expires_at=retention.expires_at, turn=retention.request_id,
+                    readable_tokens=tokens // bs * bs, block_size=bs,
+                    prefill=None if turn.prefill is None else turn.prefill.url,
+                    prefill_tokens=turn.prompt if turn.prefill is not None else (
+                        old.prefill_tokens if old is not None else 0),
+                    history=None if turn.transcript is None else turn.transcript.history())
+                if turn.prefill is None and old is not None:
+                    self.placements[key] = replace(self.placements[key], prefill=old.prefill)
+            else:
+                self.placements.pop(key, None)
+            if old is not None and old.decode != decode.name:
+                moved = self._decode_of[old.decode]
+                moved.give_back(moved.table.release(key)[1])
+        else:
+            decode.free(turn.blocks)
+        turn.blocks = ()
+        self._drain(decode)
+        self._after(turn)
+
+    def _drain(self, decode: SimDecode) -> None:
+        while decode.waiting:
+            if not self._try_start(decode.waiting[0], decode):
+                return
+            decode.waiting.popleft()
+
+
+def simulate(settings: SimSettings, conversations: list[Conversation], *,
+             progress: TextIO | None = None) -> Recorder:
+    """Run ``conversations`` through a fleet under ``settings``; the recorder has the results."""
+    if not conversations:
+        raise ValueError("nothing to simulate: no conversations")
+    return Simulation(settings, conversations, progress=progress).run()
+

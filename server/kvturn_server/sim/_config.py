@@ -179,3 +179,7 @@ class SimSettings:
     policy: Policy = field(default_factory=lambda: standard_policies()["kvturn-lease"])
     ttft_slo_s: float = 2.0
     sample_interval_s: float = 10.0
+    connector_compute_tokens_per_s: float | None = None
+    """What the prefill connector is configured with (``compute_tokens_per_s`` in
+    ``kv_connector_extra_config``) for its read-or-compute decision; None: the profile's rate,
+    as a calibrated connector would measure it. Timings always follow the profile."""

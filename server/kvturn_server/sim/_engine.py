@@ -57,6 +57,8 @@ from kvturn_server.sim._metrics import Recorder
 from kvturn_server.sim._workload import FRAMING_TOKENS, Conversation
 
 _PAD: dict[int, str] = {}
+# What X-KVTurn-Reuse says when a pin finds the retention gone (router/_turn.py).
+_GONE_REASON = {"expired": "expired", "released": "miss", "replaced": "miss"}
 
 
 def _pad(tokens: int) -> str:
@@ -121,6 +123,13 @@ class Simulation:
                          compute_tokens_per_s=cost.compute_tokens_per_s,
                          compute_attention_tokens=cost.attention_tokens),
             bytes_per_token=fleet.kv_bytes_per_token)
+        # The prefill connector's decision may be configured apart from what steps cost.
+        self.decision_model = self.cost_model if settings.connector_compute_tokens_per_s is None \
+            else CostModel(CostSettings(
+                read_fixed_ms=cost.read_fixed_ms, read_gbps=cost.read_gbps,
+                compute_tokens_per_s=settings.connector_compute_tokens_per_s,
+                compute_attention_tokens=cost.attention_tokens),
+                bytes_per_token=fleet.kv_bytes_per_token)
         self.placements: dict[str, Placement] = {}
         self.recorder = Recorder(settings, self.decodes)
         self._progress = progress
@@ -265,16 +274,20 @@ class Simulation:
         local = max(own, shared) * bs
         pin = None
         decode = None
+        pin_skipped = False
         placement = turn.placement
         if placement is not None and turn.holder is not None:
+            # The router's _worth_pinning, then its pin (the control call is the table's pin).
             gain = read_gain(placement, prefill)
             if gain >= max(1, s.router.min_read_tokens) and gain > read_floor(prefill, self.now):
                 decode = self._decode_of[placement.decode]
                 pin = decode.table.pin(turn.conv.cid, s.router.pin_ttl_s)
                 if pin is None:
-                    turn.reason = str(decode.table.gone_reason(turn.conv.cid))
+                    turn.reason = _GONE_REASON.get(
+                        str(decode.table.gone_reason(turn.conv.cid)), "stale")
                     self.placements.pop(turn.conv.cid, None)
             else:
+                pin_skipped = gain == 0
                 turn.reason = "below-threshold"
         read_tokens = 0
         read_s = 0.0
@@ -285,7 +298,7 @@ class Simulation:
                 retained_hashes=retention.block_hashes,
                 retained_block_ids=retention.readable_block_ids, block_size=bs,
                 threshold=s.router.recompute_threshold, expired=False, engine_known=True,
-                enabled=True, cost=self.cost_model.estimate)
+                enabled=True, cost=self.decision_model.estimate)
             turn.reason = decision.reason.value
             read_tokens = decision.num_tokens
             if decision.reused:
@@ -293,10 +306,11 @@ class Simulation:
             declined = decision.cost.tokens if decision.cheaper_to_compute and decision.cost \
                 else 0
             learn_read_floor(prefill, declined=declined, reused=read_tokens, now=self.now)
-        elif own > shared and turn.reason in ("miss", "below-threshold"):
-            # The prefill's own prefix cache still holds the conversation's last prompt: reuse
-            # without a read (what stock P/D with affinity gets, too).
-            turn.reason = "local"
+        elif pin_skipped:
+            # The prefill held all the retention offered: the router reports its own cache's
+            # coverage (router/_turn.py, _local_coverage).
+            turn.reason = "miss" if local <= 0 else "hit" if local >= (
+                turn.prompt - 1) // bs * bs else "partial"
         covered = local + read_tokens
         computed = max(1, turn.prompt - covered)
         turn.computed = computed

@@ -15,9 +15,8 @@ from kvturn_server.sim._workload import Conversation
 GAP_BUCKETS: tuple[tuple[str, float], ...] = (
     ("<10s", 10.0), ("10s-1min", 60.0), ("1-8min", 480.0), (">8min", float("inf")))
 """The tool gap before a turn, bucketed; 8 min is vLLM's fixed 480 s."""
-REUSED = ("hit", "partial", "local")
-"""Reasons that count as a reuse hit: read or continued (hit, partial), or the prefill's own
-prefix cache held the conversation (local)."""
+REUSED = ("hit", "partial")
+"""X-KVTurn-Reuse values that count as a reuse hit."""
 
 
 def gap_bucket(gap_s: float) -> str:
@@ -95,6 +94,8 @@ class Recorder:
             "policy": s.policy.describe(),
             "turns": self.turns,
             "simulated_s": round(self.end_s, 1),
+            "later_turns": self.later_turns,
+            "later_turns_reused": self.later_reused,
             "hit_rate": _ratio(self.later_reused, self.later_turns),
             "hit_rate_by_gap": {name: {"turns": n, "hit_rate": _ratio(hits, n)}
                                 for name, (n, hits) in self.by_gap.items()},

@@ -1,0 +1,36 @@
+"""``kvturn simulate``: arguments, outputs, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvturn_server.cli import build_parser, main
+
+
+def test_help_names_the_policies_and_the_doc() -> None:
+    text = build_parser()._subparsers._group_actions[0].choices["simulate"].format_help()  # type: ignore[union-attr]
+    for word in ("kvturn-lease", "vllm-ttl-480", "--trace", "--sweep-budgets",
+                 "docs/simulate.md"):
+        assert word in text
+
+
+def test_simulate_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--conversations", "30", "--window", "20", "--prefills", "1",
+                 "--decodes", "1", "--sweep-budgets", "0.25,0.5", "--sweep-ttls", "480",
+                 "--json", str(out), "--quiet"]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["policies"]) == {"vllm-ttl-480", "kvturn-lease", "lru-budget",
+                                     "evict-before-starve", "none"}
+    assert len(data["sweep"]) == 2 and data["config"]["conversations"] == 30
+    assert out.with_suffix(".png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "| kvturn-lease |" in printed and "30 conversations" in printed
+
+
+def test_unknown_policy_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--policies", "fifo", "--json", str(tmp_path / "x.json")]) == 2
+    assert "unknown policies ['fifo']" in capsys.readouterr().err

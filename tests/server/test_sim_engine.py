@@ -1,0 +1,134 @@
+"""The simulator runs kvturn's own retention, reuse and placement code on its own clock: the
+policies' outcomes follow from the connector's rules, and the cost profiles reproduce the
+figures they were calibrated from."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from kvturn_server.connector._retention import RetentionTable
+from kvturn_server.sim import (
+    PROFILES,
+    THIS_MACHINE,
+    Conversation,
+    FleetSpec,
+    Policy,
+    RouterSpec,
+    SimSettings,
+    Simulation,
+    WorkloadSpec,
+    simulate,
+    standard_policies,
+    synthetic,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = FleetSpec(prefills=1, decodes=1)
+
+
+def _run(policy: Policy, conversations: list[Conversation], **kw: object) -> dict[str, object]:
+    settings = SimSettings(fleet=SMALL, policy=policy, **kw)  # type: ignore[arg-type]
+    return simulate(settings, conversations).summary()
+
+
+def _gap_of(seconds: float) -> list[Conversation]:
+    return [Conversation("c", 0.0, 3000, (200, 200), (300, 100), (seconds,))]
+
+
+def test_decodes_run_the_connectors_table_on_the_simulated_clock() -> None:
+    sim = Simulation(SimSettings(fleet=SMALL), _gap_of(1.0))
+    assert all(isinstance(d.table, RetentionTable) for d in sim.decodes)
+    sim.run()
+    # The table read the simulator's clock: a day of simulated gap costs no wall time.
+    result = _run(standard_policies()["vllm-ttl-480"], _gap_of(86400.0))
+    assert result["simulated_s"] > 86400  # type: ignore[operator]
+
+
+def test_fixed_ttl_misses_the_long_gap_the_lease_keeps() -> None:
+    policies = standard_policies()
+    for gap, ttl_hit, lease_hit in ((10.0, 1.0, 1.0), (600.0, 0.0, 1.0)):
+        ttl = _run(policies["vllm-ttl-480"], _gap_of(gap))
+        lease = _run(policies["kvturn-lease"], _gap_of(gap))
+        assert (ttl["hit_rate"], lease["hit_rate"]) == (ttl_hit, lease_hit), gap
+    expired = _run(policies["vllm-ttl-480"], _gap_of(600.0))
+    assert expired["reasons"] == {"miss": 1, "expired": 1}  # turn 1, then the lapsed lease
+    # The lease renewed every 60 s of the 600 s gap, then was released at the end.
+    stats = _run(policies["kvturn-lease"], _gap_of(600.0))["retention_stats"]
+    assert stats["renewed"] == 9 and stats["released"] == 1  # type: ignore[index]
+
+
+def test_reuse_reads_what_the_retention_verifies() -> None:
+    (c,) = _gap_of(5.0)
+    result = _run(standard_policies()["kvturn-lease"], [c],
+                  router=RouterSpec(decode_continue_tokens=0))
+    bs = SMALL.block_size
+    retained = c.prompt_tokens(0) + c.replies[0] - 1
+    # Turn 2 computes only what the retention's full blocks do not cover.
+    assert result["computed_tokens"] == c.prompt_tokens(0) + c.prompt_tokens(1) \
+        - retained // bs * bs
+    assert result["reasons"] == {"miss": 1, "partial": 1}
+    assert result["routes"] == {"prefill": 2}
+
+
+def test_short_turns_are_continued_on_the_decode() -> None:
+    result = _run(standard_policies()["kvturn-lease"], _gap_of(5.0))
+    assert result["routes"] == {"prefill": 1, "decode": 1}
+    assert result["reasons"] == {"miss": 1, "hit": 1}
+
+
+def test_no_retention_holds_nothing_and_recomputes() -> None:
+    conversations = synthetic(WorkloadSpec(conversations=40, window_s=20.0, seed=1))
+    none = _run(standard_policies()["none"], conversations)
+    lease = _run(standard_policies()["kvturn-lease"], conversations)
+    assert none["hit_rate"] == 0.0 and none["retained_gib"]["max"] == 0.0  # type: ignore[index]
+    assert lease["hit_rate"] > 0.5  # type: ignore[operator]
+    assert none["computed_tokens"] > lease["computed_tokens"]  # type: ignore[operator]
+
+
+def test_the_budget_evicts_least_recently_used_first() -> None:
+    # A budget that holds one conversation: the other's retention is evicted (LRU).
+    block = FleetSpec(prefills=1, decodes=1, decode_blocks=400, block_size=64)
+    conversations = [Conversation(f"c{i}", i * 0.5, 6000, (100, 100), (64, 64), (30.0,))
+                     for i in range(2)]
+    policy = Policy("lru", ttl_s=1e9, max_hold_s=1e9, budget=0.3)
+    result = simulate(SimSettings(fleet=block, policy=policy), conversations).summary()
+    assert result["retention_stats"]["evicted"] >= 1
+    assert result["later_turns_reused"] == 1
+
+
+def test_published_profile_reproduces_its_cold_and_warm_ttft() -> None:
+    # llm-d, Red Hat Summit 2026: Qwen3-32B, a 10k-token prompt, 4.3 s cold and 0.6 s warm.
+    profile = PROFILES["qwen3-32b-h200"]
+    c = Conversation("c", 0.0, 10000 - 34, (10, 10), (2, 2), (1.0,))
+    assert c.prompt_tokens(0) == 10000
+    recorder = Simulation(SimSettings(fleet=SMALL, cost=profile), [c]).run()
+    cold, warm = recorder.ttfts
+    assert abs(cold - 4.3) < 0.1 * 4.3 and abs(warm - 0.6) < 0.1 * 0.6
+
+
+def test_this_machine_profile_fits_bench_reuse() -> None:
+    """THIS_MACHINE's compute numbers reproduce kvturn bench reuse's measured prefill steps."""
+    data = json.loads((REPO / "docs/bench/reuse.json").read_text())
+    sim = Simulation(SimSettings(cost=THIS_MACHINE), _gap_of(1.0))
+    for row in data["rows"]:
+        if row["generated"]:
+            continue
+        measured_ms = row["modes"]["recompute"]["steps_ms"]["prefill"]
+        predicted_ms = 1e3 * (sim.cost_model.work(row["prompt_tokens"], 0)
+                              / THIS_MACHINE.compute_tokens_per_s
+                              + THIS_MACHINE.leg_overhead_ms / 2e3)
+        assert abs(predicted_ms - measured_ms) < 0.15 * measured_ms, row["tokens"]
+
+
+def test_policies_compare_on_the_same_trace() -> None:
+    conversations = synthetic(WorkloadSpec(conversations=200, window_s=30.0, seed=2))
+    base = SimSettings(fleet=FleetSpec(prefills=2, decodes=2))
+    results = {name: simulate(replace(base, policy=p), conversations).summary()
+               for name, p in standard_policies().items()}
+    turns = {r["turns"] for r in results.values()}
+    assert turns == {sum(c.turns for c in conversations)}
+    # kvturn's lease releases finished conversations: it holds less than keeping everything.
+    assert results["kvturn-lease"]["retained_gib"]["mean"] \
+        < results["evict-before-starve"]["retained_gib"]["mean"]  # type: ignore[index]

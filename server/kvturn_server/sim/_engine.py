@@ -176,6 +176,7 @@ class Simulation:
     def _sample(self) -> None:
         for decode in self.decodes:
             decode.give_back(decode.table.expire())
+            self._drain(decode)
         self.recorder.sample(self.now)
         if self.active or any(f is not self._sample for _, _, f, _ in self._events):
             self.at(self.now + self.s.sample_interval_s, self._sample)
@@ -326,6 +327,7 @@ class Simulation:
                       full: int) -> None:
         if pin is not None and decode is not None:
             decode.give_back(decode.table.unpin(pin[1].pin_id)[1])
+            self._drain(decode)
         sim.remember(turn.first, full)
         if turn.conv.shared_system:
             sim.remember(SHARED_SYSTEM, self._system_blocks(turn.conv))

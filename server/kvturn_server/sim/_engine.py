@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
+from kvturn_server.bench._agent_workload import FRAMING_TOKENS
 from kvturn_server.connector._cost import CostModel, CostSettings
 from kvturn_server.connector._hashing import verified_prefix_blocks
 from kvturn_server.connector._reuse import decide_reuse
@@ -54,7 +55,7 @@ from kvturn_server.sim._instances import (
     prompt_hashes,
 )
 from kvturn_server.sim._metrics import Recorder
-from kvturn_server.sim._workload import FRAMING_TOKENS, Conversation
+from kvturn_server.sim._workload import Conversation
 
 _PAD: dict[int, str] = {}
 # What X-KVTurn-Reuse says when a pin finds the retention gone (router/_turn.py).

@@ -148,12 +148,12 @@ def load_trace(path: Path, *, window_s: float = 3600.0, gaps: GapDistribution | 
             raise ValueError(f"{path}: expected a list of conversations")
         rng = random.Random(f"kvturn-sim-trace/{seed}")
         dist = gaps or GapDistribution(2.0, 24.0, 1.0, 660.0)
-        out = [_from_messages(item, index, rng, window_s, dist)
-               for index, item in enumerate(items)]
+        read = [_from_messages(item, index, rng, window_s, dist)
+                for index, item in enumerate(items)]
     else:
-        out = [_from_jsonl(line, n, path)
-               for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    out = [c for c in out if c is not None]
+        read = [_from_jsonl(line, n, path)
+                for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    out = [c for c in read if c is not None]
     if not out:
         raise ValueError(f"{path}: no conversation with at least one turn")
     out.sort(key=lambda c: c.start_s)

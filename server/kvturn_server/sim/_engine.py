@@ -132,7 +132,7 @@ class Simulation:
                 compute_attention_tokens=cost.attention_tokens),
                 bytes_per_token=fleet.kv_bytes_per_token)
         self.placements: dict[str, Placement] = {}
-        self.recorder = Recorder(settings, self.decodes)
+        self.recorder = Recorder(settings, self.decodes, self.prefills)
         self._progress = progress
         self._progress_every = progress_every_s
         self._request_ids = itertools.count()
@@ -322,6 +322,7 @@ class Simulation:
         ready = self.now + s.cost.leg_overhead_ms / 2e3 + read_s
         start = max(ready, sim.busy_until)
         sim.busy_until = start + compute_s
+        sim.busy_s += compute_s
         self.at(sim.busy_until, self._prefill_done, turn, pin, decode, sim, full)
 
     def _prefill_done(self, turn: _Turn, pin: Any, decode: SimDecode | None, sim: SimPrefill,

@@ -96,6 +96,7 @@ class SimPrefill:
         self.name = name
         self.capacity = capacity
         self.busy_until = 0.0
+        self.busy_s = 0.0
         self._cache: OrderedDict[bytes, int] = OrderedDict()
         self._held = 0
 

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvturn_server.sim._config import GIB, SimSettings
-from kvturn_server.sim._instances import SimDecode
+from kvturn_server.sim._instances import SimDecode, SimPrefill
 from kvturn_server.sim._workload import Conversation
 
 GAP_BUCKETS: tuple[tuple[str, float], ...] = (
@@ -33,9 +33,12 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 class Recorder:
     """Collects every turn's outcome and the fleet's retained memory over time."""
 
-    def __init__(self, settings: SimSettings, decodes: list[SimDecode]) -> None:
+    def __init__(self, settings: SimSettings, decodes: list[SimDecode],
+                 prefills: list[SimPrefill]) -> None:
         self.settings = settings
         self.decodes = decodes
+        self.prefills = prefills
+        self.waiting_max = 0
         self.turns = 0
         self.ttfts: list[float] = []
         self.prompt_tokens = 0
@@ -77,6 +80,7 @@ class Recorder:
         block = self.settings.fleet.block_bytes
         held = sum(d.table.held_blocks for d in self.decodes)
         self.memory.append((now, held * block / GIB))
+        self.waiting_max = max(self.waiting_max, sum(len(d.waiting) for d in self.decodes))
 
     def finish(self, now: float) -> None:
         self.end_s = now
@@ -113,6 +117,10 @@ class Recorder:
                              "max": round(max(gib), 3) if gib else 0.0,
                              "per_decode_capacity": round(
                                  s.fleet.decode_capacity * s.fleet.block_bytes / GIB, 3)},
+            "prefill_utilization": round(
+                sum(p.busy_s for p in self.prefills) / (len(self.prefills) * self.end_s), 4)
+            if self.end_s else None,
+            "decode_waiting_max": self.waiting_max,
             "reasons": dict(self.reasons.most_common()),
             "routes": dict(self.routes),
             "retention_stats": dict(stats),

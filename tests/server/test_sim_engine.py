@@ -133,3 +133,19 @@ def test_policies_compare_on_the_same_trace() -> None:
     # kvturn's lease releases finished conversations: it holds less than keeping everything.
     assert results["kvturn-lease"]["retained_gib"]["mean"] \
         < results["evict-before-starve"]["retained_gib"]["mean"]
+
+
+def test_every_block_is_free_or_retained_never_both() -> None:
+    """Under memory pressure, with shared prefixes, pins, expiry, eviction and release: at the
+    end each decode's blocks are exactly its free ones plus its retentions', with no repeats."""
+    conversations = synthetic(WorkloadSpec(conversations=300, window_s=20.0, seed=5))
+    fleet = FleetSpec(prefills=2, decodes=2, decode_blocks=3000)
+    for policy in standard_policies(budget=0.3).values():
+        sim = Simulation(SimSettings(fleet=fleet, policy=policy), conversations)
+        sim.run()
+        for decode in sim.decodes:
+            assert decode.live == 0 and not decode.waiting
+            free = decode.free_ids()
+            held = [b for r in decode.table.retentions() for b in r.block_ids]
+            assert len(free) + len(held) == decode.capacity, policy.name
+            assert sorted(free + held) == list(range(decode.capacity)), policy.name

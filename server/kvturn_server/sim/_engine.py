@@ -363,17 +363,18 @@ class Simulation:
     def _try_start(self, turn: _Turn, decode: SimDecode) -> bool:
         s, bs = self.s, self.block_size
         blocks = math.ceil((turn.prompt + turn.conv.replies[turn.index]) / bs)
-        ids = decode.allocate(blocks)
+        # The decode's own prefix cache: the conversation's retention, when it holds one (a
+        # use: most recently used now). The request shares its verified blocks.
+        retention = decode.table.touch(turn.conv.cid)
+        verified = 0 if retention is None else verified_prefix_blocks(
+            prompt_hashes(turn.first, turn.prompt // bs), retention.block_hashes)
+        shared = () if retention is None else retention.block_ids[:verified]
+        ids = decode.allocate(blocks, shared)
         if ids is None:
             return False
         turn.blocks = ids
         start = max(self.now, turn.ready_at)
-        # The decode's own prefix cache: the conversation's retention, when it holds one.
-        retention = decode.table.touch(turn.conv.cid)
-        hit = self._system_blocks(turn.conv) * bs  # hot on every decode
-        if retention is not None:
-            hit = max(hit, verified_prefix_blocks(prompt_hashes(turn.first, turn.prompt // bs),
-                                                  retention.block_hashes) * bs)
+        hit = max(self._system_blocks(turn.conv), verified) * bs  # the system prompt is hot
         if turn.route == "decode":
             computed = max(1, turn.prompt - hit)
             turn.computed, turn.reused = computed, turn.prompt - computed

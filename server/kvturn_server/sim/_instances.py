@@ -54,6 +54,9 @@ class SimDecode:
         self.table = RetentionTable(budget_blocks=budget, ttl=policy.ttl_s,
                                     max_hold=policy.max_hold_s, clock=clock)
         self._free = list(range(capacity - 1, -1, -1))
+        # Blocks held by more than one owner (a live request extending the retention it
+        # continues shares its blocks, as vLLM's prefix cache does): id -> owners.
+        self._owners: dict[int, int] = {}
         self.live = 0
         self.waiting: deque[Any] = deque()
         self.evicted_for_live = 0
@@ -62,29 +65,51 @@ class SimDecode:
     def free_blocks(self) -> int:
         return len(self._free)
 
+    def free_ids(self) -> list[int]:
+        """The free block ids (for checks: every block is free or owned, never both)."""
+        return list(self._free)
+
     def give_back(self, retentions: list[Retention]) -> None:
         """Return dropped retentions' blocks to the allocator (what the connector does)."""
         for retention in retentions:
-            self._free.extend(retention.block_ids)
+            self.free(retention.block_ids)
 
     def free(self, block_ids: tuple[int, ...]) -> None:
-        self._free.extend(block_ids)
+        """Drop one owner of each block; a block with no owner left is free."""
+        owners = self._owners
+        if not owners:
+            self._free.extend(block_ids)
+            return
+        for block in block_ids:
+            n = owners.get(block)
+            if n is None:
+                self._free.append(block)
+            elif n == 2:
+                del owners[block]
+            else:
+                owners[block] = n - 1
 
-    def allocate(self, blocks: int) -> tuple[int, ...] | None:
-        """Blocks for a live request, evicting retentions if needed (never starve live work);
-        None when even that is not enough (the request waits)."""
+    def allocate(self, blocks: int, shared: tuple[int, ...] = ()) -> tuple[int, ...] | None:
+        """Blocks for a live request: ``shared`` (a retained prefix it extends, now owned by
+        both) then new ones, evicting retentions if needed (never starve live work); None when
+        even that is not enough (the request waits)."""
         if self.live >= self.max_num_seqs or blocks > self.capacity:
             return None
+        # Own the shared prefix first: an eviction below may drop the retention holding it.
+        for block in shared:
+            self._owners[block] = self._owners.get(block, 1) + 1
+        new = blocks - len(shared)
         self.give_back(self.table.expire())
-        short = blocks - len(self._free)
+        short = new - len(self._free)
         if short > 0:
             evicted = self.table.evict_for(short)
             self.evicted_for_live += len(evicted)
             self.give_back(evicted)
-            if blocks > len(self._free):
+            if new > len(self._free):
+                self.free(shared)
                 return None
-        ids = tuple(self._free[-blocks:])
-        del self._free[-blocks:]
+        ids = shared + tuple(self._free[len(self._free) - new:])
+        del self._free[len(self._free) - new:]
         self.live += 1
         return ids
 

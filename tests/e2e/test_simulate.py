@@ -3,8 +3,8 @@ simulator must predict the real run's reuse hits and prompt tokens computed (iss
 
 The agents are ``kvturn bench agent``'s (the same scripts and agent loop), sent as ``ids``
 clients (a conversation id, no keepalive, no release) so that one tool gap outlives the
-session stack's 12 s lease and the last turns overflow the decode's 100-block retention budget:
-expiry and budget eviction both have to be predicted, not only hits. The simulator is set up
+session stack's 12 s lease and the retentions overflow the decode's 100-block budget: expiry
+and budget eviction both have to be simulated, not only hits. The simulator is set up
 like the session stack (conftest): one prefill, one decode of DECODE_BLOCKS blocks of 128
 tokens, the lease, budget and maximum hold, the router's ``--decode-continue-tokens 0`` and the
 prefill's pinned cost model, and the tiny model's KV size.

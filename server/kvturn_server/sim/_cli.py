@@ -179,7 +179,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     out.write(table(results) + "\n")
     if rows:
         out.write("\n" + sweep_table(rows) + "\n")
-    out.write(f"\n{len(conversations):,} conversations, {turns:,} turns, {len(wanted)} "
-              f"policies{f' + {len(rows)} sweep runs' if rows else ''} in {wall:.0f} s; JSON "
-              f"{args.json}{f', plot {plot_path}' if plotted else ''}\n")
+    runs = f"{len(wanted)} polic{'y' if len(wanted) == 1 else 'ies'}" + (
+        f" + {len(rows)} sweep runs" if rows else "")
+    out.write(f"\n{len(conversations):,} conversations, {turns:,} turns, {runs} in {wall:.0f} s; "
+              f"JSON {args.json}{f', plot {plot_path}' if plotted else ''}\n")
     return 0

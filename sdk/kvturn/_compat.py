@@ -7,8 +7,10 @@ such a release fails loudly in CI instead of misbehaving.
 
 from __future__ import annotations
 
+from openai._httpx2 import timeout_exceptions
 from openai._legacy_response import LegacyAPIResponse
 from openai._models import FinalRequestOptions
 from openai._response import APIResponse, AsyncAPIResponse
 
-__all__ = ["APIResponse", "AsyncAPIResponse", "FinalRequestOptions", "LegacyAPIResponse"]
+__all__ = ["APIResponse", "AsyncAPIResponse", "FinalRequestOptions", "LegacyAPIResponse",
+           "timeout_exceptions"]

@@ -30,12 +30,19 @@ REUSED_OUTCOMES = frozenset({"hit", "partial"})
 # Key used in the statistics for a response without X-KVTurn-Reuse (e.g. a plain vLLM server).
 UNREPORTED = "unreported"
 
+# The `code` of a keepalive's 404: the router knows no retention, or the decode's reason it has
+# none (its Gone codes), or `stale` (the holding decode restarted or left the configuration).
+NO_RETENTION_CODE = "no_retention"
+GONE_CODES = (NO_RETENTION_CODE, "expired", "released", "evicted", "replaced", "stale")
+
 ID_MAX_LENGTH = 256
 GENERATED_ID_PREFIX = "kvt-"
 
-# The connector's default lease is 480 s; renewing every 60 s leaves several chances to get
-# through a slow router before the lease runs out.
-DEFAULT_KEEPALIVE_INTERVAL = 60.0
+# The connector's default lease (its decoder_kv_blocks_ttl, and the router's retention_ttl).
+DEFAULT_LEASE_TTL = 480.0
+# Renewing every 60 s leaves several chances to get through a slow router before the lease
+# runs out.
+DEFAULT_KEEPALIVE_INTERVAL = DEFAULT_LEASE_TTL / 8
 # Keepalive and release are best effort (a missed one only lets a lease expire), so they get a
 # short timeout and no retries of their own: the next heartbeat is the retry.
 CONTROL_TIMEOUT = 10.0

@@ -283,20 +283,34 @@ def _check_completion(previous: CompletionTurn, current: CompletionTurn) -> str 
     return "reply-changed"
 
 
-class ChatReplyAssembler:
+class _ReplyAssembler:
+    """Counts the choices that got their ``finish_reason``; ``choices`` is the request's
+    ``n``: the reply is complete once that many have."""
+
+    __slots__ = ("_expected", "_finished")
+
+    def __init__(self, choices: int = 1) -> None:
+        self._finished: set[int] = set()
+        self._expected = max(choices, 1)
+
+    @property
+    def complete(self) -> bool:
+        """Every choice got its ``finish_reason``: the reply is whole, not cut off."""
+        return len(self._finished) >= self._expected
+
+
+class ChatReplyAssembler(_ReplyAssembler):
     """Rebuilds the assistant message of each choice from the streamed chunks' JSON.
 
     Fed each chunk as openai decodes it for the caller; keeps only the pieces of the reply
-    itself. ``choices`` is the request's ``n``: the reply is complete once that many choices
-    have a ``finish_reason``.
+    itself.
     """
 
-    __slots__ = ("_choices", "_expected", "_finished")
+    __slots__ = ("_choices",)
 
     def __init__(self, choices: int = 1) -> None:
+        super().__init__(choices)
         self._choices: dict[int, _ChoiceParts] = {}
-        self._finished: set[int] = set()
-        self._expected = max(choices, 1)
 
     def add(self, data: Any) -> None:
         # Runs once per streamed chunk: the usual delta ({"content": piece}) takes the short way.
@@ -314,11 +328,6 @@ class ChatReplyAssembler:
                     parts.add_rare(delta)
             if choice.get("finish_reason") is not None:
                 self._finished.add(index)
-
-    @property
-    def complete(self) -> bool:
-        """Every choice got its ``finish_reason``: the reply is whole, not cut off."""
-        return len(self._finished) >= self._expected
 
     def replies(self) -> list[Message]:
         return [self._choices[index].message() for index in sorted(self._choices)]
@@ -374,15 +383,14 @@ class _ChoiceParts:
         return normalise_message(raw)
 
 
-class CompletionReplyAssembler:
+class CompletionReplyAssembler(_ReplyAssembler):
     """Concatenates the streamed text of each completions choice (from the chunks' JSON)."""
 
-    __slots__ = ("_expected", "_finished", "_texts")
+    __slots__ = ("_texts",)
 
     def __init__(self, choices: int = 1) -> None:
+        super().__init__(choices)
         self._texts: dict[int, list[str]] = {}
-        self._finished: set[int] = set()
-        self._expected = max(choices, 1)
 
     def add(self, data: Any) -> None:
         for choice in data.get("choices") or ():
@@ -390,10 +398,6 @@ class CompletionReplyAssembler:
             self._texts.setdefault(index, []).append(choice.get("text") or "")
             if choice.get("finish_reason") is not None:
                 self._finished.add(index)
-
-    @property
-    def complete(self) -> bool:
-        return len(self._finished) >= self._expected
 
     def replies(self) -> list[str]:
         return ["".join(self._texts[index]) for index in sorted(self._texts)]

@@ -127,11 +127,11 @@ class ConversationState:
 
     # --- before sending ---------------------------------------------------------------------
 
-    def prepare(self, options: FinalRequestOptions, update: dict[str, Any]) -> TurnPlan | None:
-        """Decide how ``options`` must change to carry this conversation: the id in a header
-        and (when there is a JSON body) in the body, plus the reuse hint for a turn. Changes
-        go into ``update`` (applied by the caller's copy); returns the turn's plan, or None
-        for requests that are not turns."""
+    def prepare(self, options: FinalRequestOptions) -> TurnPlan | None:
+        """Make ``options`` (openai's own copy for one attempt: changing it changes nothing of
+        the caller's) carry this conversation: the id in a header and, when there is a JSON
+        body, in the body, plus the reuse hint for a turn. Returns the turn's plan, or None for
+        requests that are not turns."""
         headers = _as_dict(options.headers)
         headers = {} if headers is None else dict(headers)
         body = _as_dict(options.json_data)
@@ -157,9 +157,10 @@ class ConversationState:
                 headers[HEADER_NO_REUSE] = plan.no_reuse
 
         headers[HEADER_CONVERSATION_ID] = self.id
-        update["headers"] = headers
+        # New objects, never the shared ones changed in place: openai's copy is shallow.
+        options.headers = headers
         if body is not None:
-            update["extra_json"] = {**(extra or {}), BODY_CONVERSATION_ID: self.id}
+            options.extra_json = {**(extra or {}), BODY_CONVERSATION_ID: self.id}
         return plan
 
     def _check_scope(self, value: Any, where: str) -> None:

@@ -145,3 +145,37 @@ def test_tenacity_api() -> None:
     state = tenacity.RetryCallState(tenacity.Retrying(), fn=None, args=(), kwargs={})
     assert state.upcoming_sleep == 0.0 and state.attempt_number == 1
     assert issubclass(tenacity.stop_any, tenacity.stop.stop_base)
+
+
+@pytest.mark.parametrize(("ours", "theirs", "base"), [
+    (kvturn.OpenAI, openai.OpenAI, SyncAPIClient),
+    (kvturn.AsyncOpenAI, openai.AsyncOpenAI, AsyncAPIClient)])
+def test_the_request_loop_calls_the_hooks_kvturn_overrides(ours: type, theirs: type,
+                                                            base: type) -> None:
+    # kvturn._base_client: the hooks openai's loop calls per attempt, with these signatures.
+    for hook in ("_build_request", "_should_retry", "_sleep_for_retry"):
+        assert params(getattr(ours, hook)) == params(getattr(theirs, hook)), hook
+    assert params(BaseClient._build_request) == [("self", POS), ("options", POS),
+                                                 ("retries_taken", KW)]
+    assert params(BaseClient._should_retry) == [("self", POS), ("response", POS)]
+    assert params(base._sleep_for_retry) == [("self", POS), ("retries_taken", KW),
+                                             ("max_retries", KW), ("options", KW),
+                                             ("response", KW)]
+    source = inspect.getsource(base.request)
+    # the options _build_request stamps are the very object _process_response is given
+    assert "options = self._prepare_options(options)" in source
+    assert "request = self._build_request(options, retries_taken=retries_taken)" in source
+    assert "options=options," in source and "retries_taken=retries_taken," in source
+    # status errors ask _should_retry; connection errors and timeouts go straight to
+    # _sleep_for_retry from inside the except block (kvturn raises the loop's error there)
+    assert "self._should_retry(err.response)" in source
+    assert source.count("_sleep_for_retry(") == 3
+    assert "raise APITimeoutError(request=request) from err" in source
+    assert "raise APIConnectionError(request=request) from err" in source
+
+
+def test_timeout_exceptions_are_httpx2s() -> None:
+    # kvturn._base_client: the error class raised when the policy stops a timed-out call.
+    from kvturn._compat import timeout_exceptions
+
+    assert httpx2.TimeoutException in timeout_exceptions()

@@ -200,3 +200,38 @@ async def test_async_retries(aclient: kvturn.AsyncOpenAI, arouter: FakeRouter,
     stream = await conversation.chat.completions.create(model=MODEL, messages=MESSAGES,  # type: ignore[arg-type]
                                                         stream=True)
     assert "".join([c.choices[0].delta.content or "" async for c in stream]) == "Hello"
+
+
+@pytest.mark.parametrize(("failure", "raised"), [
+    (httpx2.ConnectError("connection refused"), openai.APIConnectionError),
+    (httpx2.ReadTimeout("timed out"), openai.APITimeoutError)])
+def test_connection_errors_stop_at_the_deadline(router: FakeRouter, clock: FakeClock,
+                                                failure: Exception,
+                                                raised: type[Exception]) -> None:
+    # openai's loop retries these without asking _should_retry: kvturn stops it in
+    # _sleep_for_retry, with the error openai itself raises when it gives up.
+    def fail(recorded: Recorded) -> httpx2.Response:
+        raise failure
+
+    policy = kvturn.RetryPolicy(max_elapsed=0.2, sleep=clock.sleep, clock=clock)
+    http = httpx2.Client(transport=httpx2.MockTransport(router))
+    client = kvturn.OpenAI(base_url=BASE_URL, api_key="-", http_client=http, max_retries=5,
+                           retry_policy=policy)
+    conversation = client.conversation()
+    router.script.extend([fail] * 6)
+    with pytest.raises(raised) as caught:
+        ask(conversation)
+    assert type(caught.value) is raised and caught.value.__cause__ is failure
+    assert len(router.turns()) == 1 and clock.sleeps == []  # the first wait (>= 0.5 s) is over
+    assert conversation.stats.retries == 0 and conversation.last_turn is None
+
+
+def test_a_file_upload_is_not_replayed_after_a_connection_error(client: kvturn.OpenAI,
+                                                                router: FakeRouter) -> None:
+    def refuse(recorded: Recorded) -> httpx2.Response:
+        raise httpx2.ConnectError("connection refused")
+
+    router.script.append(refuse)
+    with pytest.raises(openai.APIConnectionError):
+        client.files.create(file=("a.jsonl", b"{}\n"), purpose="batch")
+    assert len(router.requests) == 1

@@ -8,9 +8,11 @@ Each measured call is a turn of a 5-turn conversation that extends the previous 
 read to the end).
 
 Calls of the two clients alternate and the reported overhead is the median of the paired
-differences, which cancels most of the drift of a busy machine. ``own_us`` is measured more
-directly: the time spent in kvturn's ``request`` outside openai's own ``request``; it excludes
-the per-chunk cost of streams, which only the paired difference includes.
+differences, which cancels most of the drift of a busy machine; their quartiles are the spread.
+``own_us`` is measured more directly, in a separate pass (its timers would otherwise weigh on
+the paired calls): the time spent in kvturn's hooks of openai's request loop (``_build_request``,
+``_process_response``, ``_process_response_data``, once per stream chunk) outside openai's own
+implementations of them.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from typing import Any
 
 import httpx2
 import openai
-from openai._base_client import AsyncAPIClient, SyncAPIClient
+from openai._base_client import AsyncAPIClient, BaseClient, SyncAPIClient
 
 import kvturn
+from kvturn._base_client import KVTurnClientBase
 
 TARGET_US = 50.0
 TURNS = 5
@@ -54,6 +57,16 @@ class ModeResult:
     kvturn_us: float
     overhead_us: float
     own_us: float
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Quartiles of one mode's paired differences (kvturn call minus openai call), in us."""
+
+    mode: str
+    stream: bool
+    overhead_p25_us: float
+    overhead_p75_us: float
 
 
 def _chat_body() -> bytes:
@@ -102,75 +115,97 @@ def _turns() -> Iterator[list[dict[str, Any]]]:
 
 
 class _HookTimer:
-    """Times kvturn's ``request`` and openai's ``request`` inside it, while installed.
-
-    The difference for a turn is the time kvturn's own code took around openai's call.
-    """
+    """While installed, adds up the time spent in kvturn's hooks outside openai's own
+    implementations of the same hooks (which the hooks call through ``super()``)."""
 
     def __init__(self) -> None:
-        self.outer: list[int] = []
-        self.inner: list[int] = []
+        self.own_ns = 0
+        self._inner_ns = 0
 
     @contextmanager
-    def installed(self, outer_cls: Any, inner_cls: Any, is_async: bool) -> Iterator[None]:
-        originals = (outer_cls.request, inner_cls.request)
-        outer_cls.request = self._wrap(originals[0], self.outer, is_async)
-        inner_cls.request = self._wrap(originals[1], self.inner, is_async)
+    def installed(self, is_async: bool) -> Iterator[None]:
+        client_cls = kvturn.AsyncOpenAI if is_async else kvturn.OpenAI
+        openai_cls = AsyncAPIClient if is_async else SyncAPIClient
+        hooks = [(KVTurnClientBase, BaseClient, "_build_request", False),
+                 (KVTurnClientBase, BaseClient, "_process_response_data", False),
+                 (client_cls, openai_cls, "_process_response", is_async)]
+        saved = [(cls, name, cls.__dict__[name]) for ours, theirs, name, _ in hooks
+                 for cls in (ours, theirs)]
+        for ours, theirs, name, hook_is_async in hooks:
+            setattr(ours, name, self._wrap(ours.__dict__[name], hook_is_async, outer=True))
+            setattr(theirs, name, self._wrap(theirs.__dict__[name], hook_is_async, outer=False))
         try:
             yield
         finally:
-            outer_cls.request, inner_cls.request = originals
+            for cls, name, original in saved:
+                setattr(cls, name, original)
 
-    @staticmethod
-    def _wrap(original: Any, sink: list[int], is_async: bool) -> Any:
+    def _wrap(self, original: Any, is_async: bool, *, outer: bool) -> Any:
+        timer = self
+
+        def account(started: int, inner_before: int) -> None:
+            spent = time.perf_counter_ns() - started
+            if outer:
+                timer.own_ns += spent - (timer._inner_ns - inner_before)
+            else:
+                timer._inner_ns += spent
+
         def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter_ns()
+            started, inner_before = time.perf_counter_ns(), timer._inner_ns
             try:
                 return original(self, *args, **kwargs)
             finally:
-                sink.append(time.perf_counter_ns() - started)
+                account(started, inner_before)
 
         async def atimed(self: Any, *args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter_ns()
+            started, inner_before = time.perf_counter_ns(), timer._inner_ns
             try:
                 return await original(self, *args, **kwargs)
             finally:
-                sink.append(time.perf_counter_ns() - started)
+                account(started, inner_before)
 
         return atimed if is_async else timed
 
-    def last_own(self) -> int:
-        return self.outer[-1] - self.inner[-1]
+    def take(self) -> int:
+        own, self.own_ns = self.own_ns, 0
+        return own
 
 
 class _Samples:
     def __init__(self, calls: int) -> None:
         self.warmup = max(calls // 5, 20)
         self.total = calls + self.warmup
+        self.own_total = max(calls // 5, 20)
         self.seen = 0
         self.plain: list[int] = []
         self.kvturn: list[int] = []
         self.own: list[int] = []
 
-    def add(self, plain: int, kvturn_: int, own: int) -> None:
+    def add(self, plain: int, kvturn_: int) -> None:
         if self.seen >= self.warmup:
             self.plain.append(plain)
             self.kvturn.append(kvturn_)
-            self.own.append(own)
         self.seen += 1
 
-    def result(self, mode: str, stream: bool) -> ModeResult:
-        paired = [k - p for k, p in zip(self.kvturn, self.plain, strict=True)]
-        return ModeResult(mode=mode, stream=stream, plain_us=_median_us(self.plain),
-                          kvturn_us=_median_us(self.kvturn), overhead_us=_median_us(paired),
-                          own_us=_median_us(self.own))
+    def paired(self) -> list[int]:
+        return [k - p for k, p in zip(self.kvturn, self.plain, strict=True)]
+
+    def result(self, mode: str, stream: bool) -> tuple[ModeResult, Spread]:
+        paired = self.paired()
+        quartiles = (statistics.quantiles(paired, n=4) if len(paired) > 1
+                     else [float(paired[0])] * 3)
+        return (ModeResult(mode=mode, stream=stream, plain_us=_median_us(self.plain),
+                           kvturn_us=_median_us(self.kvturn), overhead_us=_median_us(paired),
+                           own_us=_median_us(self.own)),
+                Spread(mode=mode, stream=stream, overhead_p25_us=round(quartiles[0] / 1000, 1),
+                       overhead_p75_us=round(quartiles[2] / 1000, 1)))
 
 
 def _median_us(values: list[int]) -> float:
     return round(statistics.median(values) / 1000, 1) if values else 0.0
 
 
-def _bench_sync(calls: int, stream: bool) -> ModeResult:
+def _bench_sync(calls: int, stream: bool) -> tuple[ModeResult, Spread]:
     transport = httpx2.MockTransport(_router())
     plain = openai.OpenAI(base_url=_BASE_URL, api_key="bench", max_retries=0,
                           http_client=httpx2.Client(transport=transport))
@@ -189,20 +224,25 @@ def _bench_sync(calls: int, stream: bool) -> ModeResult:
 
     samples, timer = _Samples(calls), _HookTimer()
     try:
-        with timer.installed(kvturn.OpenAI, SyncAPIClient, is_async=False):
-            while samples.seen < samples.total:
+        while samples.seen < samples.total:
+            with client.conversation() as conversation:
+                for messages in _turns():
+                    plain_ns = call(plain, messages)
+                    samples.add(plain_ns, call(conversation, messages))
+        with timer.installed(is_async=False):
+            while len(samples.own) < samples.own_total:
                 with client.conversation() as conversation:
                     for messages in _turns():
-                        plain_ns = call(plain, messages)
-                        kvturn_ns = call(conversation, messages)
-                        samples.add(plain_ns, kvturn_ns, timer.last_own())
+                        timer.take()
+                        call(conversation, messages)
+                        samples.own.append(timer.take())
     finally:
         client.close()
         plain.close()
     return samples.result("sync", stream)
 
 
-async def _bench_async(calls: int, stream: bool) -> ModeResult:
+async def _bench_async(calls: int, stream: bool) -> tuple[ModeResult, Spread]:
     transport = httpx2.MockTransport(_router())
     plain = openai.AsyncOpenAI(base_url=_BASE_URL, api_key="bench", max_retries=0,
                                http_client=httpx2.AsyncClient(transport=transport))
@@ -221,13 +261,18 @@ async def _bench_async(calls: int, stream: bool) -> ModeResult:
 
     samples, timer = _Samples(calls), _HookTimer()
     try:
-        with timer.installed(kvturn.AsyncOpenAI, AsyncAPIClient, is_async=True):
-            while samples.seen < samples.total:
+        while samples.seen < samples.total:
+            async with client.conversation() as conversation:
+                for messages in _turns():
+                    plain_ns = await call(plain, messages)
+                    samples.add(plain_ns, await call(conversation, messages))
+        with timer.installed(is_async=True):
+            while len(samples.own) < samples.own_total:
                 async with client.conversation() as conversation:
                     for messages in _turns():
-                        plain_ns = await call(plain, messages)
-                        kvturn_ns = await call(conversation, messages)
-                        samples.add(plain_ns, kvturn_ns, timer.last_own())
+                        timer.take()
+                        await call(conversation, messages)
+                        samples.own.append(timer.take())
     finally:
         await client.close()
         await plain.close()
@@ -245,12 +290,14 @@ def run_sdk_bench(calls: int, json_path: Path,
     gc_was_enabled = gc.isenabled()
     gc.disable()  # a collection inside one client's call would land on one side of a pair
     try:
-        results = [_bench_sync(calls, False), _bench_sync(calls, True),
-                   asyncio.run(_bench_async(calls, False)),
-                   asyncio.run(_bench_async(calls, True))]
+        measured = [_bench_sync(calls, False), _bench_sync(calls, True),
+                    asyncio.run(_bench_async(calls, False)),
+                    asyncio.run(_bench_async(calls, True))]
     finally:
         if gc_was_enabled:
             gc.enable()
+    results = [result for result, _ in measured]
+    spreads = [spread for _, spread in measured]
     worst = max(r.overhead_us for r in results)
     data: dict[str, Any] = {
         "calls_per_mode": calls, "turns_per_conversation": TURNS, "target_us": TARGET_US,
@@ -259,20 +306,23 @@ def run_sdk_bench(calls: int, json_path: Path,
         "machine": {"cpus": os.cpu_count(), "load_average_before": list(load_before),
                     "load_average_after": list(os.getloadavg())},
         "modes": [asdict(r) for r in results],
+        "spread": [asdict(s) for s in spreads],
         "max_overhead_us": worst, "within_target": worst <= TARGET_US}
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(data, indent=2) + "\n")
-    say(_table(results))
+    say(_table(results, spreads))
     say(f"max overhead {worst:.1f} us per call (target <= {TARGET_US:.0f} us); "
         f"wrote {json_path}")
     return data
 
 
-def _table(results: list[ModeResult]) -> str:
+def _table(results: list[ModeResult], spreads: list[Spread]) -> str:
     header = (f"{'client':<7} {'stream':<7} {'openai us':>10} {'kvturn us':>10} "
-              f"{'overhead us':>12} {'own us':>8}")
+              f"{'overhead us':>12} {'p25..p75':>14} {'own us':>8}")
     rows = [f"{r.mode:<7} {'yes' if r.stream else 'no':<7} {r.plain_us:>10.1f} "
-            f"{r.kvturn_us:>10.1f} {r.overhead_us:>12.1f} {r.own_us:>8.1f}" for r in results]
+            f"{r.kvturn_us:>10.1f} {r.overhead_us:>12.1f} "
+            f"{f'{s.overhead_p25_us:.1f}..{s.overhead_p75_us:.1f}':>14} {r.own_us:>8.1f}"
+            for r, s in zip(results, spreads, strict=True)]
     return "\n".join([header, *rows])
 
 
@@ -288,7 +338,8 @@ def add_sdk_bench_parser(subparsers: Any) -> None:
         description="Times chat turns through a scoped kvturn client and through the plain "
                     "openai client over the same in-process mock transport (sync and async, "
                     "streaming and not) and reports the per-call overhead (median of paired "
-                    f"differences; target <= {TARGET_US:.0f} us). No servers, no network.")
+                    f"differences, and their quartiles; target <= {TARGET_US:.0f} us). No "
+                    "servers, no network.")
     sdk.add_argument("--calls", type=int, default=3000,
                      help="measured calls per client and mode (default: %(default)s)")
     sdk.add_argument("--json", type=Path, default=Path(".kvturn/bench/sdk.json"),

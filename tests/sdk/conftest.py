@@ -9,7 +9,7 @@ import httpx2
 import pytest
 
 import kvturn
-from tests.sdk._router import FakeClock, FakeRouter
+from tests.fakes.router import FakeClock, FakeRouter
 
 BASE_URL = "http://router.test:8000/v1"
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 import kvturn
-from tests.sdk._router import FakeRouter, chat_chunks, chat_completion, completion, error
+from tests.fakes.router import FakeRouter, chat_chunks, chat_completion, completion, error
 
 MODEL = "kvturn-tiny"
 CALL = {"id": "call_1", "type": "function",

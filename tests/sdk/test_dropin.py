@@ -9,7 +9,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import kvturn
-from tests.sdk._router import FakeRouter
+from tests.fakes.router import FakeRouter
 from tests.sdk.conftest import BASE_URL
 
 MESSAGES = [{"role": "user", "content": "Hi"}]

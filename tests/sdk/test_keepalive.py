@@ -15,7 +15,7 @@ import openai
 import pytest
 
 import kvturn
-from tests.sdk._router import FakeRouter
+from tests.fakes.router import FakeRouter
 
 INTERVAL = 0.005
 MESSAGES = [{"role": "user", "content": "Find flights"}]

@@ -11,7 +11,7 @@ import httpx2
 import pytest
 
 import kvturn
-from tests.sdk._router import FakeRouter
+from tests.fakes.router import FakeRouter
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "quickstart.py"
 

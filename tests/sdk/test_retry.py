@@ -10,7 +10,7 @@ import openai
 import pytest
 
 import kvturn
-from tests.sdk._router import FakeClock, FakeRouter, Recorded, error, sse_bytes
+from tests.fakes.router import FakeClock, FakeRouter, Recorded, error, sse_bytes
 from tests.sdk.conftest import BASE_URL
 
 MODEL = "kvturn-tiny"

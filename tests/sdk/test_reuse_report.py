@@ -8,7 +8,7 @@ import httpx2
 import pytest
 
 import kvturn
-from tests.sdk._router import FakeRouter, Recorded, chat_completion
+from tests.fakes.router import FakeRouter, Recorded, chat_completion
 
 MODEL = "kvturn-tiny"
 

@@ -1,38 +1,21 @@
-"""A fake kvturn router for the SDK's tests: an ``httpx2.MockTransport`` handler that records
-every request and answers like docs/http-api.md section A, or with scripted responses."""
+"""The SDK tests' fake kvturn router: answers like docs/http-api.md section A with canned
+replies, or with scripted responses; plus the replies, chunks and clock the tests build."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
 
 import httpx2
 
-CONVERSATIONS = "/kvturn/v1/conversations/"
+from tests.fakes.router_api import Recorded, RouterAPI
 
-
-@dataclass
-class Recorded:
-    method: str
-    path: str
-    raw_path: str
-    headers: httpx2.Headers
-    body: Any
-
-    @property
-    def conversation_header(self) -> str | None:
-        return self.headers.get("x-conversation-id")
-
-    @property
-    def no_reuse(self) -> str | None:
-        return self.headers.get("x-kvturn-no-reuse")
+__all__ = ["AsyncBody", "FakeClock", "FakeRouter", "Recorded", "SyncBody", "chat_chunks",
+           "chat_completion", "completion", "completion_chunks", "error", "sse_bytes",
+           "tool_call_deltas"]
 
 
 def chat_completion(text: str | None = "Hello", *, reasoning: str | None = None,
@@ -71,17 +54,25 @@ def chat_chunks(text: str = "Hello", *, reasoning: str | None = None,
         chunks.append(chunk({"reasoning": piece + " "}))
     for piece in _pieces(text):
         chunks.append(chunk({"content": piece}))
-    for index, call in enumerate(tool_calls or ()):
-        arguments = call["function"]["arguments"]
-        half = len(arguments) // 2
-        chunks.append(chunk({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
-                                             "function": {"name": call["function"]["name"],
-                                                          "arguments": arguments[:half]}}]}))
-        chunks.append(chunk({"tool_calls": [{"index": index,
-                                             "function": {"arguments": arguments[half:]}}]}))
+    chunks += [chunk(delta) for delta in tool_call_deltas(tool_calls or ())]
     if finish:
         chunks.append(chunk({}, "tool_calls" if tool_calls else "stop"))
     return chunks
+
+
+def tool_call_deltas(tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each tool call as vLLM streams it: id, name and the first half of the arguments, then
+    the rest of the arguments."""
+    deltas = []
+    for index, call in enumerate(tool_calls):
+        arguments = call["function"]["arguments"]
+        half = len(arguments) // 2
+        deltas.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+                                       "function": {"name": call["function"]["name"],
+                                                    "arguments": arguments[:half]}}]})
+        deltas.append({"tool_calls": [{"index": index,
+                                       "function": {"arguments": arguments[half:]}}]})
+    return deltas
 
 
 def completion_chunks(text: str = " world") -> list[dict[str, Any]]:
@@ -142,56 +133,23 @@ class AsyncBody:
 Responder = Callable[[Recorded], httpx2.Response]
 
 
-class FakeRouter:
-    """Answers chat/completions like the router: reuse is ``hit`` when the conversation's last
-    turn was retained and the request did not say ``X-KVTurn-No-Reuse``; keepalive and release
-    follow the conversation endpoints' contract. ``script`` queues one-off responses."""
+class FakeRouter(RouterAPI):
+    """Answers chat/completions like the router (reuse report from ``RouterAPI``) with canned
+    replies; ``script`` queues one-off responses."""
 
     def __init__(self, *, async_bodies: bool = False) -> None:
+        super().__init__()
         self.async_bodies = async_bodies
-        self.requests: list[Recorded] = []
         self.script: deque[httpx2.Response | Responder] = deque()
         self.reply: Callable[[Recorded], dict[str, Any]] = lambda _: chat_completion()
         self.stream_reply: Callable[[Recorded], list[dict[str, Any]]] = lambda _: chat_chunks()
-        self.retained: dict[str, int] = {}
-        self.keepalive_status = 200
         self.bodies: list[SyncBody | AsyncBody] = []
-        self._changed = threading.Condition()
-
-    # --- inspection -------------------------------------------------------------------------
-
-    def turns(self) -> list[Recorded]:
-        return [r for r in self.requests if r.path in ("/v1/chat/completions", "/v1/completions")]
 
     def to(self, suffix: str, method: str | None = None) -> list[Recorded]:
         return [r for r in self.requests if r.path.endswith(suffix)
                 and (method is None or r.method == method)]
 
-    def wait_for(self, predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while not predicate():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._changed.wait(left)
-            return True
-
-    # --- the handler ------------------------------------------------------------------------
-
-    def __call__(self, request: httpx2.Request) -> httpx2.Response:
-        content = request.content
-        try:
-            body = json.loads(content) if content else None
-        except ValueError:
-            body = content  # e.g. a multipart upload
-        recorded = Recorded(request.method, request.url.path,
-                            request.url.raw_path.decode(), request.headers, body)
-        with self._changed:
-            self.requests.append(recorded)
-            self._changed.notify_all()
-        if recorded.raw_path.startswith(CONVERSATIONS):
-            return self._conversation_endpoint(recorded)
+    def handle_turn(self, recorded: Recorded) -> httpx2.Response:
         if self.script:
             item = self.script.popleft()
             return item if isinstance(item, httpx2.Response) else item(recorded)
@@ -202,10 +160,8 @@ class FakeRouter:
 
     def answer(self, recorded: Recorded, status: int = 200) -> httpx2.Response:
         body = recorded.body or {}
-        conversation = body.get("conversation_id") or recorded.conversation_header
         headers = self.reuse_headers(recorded)
-        if conversation is not None:
-            self.retained[conversation] = len(json.dumps(body))
+        self.retain(recorded, len(json.dumps(body)))
         if body.get("stream"):
             chunks = (self.stream_reply(recorded) if recorded.path.endswith("chat/completions")
                       else completion_chunks())
@@ -218,45 +174,6 @@ class FakeRouter:
         reply = (self.reply(recorded) if recorded.path.endswith("chat/completions")
                  else completion())
         return httpx2.Response(status, headers=headers, json=reply)
-
-    def reuse_headers(self, recorded: Recorded) -> dict[str, str]:
-        body = recorded.body or {}
-        conversation = body.get("conversation_id") or recorded.conversation_header
-        headers = {"x-request-id": f"req-{len(self.requests)}"}
-        if conversation is None:
-            return {**headers, "X-KVTurn-Reuse": "miss", "X-KVTurn-Reused-Tokens": "0"}
-        headers["X-KVTurn-Conversation"] = conversation
-        if recorded.no_reuse:
-            outcome, tokens = "disabled", 0
-        elif conversation in self.retained:
-            outcome, tokens = "hit", self.retained[conversation]
-        else:
-            outcome, tokens = "miss", 0
-        return {**headers, "X-KVTurn-Reuse": outcome, "X-KVTurn-Reused-Tokens": str(tokens)}
-
-    def _conversation_endpoint(self, recorded: Recorded) -> httpx2.Response:
-        rest = recorded.raw_path[len(CONVERSATIONS):]
-        if recorded.method == "POST" and rest.endswith("/keepalive"):
-            conversation = unquote(rest[: -len("/keepalive")])
-            if self.keepalive_status == 404 or conversation not in self.retained:
-                return httpx2.Response(404, json={"error": {
-                    "message": "no retention", "type": "not_found", "param": None,
-                    "code": "no_retention"}})
-            if self.keepalive_status != 200:
-                return httpx2.Response(self.keepalive_status, json={"error": {
-                    "message": "backend trouble", "type": "server_error", "param": None,
-                    "code": None}})
-            return httpx2.Response(200, json={
-                "conversation_id": conversation, "retained": True, "expires_in": 480.0,
-                "hold_remaining": 3000.0, "num_tokens": self.retained[conversation]})
-        if recorded.method == "DELETE":
-            conversation = unquote(rest)
-            released = self.retained.pop(conversation, None) is not None
-            return httpx2.Response(200, json={"conversation_id": conversation,
-                                              "released": released})
-        return httpx2.Response(404, json={"error": {"message": "unknown endpoint",
-                                                    "type": "not_found", "param": None,
-                                                    "code": None}})
 
 
 def error(status: int, *, headers: dict[str, str] | None = None,

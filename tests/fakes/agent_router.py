@@ -1,0 +1,131 @@
+"""The LangGraph integration tests' fake kvturn router: plays a tool-calling model (tool calls
+for a few rounds, then a final answer; SSE when ``stream`` is set); the router API around it
+(reuse headers, keepalive, release, recording) is ``RouterAPI``'s."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import quote, unquote
+
+import httpx2
+
+from tests.fakes.router import tool_call_deltas
+from tests.fakes.router_api import CONVERSATIONS, Recorded, RouterAPI, api_error
+
+CHAT = "/v1/chat/completions"
+
+
+def _rounds_since_user(messages: list[dict[str, Any]]) -> int:
+    rounds = 0
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            break
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            rounds += 1
+    return rounds
+
+
+class ToolCallingRouter(RouterAPI):
+    """``tool_rounds``: replies with tool calls before the final answer (per user message);
+    ``parallel``: tool calls per reply. Arguments are compact JSON, as servers write them."""
+
+    def __init__(self, tool_rounds: int = 2, parallel: int = 1,
+                 on_turn: Callable[[Recorded], None] | None = None) -> None:
+        super().__init__()
+        self.tool_rounds = tool_rounds
+        self.parallel = parallel
+        # Called with each chat request before it is answered (e.g. to block a branch).
+        self.on_turn = on_turn
+        self._calls = 0
+
+    # --- inspection -------------------------------------------------------------------------
+
+    def turn_ids(self) -> list[str | None]:
+        return [r.conversation for r in self.turns()]
+
+    def keepalives(self, conversation: str | None = None) -> list[str]:
+        return [unquote(r.raw_path[len(CONVERSATIONS):-len("/keepalive")])
+                for r in self.requests
+                if r.method == "POST" and r.raw_path.endswith("/keepalive")
+                and (conversation is None or r.raw_path == _path(conversation, "/keepalive"))]
+
+    def releases(self) -> list[str]:
+        return [unquote(r.raw_path[len(CONVERSATIONS):]) for r in self.requests
+                if r.method == "DELETE" and r.raw_path.startswith(CONVERSATIONS)]
+
+    # --- the turns --------------------------------------------------------------------------
+
+    def handle_turn(self, recorded: Recorded) -> httpx2.Response:
+        if recorded.path != CHAT:
+            return api_error(404, "unknown route", type_="not_found")
+        if self.on_turn is not None:
+            self.on_turn(recorded)
+        body = recorded.body
+        headers = self.reuse_headers(recorded)
+        self.retain(recorded, len(json.dumps(body["messages"])))
+        message = self._reply(body)
+        if not body.get("stream"):
+            return httpx2.Response(200, headers=headers, json={
+                "id": "chatcmpl-1", "object": "chat.completion", "created": 1,
+                "model": body.get("model"),
+                "choices": [{"index": 0, "message": message,
+                             "finish_reason": "tool_calls" if message["tool_calls"] else "stop"}],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}})
+        events = [f"data: {json.dumps(chunk)}\n\n" for chunk in _chunks(message, body)]
+        events.append("data: [DONE]\n\n")
+        return httpx2.Response(200, headers={**headers, "content-type": "text/event-stream"},
+                               content="".join(events).encode())
+
+    def _reply(self, body: dict[str, Any]) -> dict[str, Any]:
+        schemas = {tool["function"]["name"]: tool["function"].get("parameters") or {}
+                   for tool in body.get("tools") or ()}
+        tools = list(schemas)
+        forced = body.get("tool_choice")
+        rounds = _rounds_since_user(body["messages"])
+        with self._changed:
+            self._calls += 1
+            number = self._calls
+        if isinstance(forced, dict) or (tools and forced != "none"
+                                        and rounds < self.tool_rounds):
+            if isinstance(forced, dict):
+                names = [forced["function"]["name"]]
+            else:
+                names = [tools[(rounds + i) % len(tools)] for i in range(self.parallel)]
+            calls = [{"id": f"call_{number}_{i}", "type": "function",
+                      "function": {"name": name, "arguments": _arguments(
+                          schemas.get(name, {}), f"{name}-{number}")}}
+                     for i, name in enumerate(names)]
+            return {"role": "assistant", "content": None, "tool_calls": calls}
+        return {"role": "assistant", "content": f"final answer {number}", "tool_calls": []}
+
+
+def _arguments(schema: dict[str, Any], value: str) -> str:
+    """Compact JSON (as structured output writes it) with ``value`` in every property."""
+    properties = schema.get("properties") or {}
+    return json.dumps({name: value for name in properties}, separators=(",", ":"))
+
+
+def _path(conversation: str, action: str = "") -> str:
+    return f"{CONVERSATIONS}{quote(conversation, safe='')}{action}"
+
+
+def _chunks(message: dict[str, Any], body: dict[str, Any]) -> list[dict[str, Any]]:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+                "model": body.get("model"),
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    if message["content"]:
+        words = message["content"].split(" ")
+        for i, word in enumerate(words):
+            out.append(chunk({"content": word if i == 0 else " " + word}))
+    out += [chunk(delta) for delta in tool_call_deltas(message["tool_calls"])]
+    out.append(chunk({}, "tool_calls" if message["tool_calls"] else "stop"))
+    if (body.get("stream_options") or {}).get("include_usage"):
+        out.append({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+                    "model": body.get("model"), "choices": [],
+                    "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}})
+    return out

@@ -150,8 +150,8 @@ def test_tenacity_api() -> None:
 @pytest.mark.parametrize(("ours", "theirs", "base"), [
     (kvturn.OpenAI, openai.OpenAI, SyncAPIClient),
     (kvturn.AsyncOpenAI, openai.AsyncOpenAI, AsyncAPIClient)])
-def test_the_request_loop_calls_the_hooks_kvturn_overrides(ours: type, theirs: type,
-                                                            base: type) -> None:
+def test_the_request_loop_calls_the_hooks_kvturn_overrides(ours: Any, theirs: Any,
+                                                            base: Any) -> None:
     # kvturn._base_client: the hooks openai's loop calls per attempt, with these signatures.
     for hook in ("_build_request", "_should_retry", "_sleep_for_retry"):
         assert params(getattr(ours, hook)) == params(getattr(theirs, hook)), hook
@@ -163,7 +163,8 @@ def test_the_request_loop_calls_the_hooks_kvturn_overrides(ours: type, theirs: t
                                              ("response", KW)]
     source = inspect.getsource(base.request)
     # the options _build_request stamps are the very object _process_response is given
-    assert "options = self._prepare_options(options)" in source
+    assert ("options = self._prepare_options(options)" in source
+            or "options = await self._prepare_options(options)" in source)
     assert "request = self._build_request(options, retries_taken=retries_taken)" in source
     assert "options=options," in source and "retries_taken=retries_taken," in source
     # status errors ask _should_retry; connection errors and timeouts go straight to

@@ -120,7 +120,10 @@ class _HookTimer:
 
     def __init__(self) -> None:
         self.own_ns = 0
-        self._inner_ns = 0
+        # Per timed frame in progress: the time spent in the timed frames nested in it, so
+        # that each frame is charged only its exclusive time (the hooks nest: openai's
+        # _process_response calls kvturn's _process_response_data).
+        self._nested: list[int] = []
 
     @contextmanager
     def installed(self, is_async: bool) -> Iterator[None]:
@@ -132,37 +135,42 @@ class _HookTimer:
         saved = [(cls, name, cls.__dict__[name]) for ours, theirs, name, _ in hooks
                  for cls in (ours, theirs)]
         for ours, theirs, name, hook_is_async in hooks:
-            setattr(ours, name, self._wrap(ours.__dict__[name], hook_is_async, outer=True))
-            setattr(theirs, name, self._wrap(theirs.__dict__[name], hook_is_async, outer=False))
+            setattr(ours, name, self._wrap(ours.__dict__[name], hook_is_async, ours=True))
+            setattr(theirs, name, self._wrap(theirs.__dict__[name], hook_is_async, ours=False))
         try:
             yield
         finally:
             for cls, name, original in saved:
                 setattr(cls, name, original)
 
-    def _wrap(self, original: Any, is_async: bool, *, outer: bool) -> Any:
+    def _wrap(self, original: Any, is_async: bool, *, ours: bool) -> Any:
         timer = self
 
-        def account(started: int, inner_before: int) -> None:
+        def enter() -> int:
+            timer._nested.append(0)
+            return time.perf_counter_ns()
+
+        def leave(started: int) -> None:
             spent = time.perf_counter_ns() - started
-            if outer:
-                timer.own_ns += spent - (timer._inner_ns - inner_before)
-            else:
-                timer._inner_ns += spent
+            nested = timer._nested.pop()
+            if ours:
+                timer.own_ns += spent - nested
+            if timer._nested:
+                timer._nested[-1] += spent
 
         def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
-            started, inner_before = time.perf_counter_ns(), timer._inner_ns
+            started = enter()
             try:
                 return original(self, *args, **kwargs)
             finally:
-                account(started, inner_before)
+                leave(started)
 
         async def atimed(self: Any, *args: Any, **kwargs: Any) -> Any:
-            started, inner_before = time.perf_counter_ns(), timer._inner_ns
+            started = enter()
             try:
                 return await original(self, *args, **kwargs)
             finally:
-                account(started, inner_before)
+                leave(started)
 
         return atimed if is_async else timed
 

@@ -1,8 +1,8 @@
 """The router: wiring (pools, backend client, control client, state, metrics) and its HTTP app.
 
 Endpoints (docs/http-api.md, section A): ``POST /v1/chat/completions``, ``POST
-/v1/completions`` (``_turn.py``), ``GET /v1/models``, ``GET /health``, ``GET /ready``,
-``GET /metrics``,
+/v1/completions``, ``POST /v1/messages`` (``_turn.py``), ``POST /v1/responses``
+(``_responses.py``), ``GET /v1/models``, ``GET /health``, ``GET /ready``, ``GET /metrics``,
 ``POST /kvturn/v1/conversations/{id}/keepalive`` and ``DELETE /kvturn/v1/conversations/{id}``
 (``_conversations.py``).
 """
@@ -33,15 +33,16 @@ from kvturn_server.router._config import DNS_PREFIX, RouterConfig, RouterConfigE
 from kvturn_server.router._control import ControlClient
 from kvturn_server.router._conversations import conversation_endpoint
 from kvturn_server.router._discovery import Discovery, targets
+from kvturn_server.router._endpoints import TURN_PATHS, failure_response, turn_endpoint
 from kvturn_server.router._errors import error_response
 from kvturn_server.router._log import event, setup_logging
 from kvturn_server.router._metrics import RouterMetrics
 from kvturn_server.router._pool import Backend, HealthChecker, Pool
 from kvturn_server.router._protocol import h11_protocol, httptools_protocol
 from kvturn_server.router._state import ConversationStore, StoreError, open_store
+from kvturn_server.router._state_responses import ResponseStore, open_response_store
 from kvturn_server.router._tracing import Tracing, make_tracing
 from kvturn_server.router._transport import PooledTransport
-from kvturn_server.router._turn import completion
 
 log = logging.getLogger("kvturn.router")
 
@@ -94,6 +95,7 @@ class Router:
                                     on_engine_change=self._engine_changed, also=self._purge)
         self.tracing: Tracing = make_tracing(config.otel)
         self._store = store
+        self._responses: ResponseStore | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.started = False
         # Set on SIGTERM (``_drain.py``): /ready answers 503, requests are still served.
@@ -104,6 +106,16 @@ class Router:
         if self._store is None:
             raise RuntimeError("Router.start() was not called")
         return self._store
+
+    @property
+    def responses(self) -> ResponseStore:
+        """Stored Responses (``_responses.py``), in the same memory or Redis as ``store``."""
+        if self._responses is None:
+            c = self.config
+            self._responses = open_response_store(
+                c.state, max_entries=c.max_responses, max_bytes=c.responses_max_bytes,
+                prefix=c.state_prefix, timeout=c.control_timeout, clock=self.clock)
+        return self._responses
 
     async def start(self, *, health_checks: bool = True) -> None:
         """Open the store and start health checks (tests may drive checks themselves)."""
@@ -136,6 +148,9 @@ class Router:
         self.tracing.shutdown()
         if self._store is not None:
             await self._store.aclose()
+        if self._responses is not None:
+            await self._responses.aclose()
+            self._responses = None
         self.started = False
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -257,7 +272,7 @@ class RouterApp:
     errors anyway. ``state.router`` is the ``Router``.
     """
 
-    _HOT = frozenset({"/v1/chat/completions", "/v1/completions"})
+    _HOT = TURN_PATHS
 
     def __init__(self, router: Router, app: Starlette) -> None:
         self.router = router
@@ -267,12 +282,10 @@ class RouterApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self._HOT:
             try:
-                response = await completion(self.router, Request(scope, receive))
-            except Exception:  # a bug must still give the client an OpenAI-shaped answer
+                response = await turn_endpoint(self.router, Request(scope, receive))
+            except Exception:  # a bug must still give the client an API-shaped answer
                 log.exception("completion request failed")
-                response = error_response(500, "the router failed on this request",
-                                          type_="server_error", code="router_error",
-                                          retry_after=self.router.config.retry_after)
+                response = failure_response(self.router, scope["path"])
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -303,13 +316,15 @@ def create_app(config: RouterConfig, transport: httpx2.AsyncBaseTransport | None
                               else "invalid_request_error", code="no_route")
 
     async def completions(request: Request) -> Response:  # reached only by odd paths/methods
-        return await completion(router, request)
+        return await turn_endpoint(router, request)
 
     app = Starlette(
         exception_handlers={HTTPException: http_error},
         routes=[
             Route("/v1/chat/completions", completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/messages", completions, methods=["POST"]),
+            Route("/v1/responses", completions, methods=["POST"]),
             Route("/v1/models", router.models, methods=["GET"]),
             Route("/health", router.health_endpoint, methods=["GET"]),
             Route("/ready", router.ready_endpoint, methods=["GET"]),

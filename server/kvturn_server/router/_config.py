@@ -193,6 +193,10 @@ class RouterConfig:
             latency of the decode's other requests).
         min_read_tokens: the router pins a retention for a prefill leg only when at least
             this many of its tokens are beyond what that prefill is known to hold.
+        responses_ttl: seconds a stored Responses API response (``/v1/responses``) can be
+            continued by ``previous_response_id`` after it was written.
+        max_responses: stored responses kept (least recently used go first).
+        responses_max_bytes: in-memory state only: total bytes of stored responses kept.
     """
 
     prefill: tuple[str, ...]
@@ -235,6 +239,9 @@ class RouterConfig:
     decode_continue_tokens: int = 512
     decode_continue_budget: int = 1024
     min_read_tokens: int = 1
+    responses_ttl: float = 3600.0
+    max_responses: int = 100_000
+    responses_max_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if isinstance(self.prefill, str) or isinstance(self.decode, str):
@@ -256,6 +263,11 @@ class RouterConfig:
                      "health_interval", "health_timeout", "retention_ttl", "retry_after",
                      "drain_timeout", "body_timeout", "discovery_interval"):
             _positive(name, getattr(self, name))
+        _positive("responses_ttl", self.responses_ttl)
+        for name in ("max_responses", "responses_max_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RouterConfigError(f"{name} must be a whole number >= 1, got {value!r}")
         for name in ("remember_expired", "capture_retry_delay", "drain_grace"):
             _positive(name, getattr(self, name), allow_zero=True)
         if self.pin_ttl is not None:
@@ -460,6 +472,11 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
                                     "inter-token latency)"),
     ("min_read_tokens", int, "pin a retention for a prefill leg only when at least this many "
                              "of its tokens are beyond what that prefill holds"),
+    ("responses_ttl", float, "seconds a stored /v1/responses response can be continued by "
+                             "previous_response_id"),
+    ("max_responses", int, "stored /v1/responses responses kept (least recently used go "
+                           "first)"),
+    ("responses_max_bytes", int, "total bytes of stored responses kept (in-memory state)"),
 )
 
 

@@ -92,12 +92,17 @@ def prefill_body(body: dict[str, Any], retention_params: dict[str, Any] | None) 
     leg.pop("min_tokens", None)
     leg.pop("best_of", None)
     leg["n"] = 1
-    if retention_params is None:
-        leg["kv_transfer_params"] = dict(NO_RETENTION_PARAMS)
-    else:
-        leg["kv_transfer_params"] = {**retention_params, "do_remote_decode": True,
-                                     "do_remote_prefill": False}
+    leg["kv_transfer_params"] = retention_leg_params(retention_params)
     return leg
+
+
+def retention_leg_params(retention_params: dict[str, Any] | None) -> dict[str, Any]:
+    """A prefill leg's ``kv_transfer_params`` (every API's): the pinned retention's params
+    to verify and read, or none to read; either way the prefill keeps its blocks for the
+    decode (``do_remote_decode``)."""
+    if retention_params is None:
+        return dict(NO_RETENTION_PARAMS)
+    return {**retention_params, "do_remote_decode": True, "do_remote_prefill": False}
 
 
 def decode_body(body: dict[str, Any], prefill_params: dict[str, Any] | None,

@@ -104,6 +104,10 @@ def error_event(message: str, code: str = "backend_stream_error") -> bytes:
     return b"data: " + payload + b"\n\ndata: [DONE]\n\n"
 
 
+def _default_error_event(message: str, code: str) -> bytes:
+    return error_event(message, code)
+
+
 class StreamEnd:
     """How a relayed stream ended: ``ok``, ``stream_error`` or ``client_gone``."""
 
@@ -123,12 +127,18 @@ class RelayResponse(Response):
             its first byte can still be retried elsewhere).
         finish: awaited once the stream is over, however it ended.
         before_done: awaited when the decode has sent its whole stream, before the client gets
-            the final ``[DONE]`` event (and the end of the body).
+            the final ``[DONE]`` event (and the end of the body); it is given that held final
+            event (empty when the stream had none).
+        split_final: splits a chunk's final event off (``split_done``: ``data: [DONE]``;
+            other APIs end with a named event, ``_apis.py``).
+        error_event: the events a stream broken off ends with (``error_event`` by default).
     """
 
     def __init__(self, upstream: UpstreamStream, first: bytes, headers: Mapping[str, str],
                  media_type: str, finish: Callable[[StreamEnd], Awaitable[None]],
-                 before_done: Callable[[], Awaitable[None]] | None = None) -> None:
+                 before_done: Callable[[bytes], Awaitable[None]] | None = None, *,
+                 split_final: Callable[[bytes], tuple[bytes, bytes]] | None = None,
+                 error_event: Callable[[str, str], bytes] | None = None) -> None:
         self.status_code = 200
         self.media_type = media_type
         self.background = None
@@ -137,6 +147,8 @@ class RelayResponse(Response):
         self._first = first
         self._finish = finish
         self._before_done = before_done
+        self._split = split_final or split_done
+        self._error_event = error_event or _default_error_event
         self._end = StreamEnd()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -177,7 +189,7 @@ class RelayResponse(Response):
             data = pending + chunk if pending else chunk
             cut = complete_events(data)
             if cut:
-                events, held = split_done(data[:cut] if cut < len(data) else data)
+                events, held = self._split(data[:cut] if cut < len(data) else data)
                 events, done = done + events, held  # events after a [DONE]: pass all on
                 events = scrub_events(events)
                 if events:
@@ -192,14 +204,15 @@ class RelayResponse(Response):
                 self._end.outcome = "stream_error"
                 self._end.error = exc
                 await send({"type": "http.response.body",
-                            "body": error_event("the decode backend broke off the stream "
-                                                f"({exc.kind}); retry the request"),
+                            "body": self._error_event("the decode backend broke off the "
+                                                      f"stream ({exc.kind}); retry the "
+                                                      "request", "backend_stream_error"),
                             "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
         if self._before_done is not None:
             try:
-                await self._before_done()
+                await self._before_done(done)
             except Exception:  # the capture is best effort; the answer is not
                 log.exception("capturing a relayed stream's retention failed")
         tail = scrub_events(done + pending)  # pending: the decode ended mid-event

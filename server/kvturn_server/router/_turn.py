@@ -26,12 +26,13 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from kvturn_server.router import _json
+from kvturn_server.router._apis import API_BY_PATH, CHAT, Api
 from kvturn_server.router._backend import BackendError, Reply, UpstreamStream
 from kvturn_server.router._body import BodyError, read_json_body
 from kvturn_server.router._control import ControlError, Gone, Retention
@@ -42,7 +43,6 @@ from kvturn_server.router._legs import (
     ReuseReport,
     client_body,
     decode_body,
-    prefill_body,
     readable_tokens,
     retained_report,
     reuse_report,
@@ -61,7 +61,6 @@ from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import SUPERSEDED, Placement, StoreError
 from kvturn_server.router._stream import RelayResponse, StreamEnd
 from kvturn_server.router._tracing import LegSpan, incoming_trace
-from kvturn_server.router._validate import validate_request
 
 if TYPE_CHECKING:
     from kvturn_server.router._app import Router
@@ -93,21 +92,34 @@ class _Failed:
         self.reply = reply
 
 
+class ReplyHook(Protocol):
+    """What an API that keeps state of its own (Responses) does with a turn's answer, before
+    the client has it: ``reply`` gets a non-streaming reply (and returns what the client
+    gets), ``final_event`` a stream's final event (held back until it returns)."""
+
+    async def reply(self, payload: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def final_event(self, event: bytes) -> None: ...
+
+
 class Turn:
     """The state of one completion request while it runs."""
 
-    __slots__ = ("body", "continued", "decode_backend", "endpoint", "holder", "identity",
-                 "key", "legs_ms", "no_reuse", "path", "pin", "pin_skipped", "placement",
-                 "prefill_backend", "prefill_choice", "prefill_tokens", "r", "reason", "request_id",
+    __slots__ = ("api", "body", "continued", "decode_backend", "endpoint", "holder", "hook",
+                 "identity", "key", "legs_ms", "no_reuse", "path", "pin", "pin_skipped",
+                 "placement", "prefill_backend", "prefill_choice", "prefill_tokens", "r",
+                 "reason", "request_id",
                  "retention_sent", "reused_tokens", "route", "started", "stream",
                  "trace", "transcript", "upstream_headers")
 
-    def __init__(self, router: Router, *, request_id: str, endpoint: str, path: str,
+    def __init__(self, router: Router, *, request_id: str, path: str,
                  body: dict[str, Any], identity: Identity | None, no_reuse: bool,
-                 started: float) -> None:
+                 started: float, api: Api = CHAT, hook: ReplyHook | None = None) -> None:
         self.r = router
         self.request_id = request_id
-        self.endpoint = endpoint
+        self.api = api
+        self.endpoint = api.name
+        self.hook = hook
         self.path = path
         self.body = body
         self.identity = identity
@@ -146,8 +158,8 @@ class Turn:
         r = self.r
         reuse = r.config.kv_reuse and not self.no_reuse
         if self.key is not None:
-            if r.config.kv_reuse and self.endpoint == "chat":
-                self.transcript = Transcript.of(self.body)
+            if r.config.kv_reuse:
+                self.transcript = self.api.transcript(self.body)
             await self._locate()
         if not reuse:
             self.reason = "disabled"
@@ -388,7 +400,8 @@ class Turn:
         return self._prefill_answer(second, result, pin)
 
     def _prefill_data(self) -> bytes:
-        return _json.dumps(prefill_body(self.body, self.pin.params if self.pin else None))
+        return _json.dumps(self.api.prefill_body(self.body,
+                                                 self.pin.params if self.pin else None))
 
     def _prefill_answer(self, backend: Backend, result: dict[str, Any] | Response,
                         pin: Retention | None) -> dict[str, Any] | Response:
@@ -433,7 +446,7 @@ class Turn:
                 return self._leg_failed(r.prefills, backend, "prefill", "bad_reply",
                                         "answer without kv_transfer_params")
             r.prefills.leg_succeeded(backend)
-            self.prefill_tokens = _prompt_tokens(payload)
+            self.prefill_tokens = self.api.prompt_tokens(payload)
             return params
         if 400 <= status < 500 and status not in _RETRYABLE:
             # The request itself is wrong (unknown model, bad parameter): a decode would refuse
@@ -597,6 +610,9 @@ class Turn:
                 self._remember_affinity(backend)
             # Block ids and hosts of the decode are the router's business, not the client's.
             payload, found = without_transfer_params(payload)
+            if self.hook is not None:
+                payload = await self.hook.reply(payload)
+                found = True
             if found:
                 content = _json.dumps(payload)
         r.metrics.request(self.endpoint, "ok")
@@ -642,11 +658,13 @@ class Turn:
         if not self._retains and self.key is not None:
             self._remember_affinity(backend)
 
-        async def capture() -> None:
+        async def capture(final: bytes = b"") -> None:
             nonlocal captured
             if self._retains and not captured:
                 captured = True
                 await self._capture_described(backend, decode_started)
+            if final and self.hook is not None:
+                await self.hook.final_event(final)
 
         async def finish(end: StreamEnd) -> None:
             backend.in_flight -= 1
@@ -659,7 +677,8 @@ class Turn:
 
         media_type = upstream.content_type or "text/event-stream"
         return RelayResponse(upstream, first, self.response_headers(), media_type, finish,
-                             before_done=capture)
+                             before_done=capture, split_final=self.api.split_final,
+                             error_event=self.api.error_event)
 
     def _passthrough(self, reply: Reply) -> Response:
         headers = self.response_headers()
@@ -718,7 +737,7 @@ class Turn:
         if backend.control_url is None or not backend.control_trusted:
             r.metrics.capture("failed")
             return
-        late = bool(self.body.get("stop"))
+        late = bool(self.body.get(self.api.stop_field))
         t0 = time.perf_counter()
         span = self.trace.leg("capture", backend.url)
         result: Retention | Gone | None = None
@@ -898,14 +917,6 @@ class Turn:
                   **{f"{leg}_ms": ms for leg, ms in self.legs_ms.items()})
 
 
-def _prompt_tokens(payload: Any) -> int:
-    """``usage.prompt_tokens`` of a vLLM reply (0 when absent)."""
-    usage = payload.get("usage") if isinstance(payload, dict) else None
-    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) \
-        and tokens > 0 else 0
-
-
 def request_id_of(given: str | None) -> str:
     """The client's ``x-request-id`` when it is a sane one (it is echoed, logged and sent to
     the backends), else a fresh one."""
@@ -915,10 +926,12 @@ def request_id_of(given: str | None) -> str:
 
 
 async def completion(router: Router, request: Request) -> Response:
-    """``POST /v1/chat/completions`` and ``POST /v1/completions``."""
+    """``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/messages`` (whose errors
+    the caller reshapes, ``_endpoints.py``)."""
     started = time.perf_counter()
     path = request.scope["path"]
-    endpoint = "chat" if path.endswith("/chat/completions") else "completions"
+    api = API_BY_PATH.get(path) or (CHAT if path.endswith("/chat/completions")
+                                    else API_BY_PATH["/v1/completions"])
     headers = request.headers
     request_id = request_id_of(headers.get("x-request-id"))
     try:
@@ -926,16 +939,16 @@ async def completion(router: Router, request: Request) -> Response:
                                     router.config.body_timeout)
         identity = resolve_identity(body, headers)
         # Before any leg, pin or record: what only the decode would refuse is refused here.
-        validate_request(body, endpoint)
+        api.validate(body)
     except ApiError as exc:
-        router.metrics.request(endpoint, "invalid")
+        router.metrics.request(api.name, "invalid")
         extra = {"x-request-id": request_id}
         if isinstance(exc, BodyError) and exc.close:
             extra["connection"] = "close"  # the rest of the body is not worth reading
         return exc.response(extra)
-    turn = Turn(router, request_id=request_id, endpoint=endpoint, path=path,
-                body=client_body(body), identity=identity,
-                no_reuse="x-kvturn-no-reuse" in headers, started=started)
+    turn = Turn(router, request_id=request_id, path=path, body=client_body(body),
+                identity=identity, no_reuse="x-kvturn-no-reuse" in headers, started=started,
+                api=api)
     traced(turn, headers)
     return await turn.run()
 

@@ -25,14 +25,14 @@ def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_parameter")
 
 
-def _strict_bool(body: dict[str, Any], name: str) -> bool | None:
+def strict_bool(body: dict[str, Any], name: str) -> bool | None:
     value = body.get(name)
     if value is None or isinstance(value, bool):
         return value
     raise _bad(name, f"{name} must be true, false or null, got {value!r:.40}")
 
 
-def _strict_int(body: dict[str, Any], name: str, *, nullable: bool = True) -> int | None:
+def strict_int(body: dict[str, Any], name: str, *, nullable: bool = True) -> int | None:
     value = body.get(name)
     if value is None and (nullable or name not in body):
         return None
@@ -45,17 +45,17 @@ def _strict_int(body: dict[str, Any], name: str, *, nullable: bool = True) -> in
 def validate_request(body: dict[str, Any], endpoint: str) -> None:
     """Raise ApiError(400, param=...) when a leg the router rewrites would hide what the
     decode refuses; ``endpoint`` is ``chat`` or ``completions``."""
-    stream = _strict_bool(body, "stream") is True
+    stream = strict_bool(body, "stream") is True
     _check_stream_options(body, stream)
     # n: the prefill leg runs one sequence and the decode retains one; vLLM's P/D hand-off
     # gives each of n sequences the same blocks to read. Null is vLLM's default (1) in chat
     # only: its completions model types n as a plain int.
-    n = _strict_int(body, "n", nullable=endpoint == "chat")
+    n = strict_int(body, "n", nullable=endpoint == "chat")
     if n is not None and n != 1:
         raise _bad("n", f"n must be 1 through kvturn (one sequence per turn), got {n}")
-    max_tokens = _strict_int(body, "max_tokens")
-    max_completion = _strict_int(body, "max_completion_tokens")
-    min_tokens = _strict_int(body, "min_tokens")
+    max_tokens = strict_int(body, "max_tokens")
+    max_completion = strict_int(body, "max_completion_tokens")
+    min_tokens = strict_int(body, "min_tokens")
     if endpoint == "chat":
         # vLLM: max_completion_tokens wins over max_tokens when both are set.
         limit, limit_name = (max_completion, "max_completion_tokens") \

@@ -125,8 +125,6 @@ class KVTurnChatOpenAI(ChatOpenAI):
     keepalive_interval: float = 60.0
     kvturn_url: str | None = None
     retry_policy: kvturn.RetryPolicy | None = None
-    # The router serves Chat Completions (and Completions), not the Responses API.
-    use_responses_api: bool | None = False
 
     _kvturn: Conversations = PrivateAttr()
 

@@ -22,6 +22,7 @@ CONVERSATIONS_PATH = "kvturn/v1/conversations/"
 # The two endpoints that carry a conversation's turns.
 CHAT_PATH = "/chat/completions"
 COMPLETIONS_PATH = "/completions"
+RESPONSES_PATH = "/responses"
 
 # Every value the router documents for X-KVTurn-Reuse; the SDK passes unknown values through.
 REUSE_OUTCOMES = ("hit", "partial", "miss", "expired", "stale", "below-threshold",

@@ -17,6 +17,7 @@ from kvturn._constants import (
     COMPLETIONS_PATH,
     HEADER_CONVERSATION_ID,
     HEADER_NO_REUSE,
+    RESPONSES_PATH,
 )
 from kvturn._continuity import TurnRecord, check, describe_chat, describe_completion
 from kvturn._errors import ConversationClosedError, InvalidConversationIdError
@@ -25,8 +26,11 @@ from kvturn._turns import StatsCounter, TurnInfo, TurnReport
 
 _H = TypeVar("_H")
 
-Api = Literal["chat", "completions"]
-_TURN_APIS: dict[str, Api] = {CHAT_PATH: "chat", COMPLETIONS_PATH: "completions"}
+Api = Literal["chat", "completions", "responses"]
+# Responses turns carry the conversation and report their reuse like the others; their
+# continuity is the router's (it expands previous_response_id), so they get no check here.
+_TURN_APIS: dict[str, Api] = {CHAT_PATH: "chat", COMPLETIONS_PATH: "completions",
+                              RESPONSES_PATH: "responses"}
 
 
 class TurnPlan:
@@ -170,7 +174,8 @@ class ConversationState:
                 f"names {value!r}; use client.conversation({value!r}) for that one")
 
     def _plan(self, api: Api, body: Mapping[str, Any], requested: str | None) -> TurnPlan:
-        turn = (describe_chat(body) if api == "chat" else describe_completion(body))
+        turn = (describe_chat(body) if api == "chat" else describe_completion(body)
+                if api == "completions" else None)
         with self._lock:
             previous = self._record
         # The caller's own X-KVTurn-No-Reuse wins: it knows something the SDK cannot see.

@@ -36,7 +36,7 @@ class TurnInfo(NamedTuple):
 
     conversation_id: str
     """The id the SDK sent."""
-    api: Literal["chat", "completions"]
+    api: Literal["chat", "completions", "responses"]
     reuse: str | None
     """``X-KVTurn-Reuse``: ``hit``, ``partial``, ``miss``, ``expired``, ``stale``,
     ``below-threshold``, ``unverified`` or ``disabled``; None when the server sent no report
@@ -59,7 +59,7 @@ class TurnInfo(NamedTuple):
 
     @classmethod
     def from_headers(cls, headers: httpx2.Headers, *, conversation_id: str,
-                     api: Literal["chat", "completions"], no_reuse_reason: str | None,
+                     api: Literal["chat", "completions", "responses"], no_reuse_reason: str | None,
                      attempts: int, streamed: bool) -> TurnInfo:
         # One pass over the raw headers: httpx2's Headers.get re-scans the list per name.
         found: dict[bytes, bytes] = {}
@@ -153,7 +153,7 @@ class TurnReport:
     __slots__ = ("_args", "_headers", "_info")
 
     def __init__(self, headers: httpx2.Headers, *, conversation_id: str,
-                 api: Literal["chat", "completions"], no_reuse_reason: str | None,
+                 api: Literal["chat", "completions", "responses"], no_reuse_reason: str | None,
                  attempts: int, streamed: bool) -> None:
         self._headers = headers
         self._args = (conversation_id, api, no_reuse_reason, attempts, streamed)

@@ -11,6 +11,7 @@ import pytest
 
 from kvturn_server.router import _json
 from kvturn_server.router._apis import split_final_event
+from kvturn_server.router._identity import resolve_identity
 from kvturn_server.router._legs import NO_RETENTION_PARAMS
 from kvturn_server.router._state_responses import (
     MemoryResponseStore,
@@ -360,3 +361,41 @@ async def test_memory_response_store_ttl_and_bytes() -> None:
     assert await store.get("b") is None
     assert await store.put("huge", b"x" * 11, 50.0) >= 1
     assert await store.get("huge") is None
+
+
+# Agents' own session headers (after kvturn's conventions).
+
+@pytest.mark.parametrize(("headers", "expected", "source"), [
+    ({"x-dynamo-session-id": "d1", "x-claude-code-session-id": "c1"}, "d1",
+     "X-Dynamo-Session-ID"),
+    ({"x-claude-code-session-id": "c1"}, "c1", "X-Claude-Code-Session-Id"),
+    ({"x-claude-code-session-id": "c1", "x-claude-code-agent-id": "a7"}, "c1:a7",
+     "X-Claude-Code-Session-Id"),
+    ({"thread-id": "t1"}, "t1", "thread-id"),
+    ({"x-deepseek-harness-session-id": "s1"}, "s1", "X-DeepSeek-Harness-Session-Id"),
+    # An invalid agent value is no id (not a 400): the next header, or none, counts.
+    ({"x-dynamo-session-id": "has space", "thread-id": "t2"}, "t2", "thread-id"),
+])
+def test_agent_session_headers_name_the_conversation(headers: dict[str, str], expected: str,
+                                                     source: str) -> None:
+    identity = resolve_identity({}, headers)
+    assert identity is not None
+    assert (identity.conversation_id, identity.source) == (expected, source)
+    assert identity.key == f"-/{expected}"
+
+
+def test_kvturn_conventions_come_before_agent_headers() -> None:
+    identity = resolve_identity({"session_id": "own"}, {"x-claude-code-session-id": "c1"})
+    assert identity is not None and identity.conversation_id == "own"
+    assert resolve_identity({}, {"x-dynamo-session-id": ""}) is None
+
+
+async def test_claude_code_turns_reuse_by_their_session_header(
+        make_harness: MakeHarness) -> None:
+    h = await make_harness()
+    _messages_decode(h.cluster.decodes[0])
+    headers = {"X-Claude-Code-Session-Id": "0b6f1c2e-claude"}
+    await _messages(h, headers=headers)
+    again = await _messages(h, headers=headers)
+    assert again.headers["X-KVTurn-Conversation"] == "0b6f1c2e-claude"
+    assert again.headers["X-KVTurn-Reuse"] == "hit"

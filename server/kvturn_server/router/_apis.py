@@ -120,6 +120,9 @@ def _messages_transcript(body: dict[str, Any]) -> Transcript | None:
 
 def _responses_transcript(body: dict[str, Any]) -> Transcript | None:
     items = body.get("input")
+    if isinstance(items, str):
+        # The router expands a string into this item when the chain goes on (_responses.py).
+        items = [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         return None
     instructions = body.get("instructions")

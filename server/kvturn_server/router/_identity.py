@@ -3,6 +3,7 @@
 The id is the first present of body ``conversation_id``, header ``X-Conversation-ID``, header
 ``X-Session-ID``, body ``session_id`` (vLLM's field). An id is 1-256 printable ASCII characters
 (0x21-0x7E). Anything else is a 400 naming the field; nothing is changed before the check.
+Without any of those, coding agents' own session headers name it (``agent_session``).
 
 The key the router stores (and the decode retains under) is ``tenant + "/" + id``, where the
 tenant is the first 16 hex digits of the SHA-256 of the ``Authorization`` header, or ``-`` when
@@ -76,17 +77,52 @@ def validate_id(value: Any, param: str) -> str:
     return value
 
 
+# Agents' own session headers, as NVIDIA Dynamo maps them (``x-dynamo-session-id``, then the
+# coding agents': dynamo-llm ``lib/llm/src/protocols/agents.rs``, ``AGENT_HEADER_MAPPINGS``):
+# (session header, per-agent header or None, the name a log shows). Claude Code's subagents
+# share the session id and name themselves in the agent id: each has a prompt of its own, so
+# each is its own conversation here. OpenCode's ``x-session-id`` is kvturn's own already.
+_AGENT_HEADERS = (("x-dynamo-session-id", None, "X-Dynamo-Session-ID"),
+                  ("x-claude-code-session-id", "x-claude-code-agent-id",
+                   "X-Claude-Code-Session-Id"),
+                  ("thread-id", None, "thread-id"),
+                  ("x-deepseek-harness-session-id", None, "X-DeepSeek-Harness-Session-Id"))
+
+
+def agent_session(headers: Mapping[str, str]) -> tuple[str, str] | None:
+    """(conversation id, source) from an agent's own session headers, or None.
+
+    These are read after kvturn's own conventions, and only valid ids count: an agent that
+    never heard of kvturn is not refused for a header it does not control (it runs without
+    reuse instead)."""
+    for session_header, agent_header, name in _AGENT_HEADERS:
+        session = headers.get(session_header)
+        if session is None or _VALID_ID.fullmatch(session) is None:
+            continue
+        agent = headers.get(agent_header) if agent_header is not None else None
+        if agent is not None and agent != session:
+            combined = f"{session}:{agent}"
+            if _VALID_ID.fullmatch(combined) is not None:
+                return combined, name
+        return session, name
+    return None
+
+
 def resolve_identity(body: Mapping[str, Any], headers: Mapping[str, str]) -> Identity | None:
     """The request's conversation, or None when it names none (then it runs without reuse).
 
     A JSON ``null`` in a body field counts as absent (SDKs serialise unset fields that way).
     """
+    authorization = headers.get("authorization")
     for where, name in _SOURCES:
         value = body.get(name) if where == "body" else headers.get(name)
         if value is None:
             continue
         param = _PARAM_NAMES.get(name, name)
         conversation_id = validate_id(value, param)
-        return Identity(conversation_id, conversation_key(conversation_id,
-                                                          headers.get("authorization")), param)
+        return Identity(conversation_id, conversation_key(conversation_id, authorization),
+                        param)
+    found = agent_session(headers)
+    if found is not None:
+        return Identity(found[0], conversation_key(found[0], authorization), found[1])
     return None

@@ -30,6 +30,7 @@ from ._greedy import TOP, assert_same_text
 from ._helpers import Delta
 
 MAX_TOKENS = 24
+TOOL_TOKENS = 64  # a whole <tool_call>...</tool_call> of the tiny model's, or it is no call
 INSTRUCTIONS = "You are a careful stock agent. " + " ".join(
     f"Aisle {i} holds part {i}; use the lookup tool for counts." for i in range(30))
 LOOKUP = {"name": "lookup", "description": "Count the boxes in one aisle.",
@@ -139,9 +140,11 @@ def test_responses_tool_conversation_by_previous_response_id(
         if turn == 6:
             new.append({"role": "user", "content": "Sum them up."})
         history.extend(new)
+        limit = TOOL_TOKENS if turn % 2 else MAX_TOKENS
         reference = _post(f"{cfg.reference_url}/v1/responses", {
-            **common, "input": history, "tool_choice": choice, "store": False}).json()
-        body = {**common, "input": new, "tool_choice": choice}
+            **common, "input": history, "tool_choice": choice, "store": False,
+            "max_output_tokens": limit}).json()
+        body = {**common, "input": new, "tool_choice": choice, "max_output_tokens": limit}
         if previous is not None:
             body["previous_response_id"] = previous
         with Delta(cfg.prefill_url) as p:
@@ -204,7 +207,8 @@ def test_messages_tool_conversation(stack: Stack, router_url: str) -> None:
         if turn == 6:
             content.append({"type": "text", "text": "Sum them up."})
         messages.append({"role": "user", "content": content})
-        body = {**common, "messages": messages, "tool_choice": choice}
+        body = {**common, "messages": messages, "tool_choice": choice,
+                "max_tokens": TOOL_TOKENS if turn % 2 else MAX_TOKENS}
         reference = _post(f"{cfg.reference_url}/v1/messages", body).json()
         with Delta(cfg.prefill_url) as p:
             resp = _post(f"{router_url}/v1/messages", body,

@@ -57,6 +57,24 @@ TARGET_ADDED_P99_MS = 5.0
 # What the fakes answer (shapes as in docs/http-api.md; sizes as a small real turn).
 _PROMPT = "You are a helpful agent. " * 40
 
+# Per API: (path, the turn's body, the name of its token limit). The same prompt in each.
+_API_BODIES: dict[str, tuple[str, dict[str, Any], str]] = {
+    "chat": ("/v1/chat/completions", {
+        "model": "m", "messages": [{"role": "system", "content": _PROMPT},
+                                   {"role": "user", "content": "next step?"}],
+        "max_tokens": 16, "temperature": 0}, "max_tokens"),
+    "messages": ("/v1/messages", {
+        "model": "m", "system": _PROMPT, "messages": [{"role": "user", "content": "next step?"}],
+        "max_tokens": 16, "temperature": 0}, "max_tokens"),
+    # Full input with a conversation id: the router stores each response (store defaults to
+    # true), which is part of what it adds on this path.
+    "responses": ("/v1/responses", {
+        "model": "m", "instructions": _PROMPT,
+        "input": [{"role": "user", "content": "next step?"}], "max_output_tokens": 16,
+        "temperature": 0}, "max_output_tokens"),
+}
+API_NAMES = tuple(_API_BODIES)
+
 
 def _fake_replies(stream_chunks: int) -> dict[str, Any]:
     prefill = _dumps({
@@ -87,11 +105,41 @@ def _fake_replies(stream_chunks: int) -> dict[str, Any]:
                                   "block_hashes": ["ab" * 16] * 63}},
             "num_tokens": 1016, "num_blocks": 64, "expires_in": 480.0,
             "hold_remaining": 3000.0, "created_ago": 0.0}
+    decode_params = _loads(decode)["kv_transfer_params"]
+    text = "Hello " * 16
+    messages_decode = _dumps({
+        "id": "msg_d", "type": "message", "role": "assistant", "model": "m",
+        "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
+        "usage": {"input_tokens": 1000, "output_tokens": 16},
+        "kv_transfer_params": decode_params})
+    messages_events = [_event("message_start", {"type": "message_start", "message": {
+        "id": "msg_d", "type": "message", "role": "assistant", "content": [], "model": "m"}})]
+    messages_events += [_event("content_block_delta", {
+        "type": "content_block_delta", "index": 0,
+        "delta": {"type": "text_delta", "text": f"tok{i} "}}) for i in range(stream_chunks)]
+    messages_events += [_event("message_stop", {"type": "message_stop"})]
+    output = [{"type": "message", "id": "msg_d", "role": "assistant", "status": "completed",
+               "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+    response = {"id": "resp_d", "object": "response", "status": "completed", "model": "m",
+                "output": output, "usage": {"input_tokens": 1000, "output_tokens": 16}}
+    responses_decode = _dumps({**response, "kv_transfer_params": decode_params})
+    responses_events = [_event("response.output_text.delta", {
+        "type": "response.output_text.delta", "delta": f"tok{i} "})
+        for i in range(stream_chunks)]
+    responses_events += [_event("response.completed", {"type": "response.completed",
+                                                       "response": response})]
     return {"prefill": prefill, "decode": decode, "events": events,
+            "decode:/v1/messages": messages_decode, "events:/v1/messages": messages_events,
+            "decode:/v1/responses": responses_decode,
+            "events:/v1/responses": responses_events,
             "retention": _dumps(view),
             "pin": _dumps({**view, "pin_id": "pin-1", "pin_expires_in": 70.0}),
             "unpin": b'{"pin_id":"pin-1","unpinned":true}',
             "health": b'{"engine_id":"decode-engine","role":"decode"}'}
+
+
+def _event(name: str, payload: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: ".encode() + _dumps(payload) + b"\n\n"
 
 
 def _fake_backends_app(roles: dict[int, str], stream_chunks: int) -> Any:
@@ -127,12 +175,12 @@ def _fake_backends_app(roles: dict[int, str], stream_chunks: int) -> Any:
             reply = replies["prefill"]
         elif b'"stream":true' in body:
             await send({"type": "http.response.start", "status": 200, "headers": sse_headers})
-            for event in replies["events"]:
+            for event in replies.get("events:" + path, replies["events"]):
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         else:
-            reply = replies["decode"]
+            reply = replies.get("decode:" + path, replies["decode"])
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*json_headers, (b"content-length", str(len(reply)).encode())]})
         await send({"type": "http.response.body", "body": reply})
@@ -233,25 +281,29 @@ class _Endpoints:
 class _Client:
     """Issues one turn either through the router or directly to the two legs."""
 
-    def __init__(self, ports: _Endpoints, conversations: int, index: int) -> None:
+    def __init__(self, ports: _Endpoints, conversations: int, index: int,
+                 api: str = "chat") -> None:
         self.router = _Conn("127.0.0.1", ports.router)
         self.prefill = _Conn("127.0.0.1", ports.prefill)
         self.decode = _Conn("127.0.0.1", ports.decode)
         self.conversations = conversations
         self.index = index
         self.turn = 0
-        base = {"model": "m", "messages": [{"role": "system", "content": _PROMPT},
-                                           {"role": "user", "content": "next step?"}],
-                "max_tokens": 16, "temperature": 0}
+        self.path, base, limit = _API_BODIES[api]
         self._router_requests = {
-            stream: [self.router.request("/v1/chat/completions", _dumps(
+            stream: [self.router.request(self.path, _dumps(
                 {**base, "stream": stream, "conversation_id": f"bench-{index}-{c}"}))
                 for c in range(conversations)] for stream in (False, True)}
-        self._prefill_request = self.prefill.request("/v1/chat/completions", _dumps(
-            {**base, "stream": False, "max_tokens": 1, "n": 1,
-             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                    "remote_engine_id": None, "remote_block_ids": None,
-                                    "remote_host": None, "remote_port": None}}))
+        # What the router's prefill leg is, as a client calling the legs itself would send it.
+        prefill = {**base, "stream": False, limit: 1,
+                   "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                          "remote_engine_id": None, "remote_block_ids": None,
+                                          "remote_host": None, "remote_port": None}}
+        if api == "chat":
+            prefill["n"] = 1
+        if api == "responses":
+            prefill["store"] = False
+        self._prefill_request = self.prefill.request(self.path, _dumps(prefill))
         self._base = base
 
     async def open(self) -> None:
@@ -279,7 +331,7 @@ class _Client:
         params = reply["kv_transfer_params"]
         params.pop("kvturn", None)
         body = _dumps({**self._base, "stream": stream, "kv_transfer_params": params})
-        await self.decode.send(self.decode.request("/v1/chat/completions", body),
+        await self.decode.send(self.decode.request(self.path, body),
                                first_byte=first)
         return first[0] - t0, time.perf_counter() - t0
 
@@ -304,8 +356,9 @@ def _summary(direct: list[float], router: list[float]) -> dict[str, Any]:
             "samples": len(router)}
 
 
-async def _latency(ports: _Endpoints, requests: int, warmup: int) -> dict[str, Any]:
-    client = _Client(ports, conversations=16, index=0)
+async def _latency(ports: _Endpoints, requests: int, warmup: int,
+                   api: str = "chat") -> dict[str, Any]:
+    client = _Client(ports, conversations=16, index=0, api=api)
     await client.open()
     results: dict[str, Any] = {}
     try:
@@ -404,6 +457,7 @@ class RouterBenchSettings:
     duration: float = 5.0
     stream_chunks: int = 16
     router_args: tuple[str, ...] = ()
+    apis: tuple[str, ...] = ("chat",)
 
 
 def run_router_bench(settings: RouterBenchSettings) -> dict[str, Any]:
@@ -440,6 +494,8 @@ def run_router_bench(settings: RouterBenchSettings) -> dict[str, Any]:
             assert router is not None
             await _wait_healthy(router_port, router, 30.0)
             latency = await _latency(ports, settings.requests, settings.warmup)
+            apis = {api: await _latency(ports, settings.requests, settings.warmup, api)
+                    for api in settings.apis if api != "chat"}
             throughput = {}
             for stream in (False, True):
                 name = "stream" if stream else "non_stream"
@@ -449,6 +505,7 @@ def run_router_bench(settings: RouterBenchSettings) -> dict[str, Any]:
                     "direct_rps": round(await _throughput(
                         ports, settings.concurrency, settings.duration, stream, False), 1)}
             return {"latency_ms": latency, "throughput": throughput,
+                    **({"apis": _versus_chat(latency, apis)} if apis else {}),
                     "router_counters": await _router_counters(router_port)}
 
         measured: dict[str, Any] = runner(measure())
@@ -469,13 +526,33 @@ def run_router_bench(settings: RouterBenchSettings) -> dict[str, Any]:
         "settings": {"requests": settings.requests, "warmup": settings.warmup,
                      "concurrency": settings.concurrency, "duration_s": settings.duration,
                      "stream_chunks": settings.stream_chunks,
-                     "router_args": list(settings.router_args),
+                     "router_args": list(settings.router_args), "apis": list(settings.apis),
                      "router_requests": "every request continues a conversation: pin, "
                                         "prefill, unpin, decode, capture"},
         **measured,
         "targets": {"added_p50_ms": TARGET_ADDED_P50_MS, "added_p99_ms": TARGET_ADDED_P99_MS,
                     "met": worst50 <= TARGET_ADDED_P50_MS and worst99 <= TARGET_ADDED_P99_MS},
     }
+
+
+API_MARGIN = 0.2
+"""The Messages and Responses paths may add at most this much more than chat's (issue 15)."""
+
+
+def _versus_chat(chat: dict[str, Any], apis: dict[str, Any]) -> dict[str, Any]:
+    """Each API's latency, and its paired added p50 against chat's (non-streaming and TTFT):
+    ``within_margin`` when at most ``API_MARGIN`` more, or within 0.05 ms (timer noise)."""
+    out: dict[str, Any] = {}
+    for api, latency in apis.items():
+        compare = {}
+        for mode in ("non_stream", "stream_ttft"):
+            mine, base = (latency[mode]["paired_added_p50_ms"],
+                          chat[mode]["paired_added_p50_ms"])
+            compare[mode] = {"added_p50_ms": mine, "chat_added_p50_ms": base,
+                             "ratio": round(mine / base, 3) if base > 0 else None,
+                             "within_margin": mine <= base * (1 + API_MARGIN) + 0.05}
+        out[api] = {"latency_ms": latency, "versus_chat": compare}
+    return out
 
 
 def _print(results: dict[str, Any]) -> None:
@@ -494,16 +571,31 @@ def _print(results: dict[str, Any]) -> None:
     for name, t in results["throughput"].items():
         print(f"{name} at {results['settings']['concurrency']} clients: "  # noqa: T201
               f"{t['router_rps']:.0f} req/s through the router, {t['direct_rps']:.0f} direct")
+    for api, entry in results.get("apis", {}).items():
+        for mode, c in entry["versus_chat"].items():
+            print(f"{api} {mode}: paired added p50 {c['added_p50_ms']:.3f} ms vs chat "  # noqa: T201
+                  f"{c['chat_added_p50_ms']:.3f} ms (ratio {c['ratio']}): "
+                  f"{'within' if c['within_margin'] else 'NOT within'} "
+                  f"{API_MARGIN:.0%}")
     targets = results["targets"]
     print(f"targets (added p50 <= {targets['added_p50_ms']} ms, p99 <= "  # noqa: T201
           f"{targets['added_p99_ms']} ms): {'met' if targets['met'] else 'NOT met'}")
+
+
+def _apis_of(given: Sequence[str] | None) -> tuple[str, ...]:
+    if not given:
+        return ("chat",)
+    if "all" in given:
+        return API_NAMES
+    return tuple(dict.fromkeys(["chat", *given]))
 
 
 def cmd_bench_router(args: argparse.Namespace) -> int:
     settings = RouterBenchSettings(requests=args.requests, warmup=args.warmup,
                                    concurrency=args.concurrency, duration=args.duration,
                                    stream_chunks=args.stream_chunks,
-                                   router_args=tuple(args.router_arg or ()))
+                                   router_args=tuple(args.router_arg or ()),
+                                   apis=_apis_of(args.api))
     results = run_router_bench(settings)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2) + "\n")
@@ -535,6 +627,9 @@ def add_router_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                    help="extra flag for the router, repeatable (e.g. "
                         "--router-arg=--state=redis://127.0.0.1:6379/0, "
                         "--router-arg=--http-client=httpx)")
+    p.add_argument("--api", action="append", choices=(*API_NAMES, "all"),
+                   help="measure the added latency of this API's path too, beside chat's "
+                        "(repeatable; all: chat, messages and responses; default: chat)")
     p.set_defaults(func=cmd_bench_router)
     return p
 

@@ -34,8 +34,9 @@ TOOL_TOKENS = 64  # a whole <tool_call>...</tool_call> of the tiny model's, or i
 INSTRUCTIONS = "You are a careful stock agent. " + " ".join(
     f"Aisle {i} holds part {i}; use the lookup tool for counts." for i in range(30))
 LOOKUP = {"name": "lookup", "description": "Count the boxes in one aisle.",
-          "schema": {"type": "object", "properties": {"aisle": {"type": "integer"}},
-                     "required": ["aisle"]}}
+          # An enum: the tiny model's digits would otherwise run on past any token limit.
+          "schema": {"type": "object", "properties": {"aisle": {"enum": [3, 4, 5]}},
+                     "required": ["aisle"], "additionalProperties": False}}
 TASKS = ["Count aisle 3.", "Now count aisle 4.", "Then aisle 5."]
 
 

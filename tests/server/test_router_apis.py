@@ -399,3 +399,19 @@ async def test_claude_code_turns_reuse_by_their_session_header(
     again = await _messages(h, headers=headers)
     assert again.headers["X-KVTurn-Conversation"] == "0b6f1c2e-claude"
     assert again.headers["X-KVTurn-Reuse"] == "hit"
+
+
+async def test_messages_count_tokens_goes_to_a_prefill(make_harness: MakeHarness) -> None:
+    h = await make_harness()
+    h.cluster.prefills[0].fail_next(lambda body: httpx2.Response(200, json={
+        "input_tokens": 7, "seen": sorted(body)}))
+    resp = await h.client.post("/v1/messages/count_tokens", json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}],
+        "kv_transfer_params": {"remote_host": "x"}, "conversation_id": "c"})
+    assert resp.status_code == 200
+    assert resp.json() == {"input_tokens": 7, "seen": ["messages", "model"]}
+    assert h.cluster.legs("prefill0")[0].path == "/v1/messages/count_tokens"
+    h.cluster.prefills[0].fail_next("connect")
+    down = await h.client.post("/v1/messages/count_tokens", json={"model": "m",
+                                                                   "messages": []})
+    assert down.status_code == 503 and down.json()["type"] == "error"

@@ -33,7 +33,12 @@ from kvturn_server.router._config import DNS_PREFIX, RouterConfig, RouterConfigE
 from kvturn_server.router._control import ControlClient
 from kvturn_server.router._conversations import conversation_endpoint
 from kvturn_server.router._discovery import Discovery, targets
-from kvturn_server.router._endpoints import TURN_PATHS, failure_response, turn_endpoint
+from kvturn_server.router._endpoints import (
+    TURN_PATHS,
+    count_tokens,
+    failure_response,
+    turn_endpoint,
+)
 from kvturn_server.router._errors import error_response
 from kvturn_server.router._log import event, setup_logging
 from kvturn_server.router._metrics import RouterMetrics
@@ -318,6 +323,9 @@ def create_app(config: RouterConfig, transport: httpx2.AsyncBaseTransport | None
     async def completions(request: Request) -> Response:  # reached only by odd paths/methods
         return await turn_endpoint(router, request)
 
+    async def messages_count_tokens(request: Request) -> Response:
+        return await count_tokens(router, request)
+
     app = Starlette(
         exception_handlers={HTTPException: http_error},
         routes=[
@@ -325,6 +333,7 @@ def create_app(config: RouterConfig, transport: httpx2.AsyncBaseTransport | None
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/messages", completions, methods=["POST"]),
             Route("/v1/responses", completions, methods=["POST"]),
+            Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
             Route("/v1/models", router.models, methods=["GET"]),
             Route("/health", router.health_endpoint, methods=["GET"]),
             Route("/ready", router.ready_endpoint, methods=["GET"]),

@@ -10,7 +10,7 @@ import httpx2
 import pytest
 
 from kvturn_server.router import _json
-from kvturn_server.router._apis import split_final_event
+from kvturn_server.router._apis import RESPONSES, split_final_event
 from kvturn_server.router._identity import resolve_identity
 from kvturn_server.router._legs import NO_RETENTION_PARAMS
 from kvturn_server.router._state_responses import (
@@ -415,3 +415,16 @@ async def test_messages_count_tokens_goes_to_a_prefill(make_harness: MakeHarness
     down = await h.client.post("/v1/messages/count_tokens", json={"model": "m",
                                                                    "messages": []})
     assert down.status_code == 503 and down.json()["type"] == "error"
+
+
+def test_responses_estimate_leaves_fed_back_logprobs_out() -> None:
+    reply = {"type": "message", "role": "assistant", "content": [
+        {"type": "output_text", "text": "ok", "logprobs": [{"token": "ok", "logprob": -0.1,
+                                                             "top_logprobs": []}] * 50}]}
+    with_logprobs = RESPONSES.transcript({"input": [{"role": "user", "content": "hi"}, reply]})
+    plain = RESPONSES.transcript({"input": [
+        {"role": "user", "content": "hi"},
+        {**reply, "content": [{"type": "output_text", "text": "ok"}]}]})
+    assert with_logprobs is not None and plain is not None
+    assert with_logprobs.sizes == plain.sizes
+    assert with_logprobs.roles == ["user", "assistant"]

@@ -128,11 +128,24 @@ def _responses_transcript(body: dict[str, Any]) -> Transcript | None:
     instructions = body.get("instructions")
     head: list[Any] = [] if instructions is None else [{"role": "system",
                                                         "content": instructions}]
-    # Output items fed back (function calls, reasoning) are the model's reply coming back.
-    return Transcript([*head, *(
-        {**item, "role": "assistant"} if isinstance(item, dict) and "role" not in item
-        and item.get("type") in ("function_call", "reasoning", "custom_tool_call") else item
-        for item in items)])
+    return Transcript([*head, *(_prompt_item(item) for item in items)])
+
+
+def _prompt_item(item: Any) -> Any:
+    """A Responses item as the estimate should size it: output text's ``logprobs`` (fed back
+    with the reply when a client asked for them) are no part of the prompt and would dwarf
+    it; output items fed back (function calls, reasoning) are the model's reply coming back."""
+    if not isinstance(item, dict):
+        return item
+    content = item.get("content")
+    if isinstance(content, list) and any(isinstance(p, dict) and "logprobs" in p
+                                         for p in content):
+        item = {**item, "content": [{k: v for k, v in p.items() if k != "logprobs"}
+                                    if isinstance(p, dict) else p for p in content]}
+    if "role" not in item and item.get("type") in ("function_call", "reasoning",
+                                                   "custom_tool_call"):
+        item = {**item, "role": "assistant"}
+    return item
 
 
 # How a stream ends.

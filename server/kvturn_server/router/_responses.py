@@ -47,7 +47,7 @@ from kvturn_server.router._identity import (
 from kvturn_server.router._legs import client_body
 from kvturn_server.router._log import event
 from kvturn_server.router._state import StoreError
-from kvturn_server.router._turn import Turn, request_id_of
+from kvturn_server.router._turn import Turn, request_id_of, traced
 
 if TYPE_CHECKING:
     from kvturn_server.router._app import Router
@@ -244,4 +244,5 @@ async def responses_endpoint(router: Router, request: Request) -> Response:
     turn = Turn(router, request_id=request_id, path=request.scope["path"], body=leg,
                 identity=identity, no_reuse="x-kvturn-no-reuse" in headers, started=started,
                 api=RESPONSES, hook=state)
+    traced(turn, headers)
     return await turn.run()

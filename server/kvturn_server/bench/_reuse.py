@@ -94,6 +94,7 @@ from kvturn_server.bench._reuse_report import (
 from kvturn_server.local._direct import DirectConversation, control, retention_path
 from kvturn_server.local._http import post_json
 from kvturn_server.local._metrics import PromptSources, Samples, scrape, sources, total
+from kvturn_server.local._model import SIZES
 from kvturn_server.local._stack import Stack, StackConfig
 
 
@@ -205,6 +206,12 @@ class ReuseBenchSettings:
     decode_steps_while_pinned: bool = False
     """The decode without NIXL's progress thread: its engine steps while a pin is held, as
     before the thread was the decodes' default (docs/cpu-stack.md)."""
+    size: str = "bench"
+    """The locally built model served (``8b``: a real 8B model's shape, for GPUs)."""
+    gpu: bool = False
+    """Run on an accelerator: KV in its memory, not the CPU build's host buffer."""
+    vllm_args: tuple[str, ...] = ()
+    """More ``vllm serve`` flags for both instances."""
 
     def rows(self) -> list[Row]:
         return plan_rows(self.sizes, self.generated, self.generated_sizes)
@@ -229,15 +236,19 @@ class ReuseBenchSettings:
 
 
 def bench_config(state_dir: Path, ports: dict[str, Any], *,
-                 decode_steps_while_pinned: bool = False) -> StackConfig:
+                 decode_steps_while_pinned: bool = False, size: str = "bench",
+                 gpu: bool = False, vllm_args: tuple[str, ...] = ()) -> StackConfig:
     """The benchmark's stack: bench model, 32k context, prefix cache on (vLLM's default) on both
     instances, a retention lease longer than any row (the shared prompt's retention is held for
-    a whole row), no router and no plain instance."""
+    a whole row), no router and no plain instance. ``gpu``: KV in the GPU's memory (vLLM's
+    default) instead of the CPU build's host buffer; ``vllm_args`` go to both instances (on one
+    GPU, each its share: ``--gpu-memory-utilization=0.4``)."""
     cfg = StackConfig(
-        state_dir=state_dir, model_size="bench", served_model_name="kvturn-bench",
+        state_dir=state_dir, model_size=size, served_model_name=f"kvturn-{size}",
         max_model_len=32768, kv_cache_gib=2, decoder_kv_blocks_ttl=3600,
         prefill_prefix_caching=True, with_reference=False, with_router=False,
-        kv_read_timeout=30,
+        kv_read_timeout=30, kv_buffer_device=None if gpu else "cpu",
+        extra_vllm_args=vllm_args,
         decode_connector_extra={"nixl_progress_thread": False} if decode_steps_while_pinned
         else {})
     return replace(cfg, **ports)
@@ -382,14 +393,16 @@ def run_reuse_bench(settings: ReuseBenchSettings, json_path: Path, plot_path: Pa
     from kvturn_server.cli import ProgressLine
 
     cfg = bench_config(settings.state_dir, ports,
-                       decode_steps_while_pinned=settings.decode_steps_while_pinned)
+                       decode_steps_while_pinned=settings.decode_steps_while_pinned,
+                       size=settings.size, gpu=settings.gpu, vllm_args=settings.vllm_args)
     settings.check(cfg.max_model_len)
     rng = random.Random(settings.seed)
 
     def fresh(n: int) -> list[int]:
         return [rng.randrange(10, 1600) for _ in range(n)]
 
-    say("starting the benchmark stack (bench model; prefill and decode, prefix cache on)")
+    say(f"starting the benchmark stack ({settings.size} model; prefill and decode, prefix "
+        "cache on)")
     started = time.monotonic()
     with Stack(cfg, die_with_parent=True) as stack:
         stack.start(progress=ProgressLine())
@@ -399,7 +412,8 @@ def run_reuse_bench(settings: ReuseBenchSettings, json_path: Path, plot_path: Pa
     config["wall_s"] = round(time.monotonic() - started, 1)
     say(table(rows))
     write_json(config, rows, json_path)
-    if write_plot(rows, plot_path, "kvturn bench reuse (CPU, bench model)"):
+    device = "GPU" if settings.gpu else "CPU"
+    if write_plot(rows, plot_path, f"kvturn bench reuse ({device}, {settings.size} model)"):
         say(f"wrote {json_path} and {plot_path}")
     else:
         say(f"wrote {json_path}; no plot: matplotlib is not installed (extra [bench])")
@@ -430,7 +444,8 @@ def settings_from_args(args: argparse.Namespace) -> ReuseBenchSettings:
         sizes=sizes, generated=tuple(sorted(set(args.generated))),
         generated_sizes=generated_sizes, runs=args.runs, warmup_runs=args.warmup_runs,
         settle_s=args.settle, seed=args.seed, state_dir=args.state_dir,
-        decode_steps_while_pinned=args.decode_steps_while_pinned)
+        decode_steps_while_pinned=args.decode_steps_while_pinned, size=args.size,
+        gpu=args.gpu, vllm_args=tuple(args.vllm_arg or ()))
 
 
 def cmd_bench_reuse(args: argparse.Namespace) -> int:
@@ -438,7 +453,7 @@ def cmd_bench_reuse(args: argparse.Namespace) -> int:
 
     try:
         settings = settings_from_args(args)
-        settings.check(bench_config(settings.state_dir, {}).max_model_len)
+        settings.check(bench_config(settings.state_dir, {}, size=settings.size).max_model_len)
     except (ValueError, argparse.ArgumentTypeError) as error:
         raise SystemExit(f"kvturn bench reuse: {error}") from None
     ports = {name: free_port() for name in (
@@ -491,6 +506,15 @@ def add_reuse_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                    help="run the decode without NIXL's progress thread, so that its engine "
                         "steps while a pin is held (the behaviour before the thread was the "
                         "default; for before/after comparisons)")
+    p.add_argument("--size", choices=sorted(SIZES), default=d.size,
+                   help="locally built model to serve (default: %(default)s; 8b: a real 8B "
+                        "model's shape with random weights, for GPUs)")
+    p.add_argument("--gpu", action="store_true",
+                   help="run on a GPU: KV in its memory (vLLM's default) instead of the CPU "
+                        "build's host buffer")
+    p.add_argument("--vllm-arg", action="append", default=None, metavar="FLAG",
+                   help="another vllm serve flag for both instances, as one argument "
+                        "(repeatable), e.g. --vllm-arg=--gpu-memory-utilization=0.4")
     p.set_defaults(func=cmd_bench_reuse)
     return p
 

@@ -67,6 +67,9 @@ class ModelSize:
 SIZES: dict[str, ModelSize] = {
     "tiny": ModelSize("tiny", 2048, 256, 512, 2, 4, 2, 8192, "float32"),
     "bench": ModelSize("bench", 4096, 512, 1536, 6, 8, 2, 32768, "bfloat16"),
+    # The shape of Llama 3.1 8B (random weights, 16 GB): GPU checks without downloading a model
+    # (scripts/gpu-check.sh). KV per token is a real 8B model's: 128 KiB in bfloat16.
+    "8b": ModelSize("8b", 128256, 4096, 14336, 32, 32, 8, 32768, "bfloat16"),
 }
 SEED = 0
 FORMAT = 5

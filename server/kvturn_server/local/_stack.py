@@ -58,6 +58,9 @@ class StackConfig:
     decode_control_port: int = 8201
     served_model_name: str = "kvturn-tiny"
     kv_cache_gib: float = 1.0
+    kv_buffer_device: str | None = "cpu"
+    """``kv_buffer_device`` of both instances: ``cpu`` for the CPU build; None leaves vLLM's
+    default (the accelerator's memory; the connector refuses a host buffer on a GPU)."""
     max_model_len: int = 8192
     kv_read_timeout: float = 20.0
     prefill_prefix_caching: bool = True
@@ -174,15 +177,17 @@ def kv_transfer_config(cfg: StackConfig, role: str) -> dict[str, Any]:
         extra.update(cfg.decode_connector_extra)
     else:
         extra.update(cfg.prefill_connector_extra)
-    return {
+    config: dict[str, Any] = {
         "kv_connector": "KVTurnConnector",
         "kv_connector_module_path": "kvturn_server.connector",
         "kv_role": role,
-        "kv_buffer_device": "cpu",
         # A failed or abandoned read must recompute, never fail the user's request.
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
+    if cfg.kv_buffer_device is not None:
+        config["kv_buffer_device"] = cfg.kv_buffer_device
+    return config
 
 
 def _vllm_spec(cfg: StackConfig, name: str, port: int, role: str | None,

@@ -3,6 +3,7 @@ streams, errors, and the Responses state the router holds (docs/http-api.md, sec
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -330,10 +331,12 @@ def test_split_final_event() -> None:
 @pytest.fixture(params=["memory", "redis"])
 async def response_store(request: pytest.FixtureRequest) -> AsyncIterator[ResponseStore]:
     if request.param == "memory":
-        yield MemoryResponseStore(max_entries=3)
+        yield MemoryResponseStore(max_entries=3, max_bytes=12)
         return
     url = request.getfixturevalue("redis_url")
-    store = RedisResponseStore(url, max_entries=3, prefix="t:")
+    # A prefix of its own: the byte total lives in Redis beside the records.
+    store = RedisResponseStore(url, max_entries=3, max_bytes=12,
+                               prefix=f"t{uuid.uuid4().hex[:8]}:")
     yield store
     await store.aclose()
 
@@ -350,6 +353,22 @@ async def test_response_store_round_trip_and_cap(response_store: ResponseStore) 
     assert await response_store.get("a") is None
 
 
+async def test_response_store_byte_cap(response_store: ResponseStore) -> None:
+    """At most 12 bytes of values in all: the least recently used go first, a rewrite counts
+    its new size only, and a record over the cap on its own is refused without evicting."""
+    assert await response_store.put("a", b"x" * 5, 60.0) == 0
+    assert await response_store.put("b", b"y" * 5, 60.0) == 0
+    assert await response_store.put("a", b"x" * 6, 60.0) == 0  # 11 bytes in all
+    assert await response_store.put("c", b"z" * 4, 60.0) == 1  # 15 > 12: b (oldest) goes
+    assert await response_store.get("b") is None
+    assert await response_store.put("huge", b"h" * 13, 60.0) == 0
+    assert await response_store.get("huge") is None
+    assert await response_store.get("a") == b"x" * 6 and await response_store.get("c") == b"z" * 4
+    assert await response_store.delete("a") is True
+    assert await response_store.put("d", b"d" * 8, 60.0) == 0  # 4 + 8: a's bytes were freed
+    assert await response_store.get("c") == b"z" * 4
+
+
 async def test_memory_response_store_ttl_and_bytes() -> None:
     clock = ManualClock()
     store = MemoryResponseStore(max_entries=10, max_bytes=10, clock=clock)
@@ -359,8 +378,9 @@ async def test_memory_response_store_ttl_and_bytes() -> None:
     assert await store.get("a") is None and await store.get("b") == b"12345"
     assert await store.put("c", b"123456789", 50.0) == 1
     assert await store.get("b") is None
-    assert await store.put("huge", b"x" * 11, 50.0) >= 1
+    assert await store.put("huge", b"x" * 11, 50.0) == 0
     assert await store.get("huge") is None
+    assert await store.get("c") == b"123456789"  # a record too large alone evicts nothing
 
 
 # Agents' own session headers (after kvturn's conventions).

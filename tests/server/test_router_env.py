@@ -101,3 +101,12 @@ def test_the_cli_reports_a_bad_variable_in_one_line() -> None:
     assert done.returncode == 2
     assert done.stderr.strip() == ("kvturn router: KVTURN_EJECT_AFTER (as --eject-after): "
                                    "invalid int value: 'three'")
+
+
+def test_a_variable_is_not_read_when_its_flag_is_given() -> None:
+    # Kubernetes' service links: a Service named "kvturn" gives every pod KVTURN_PORT=tcp://...
+    env = {"KVTURN_PORT": "tcp://10.0.0.1:8000", "KVTURN_PREFILL": "http://p:1",
+           "KVTURN_DECODE": "http://d:2"}
+    assert _config(["--port", "8000"], env).port == 8000
+    with pytest.raises(RouterConfigError, match="KVTURN_PORT"):
+        _config([], env)

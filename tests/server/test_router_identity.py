@@ -8,7 +8,12 @@ from typing import Any
 import pytest
 
 from kvturn_server.router._errors import ApiError
-from kvturn_server.router._identity import resolve_identity, tenant_of, validate_id
+from kvturn_server.router._identity import (
+    credential_of,
+    resolve_identity,
+    tenant_of,
+    validate_id,
+)
 from tests.server.conftest import MakeHarness
 
 
@@ -61,6 +66,18 @@ def test_tenants_are_credential_hashes() -> None:
     assert tenant_of("Bearer a") != tenant_of("Bearer b")
 
 
+def test_anthropic_clients_are_scoped_by_their_x_api_key() -> None:
+    assert credential_of({"authorization": "Bearer a", "x-api-key": "k"}) == "Bearer a"
+    assert credential_of({"x-api-key": "k"}) == "x-api-key:k"
+    assert credential_of({}) is None
+    # The two headers never name one tenant, even with the same text.
+    assert tenant_of(credential_of({"x-api-key": "k"})) != tenant_of(
+        credential_of({"authorization": "k"}))
+    alice = resolve_identity({}, {"x-claude-code-session-id": "s1", "x-api-key": "alice"})
+    bob = resolve_identity({}, {"x-claude-code-session-id": "s1", "x-api-key": "bob"})
+    assert alice is not None and bob is not None and alice.key != bob.key
+
+
 @pytest.mark.parametrize(("where", "name"), [
     ("body", "conversation_id"), ("header", "X-Conversation-ID"), ("header", "X-Session-ID"),
     ("body", "session_id")])
@@ -101,6 +118,15 @@ async def test_tenants_never_share_a_retention(make_harness: MakeHarness) -> Non
     assert pin.path == f"/kvturn/v1/retentions/{_tenant('Bearer alice')}/shared/pin"
     # The credential itself never reaches a backend.
     assert all("authorization" not in e.headers for e in h.cluster.log)
+
+
+async def test_x_api_key_tenants_never_share_a_retention(make_harness: MakeHarness) -> None:
+    h = await make_harness()
+    await h.chat("shared", headers={"x-api-key": "alice"})
+    resp = await h.chat("shared", headers={"x-api-key": "bob"})
+    assert resp.headers["X-KVTurn-Reuse"] == "miss"
+    assert h.cluster.calls("decode0.control", "POST") == []
+    assert all("x-api-key" not in e.headers for e in h.cluster.log)
 
 
 async def test_ids_with_reserved_characters_round_trip(make_harness: MakeHarness) -> None:

@@ -126,6 +126,11 @@ def test_a_decode_keeps_its_conversations_until_it_is_overloaded() -> None:
     d1.healthy = False
     assert choose_decode(pool, d1, slack=4) is d0
     assert choose_decode(pool, None, slack=4) in (d0, d1)
+    # A holder that discovery removed while the turn's prefill ran, with no healthy decode
+    # left in the pool: its own leg is tried (and falls back if it fails), not a 500.
+    d0.healthy = False
+    gone = Backend("decode", "http://d9")
+    assert choose_decode(pool, gone, slack=4) is gone
 
 
 def test_the_gain_of_a_read_is_what_the_retention_holds_beyond_the_prefill() -> None:

@@ -22,7 +22,7 @@ import json
 import math
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -599,11 +599,18 @@ def env_name(setting: str) -> str:
     return ENV_PREFIX + setting.upper()
 
 
-def settings_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+def settings_from_env(environ: Mapping[str, str],
+                      skip: Collection[str] = ()) -> dict[str, Any]:
     """The settings given as ``KVTURN_*`` variables (empty ones count as unset), read as
-    their flags read them; RouterConfigError naming the variable when one cannot be."""
+    their flags read them; RouterConfigError naming the variable when one cannot be.
+
+    Settings in ``skip`` (given as flags, which win) are not read at all: a variable that
+    merely shares a name must not stop a router whose flag says otherwise (Kubernetes sets
+    ``KVTURN_PORT=tcp://...`` in every pod of a namespace with a Service named ``kvturn``)."""
     values: dict[str, Any] = {}
     for name, convert in _ENV_SETTINGS.items():
+        if name in skip:
+            continue
         text = environ.get(env_name(name), "")
         if not text.strip():
             continue
@@ -631,9 +638,10 @@ def router_config_from_args(args: argparse.Namespace,
     if config_file is not None:
         values.update({k.replace("-", "_"): v
                        for k, v in load_config_file(config_file).items()})
-    values.update(settings_from_env(environ))
-    for name in (*_ENV_SETTINGS, "control_secret_file"):
-        value = getattr(args, name, None)
+    flags = {name: getattr(args, name, None) for name in (*_ENV_SETTINGS, "control_secret_file")}
+    values.update(settings_from_env(
+        environ, skip={name for name, value in flags.items() if value is not None}))
+    for name, value in flags.items():
         if value is not None:
             values[name] = tuple(value) if name in ("prefill", "decode") else value
     if "control_secret" not in values and "control_secret_file" not in values:

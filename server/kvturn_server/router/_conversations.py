@@ -18,7 +18,7 @@ from starlette.responses import Response
 from kvturn_server.router import _json
 from kvturn_server.router._control import ControlError, Gone
 from kvturn_server.router._errors import ApiError
-from kvturn_server.router._identity import conversation_key, validate_id
+from kvturn_server.router._identity import conversation_key, credential_of, validate_id
 from kvturn_server.router._log import event
 from kvturn_server.router._state import Placement, StoreError
 from kvturn_server.router._turn import request_id_of
@@ -51,7 +51,7 @@ async def conversation_endpoint(router: Router, request: Request) -> Response:
                                code="no_route")
             rest = rest[:-len(KEEPALIVE)]
         conversation_id = validate_id(unquote(rest), "conversation_id")
-        key = conversation_key(conversation_id, request.headers.get("authorization"))
+        key = conversation_key(conversation_id, credential_of(request.headers))
         handler = _keepalive if method == "POST" else _release
         response = await handler(router, conversation_id, key, request_id)
     except ApiError as exc:

@@ -53,6 +53,17 @@ def tenant_of(authorization: str | None) -> str:
     return hashlib.sha256(authorization.encode("latin-1")).hexdigest()[:16]
 
 
+def credential_of(headers: Mapping[str, str]) -> str | None:
+    """The credential a request scopes its conversations by: ``Authorization``, else the
+    Anthropic clients' ``x-api-key`` (prefixed, so that the two headers never name one
+    tenant), else None (the anonymous tenant)."""
+    authorization = headers.get("authorization")
+    if authorization is not None:
+        return authorization
+    api_key = headers.get("x-api-key")
+    return None if api_key is None else f"x-api-key:{api_key}"
+
+
 def conversation_key(conversation_id: str, authorization: str | None) -> str:
     return f"{tenant_of(authorization)}/{conversation_id}"
 
@@ -113,7 +124,7 @@ def resolve_identity(body: Mapping[str, Any], headers: Mapping[str, str]) -> Ide
 
     A JSON ``null`` in a body field counts as absent (SDKs serialise unset fields that way).
     """
-    authorization = headers.get("authorization")
+    authorization = credential_of(headers)
     for where, name in _SOURCES:
         value = body.get(name) if where == "body" else headers.get(name)
         if value is None:

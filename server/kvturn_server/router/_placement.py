@@ -54,8 +54,10 @@ def choose_decode(pool: Pool, holder: Backend | None, *, slack: int) -> Backend 
     in flight beyond the least loaded decode; then the least loaded one (the conversation
     moves, and its old retention is released once the new one is recorded)."""
     if holder is not None and holder.healthy:
+        # The holder may have left the pool (DNS discovery) while the turn's prefill ran.
         healthy = [b for b in pool.members if b.healthy]
-        if holder.in_flight <= min(b.in_flight for b in healthy) + slack:
+        if holder.in_flight <= min((b.in_flight for b in healthy),
+                                   default=holder.in_flight) + slack:
             return holder
         return pool.pick(exclude=holder) or holder
     return pool.pick()

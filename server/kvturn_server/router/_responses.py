@@ -40,6 +40,7 @@ from kvturn_server.router._errors import ApiError
 from kvturn_server.router._identity import (
     Identity,
     conversation_key,
+    credential_of,
     resolve_identity,
     tenant_of,
     validate_id,
@@ -171,7 +172,7 @@ async def _prepare(router: Router, body: dict[str, Any], headers: Any
                    ) -> tuple[dict[str, Any], Identity | None, ResponsesTurn]:
     RESPONSES.validate(body)
     explicit = resolve_identity(body, headers)
-    authorization = headers.get("authorization")
+    authorization = credential_of(headers)
     tenant = tenant_of(authorization)
     previous = body.get("previous_response_id")
     if previous is not None:

@@ -13,8 +13,8 @@ Semantics, for both:
   (``get`` and ``put`` count as use) and says how many went.
 - ``delete(key, turn=...)`` deletes only the entry that turn recorded, so a turn that found a
   stale handle cannot delete a newer one recorded meanwhile by a concurrent turn.
-- ``put`` is a compare-and-set on ``Placement.version`` (when the retention was captured,
-  store clock): a placement older than the live one is not written (``SUPERSEDED``). Two turns of
+- ``put`` is a compare-and-set on ``Placement.version`` (when its turn began, store clock:
+  the later of two concurrent turns carries the longer history, however long its capture took): a placement older than the live one is not written (``SUPERSEDED``). Two turns of
   one conversation running at once, on two router replicas or one, thus keep the newest
   retention, whichever router writes last.
 - Times come from one injected clock (wall-clock seconds; Redis shares them between replicas).
@@ -58,8 +58,8 @@ class Placement:
         prefill_tokens: prompt tokens of that leg.
         history: the messages of the last turn's request (chat only), for the decode's
             continuation of short turns (``_placement.py``).
-        version: store-clock time the retention was recorded (its turn's capture); ``put``
-            keeps the newest.
+        version: store-clock time the turn that recorded it began; ``put`` keeps the
+            newest.
     """
 
     decode: str

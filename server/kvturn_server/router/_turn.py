@@ -105,12 +105,11 @@ class ReplyHook(Protocol):
 class Turn:
     """The state of one completion request while it runs."""
 
-    __slots__ = ("api", "body", "continued", "decode_backend", "endpoint", "holder", "hook",
-                 "identity", "key", "legs_ms", "no_reuse", "path", "pin", "pin_skipped",
+    __slots__ = ("api", "begun", "body", "continued", "decode_backend", "endpoint", "holder",
+                 "hook", "identity", "key", "legs_ms", "no_reuse", "path", "pin", "pin_skipped",
                  "placement", "prefill_backend", "prefill_choice", "prefill_tokens", "r",
-                 "reason", "request_id",
-                 "retention_sent", "reused_tokens", "route", "started", "stream",
-                 "trace", "transcript", "upstream_headers")
+                 "reason", "request_id", "retention_sent", "reused_tokens", "route", "started",
+                 "stream", "trace", "transcript", "upstream_headers")
 
     def __init__(self, router: Router, *, request_id: str, path: str,
                  body: dict[str, Any], identity: Identity | None, no_reuse: bool,
@@ -126,6 +125,10 @@ class Turn:
         self.key = identity.key if identity is not None else None
         self.no_reuse = no_reuse
         self.started = started
+        # The store's version of this turn's record: when the turn began, on the router's
+        # clock. Of two concurrent turns of one conversation the later one carries the longer
+        # history; a capture that retried or a slow describe must not outrank it.
+        self.begun = router.clock()
         self.stream = body.get("stream") is True
         self.upstream_headers = {"x-request-id": request_id}
         # Spans per leg and the traceparent each leg carries (``_tracing.py``); the client's
@@ -788,7 +791,7 @@ class Turn:
         now = self.r.clock()
         return Placement(decode=backend.url, engine_id=engine_id, num_tokens=num_tokens,
                          expires_at=now + expires_in, turn=self.request_id,
-                         version=now,
+                         version=self.begun,
                          readable_tokens=readable, block_size=block_size, prefill=prefill,
                          prefill_tokens=prefill_tokens,
                          history=None if self.transcript is None else self.transcript.history())

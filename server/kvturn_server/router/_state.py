@@ -14,9 +14,10 @@ Semantics, for both:
 - ``delete(key, turn=...)`` deletes only the entry that turn recorded, so a turn that found a
   stale handle cannot delete a newer one recorded meanwhile by a concurrent turn.
 - ``put`` is a compare-and-set on ``Placement.version`` (when its turn began, store clock:
-  the later of two concurrent turns carries the longer history, however long its capture took): a placement older than the live one is not written (``SUPERSEDED``). Two turns of
-  one conversation running at once, on two router replicas or one, thus keep the newest
-  retention, whichever router writes last.
+  the later of two concurrent turns carries the longer history, however long its capture
+  took): a placement older than the live one is not written (``SUPERSEDED``). Two turns of one
+  conversation running at once, on two router replicas or one, thus keep the newest retention,
+  whichever router writes last.
 - Times come from one injected clock (wall-clock seconds; Redis shares them between replicas).
 
 The store is a hint, never the authority: the decode's pin answer is. A lost or stale entry

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvturn_server.local import PromptSources, prompt_sources, scrape
+from kvturn_server.local import PromptSources, StackConfig, free_port, prompt_sources, scrape
 from kvturn_server.local._direct import control
 from kvturn_server.local._http import post_json
 from kvturn_server.local._metrics import total
+from kvturn_server.local._process import ServerSpec, launch, wait_healthy
 
 from ._greedy import chat_logprobs
 
@@ -89,3 +92,21 @@ def plain_chat(base_url: str, model: str, messages: list[dict[str, Any]], max_to
     return post(f"{base_url}/v1/chat/completions", {
         "model": model, "messages": messages, "temperature": 0, "max_tokens": max_tokens,
         **chat_logprobs(), **extra})
+
+
+def start_router(cfg: StackConfig, name: str, logs: Path, *args: str,
+                 health: str = "/health") -> tuple[str, subprocess.Popen[bytes]]:
+    """One more router over the session stack's prefill and decode (with ``args`` after the
+    backends), healthy at ``health`` before it returns; its URL and process (stop it with
+    ``stop_group(proc.pid)``; it also dies with the test process)."""
+    port = free_port()
+    spec = ServerSpec(
+        name=name, port=port, health_url=f"http://127.0.0.1:{port}{health}",
+        log_path=logs / f"{name}.log", env={"PYTHONUNBUFFERED": "1"},
+        argv=[sys.executable, "-m", "kvturn_server.cli", "router", "--port", str(port),
+              "--prefill", cfg.prefill_url,
+              "--decode", f"{cfg.decode_url},control={cfg.decode_control_url}",
+              "--retention-ttl", f"{cfg.decoder_kv_blocks_ttl:g}", *args])
+    proc = launch(spec, die_with_parent=True)
+    wait_healthy({name: (spec, proc)}, timeout=60)
+    return f"http://127.0.0.1:{port}", proc

@@ -15,7 +15,6 @@ near-tie would fail it with the reference's text beside it, not pass it).
 
 from __future__ import annotations
 
-import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -23,11 +22,11 @@ from typing import Any
 import httpx2
 import pytest
 
-from kvturn_server.local import Stack, free_port
-from kvturn_server.local._process import ServerSpec, launch, stop_group, wait_healthy
+from kvturn_server.local import Stack
+from kvturn_server.local._process import stop_group
 
 from ._greedy import TOP, assert_same_text
-from ._helpers import Delta
+from ._helpers import Delta, start_router
 
 MAX_TOKENS = 24
 TOOL_TOKENS = 64  # a whole <tool_call>...</tool_call> of the tiny model's, or it is no call
@@ -42,20 +41,10 @@ TASKS = ["Count aisle 3.", "Now count aisle 4.", "Then aisle 5."]
 
 @pytest.fixture(scope="module")
 def router_url(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    cfg = stack.config
     logs = tmp_path_factory.mktemp("apis-router")
-    port = free_port()
-    spec = ServerSpec(
-        name="apis-router", port=port, health_url=f"http://127.0.0.1:{port}/health",
-        log_path=logs / "router.log", env={"PYTHONUNBUFFERED": "1"},
-        argv=[sys.executable, "-m", "kvturn_server.cli", "router", "--port", str(port),
-              "--prefill", cfg.prefill_url,
-              "--decode", f"{cfg.decode_url},control={cfg.decode_control_url}",
-              "--retention-ttl", f"{cfg.decoder_kv_blocks_ttl:g}"])
-    proc = launch(spec, die_with_parent=True)
+    url, proc = start_router(stack.config, "apis-router", logs)
     try:
-        wait_healthy({spec.name: (spec, proc)}, timeout=60)
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         stop_group(proc.pid)
 

@@ -7,7 +7,6 @@ the plain reference run, text and logprobs.
 
 from __future__ import annotations
 
-import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -15,10 +14,10 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from kvturn_server.local import Stack, free_port
-from kvturn_server.local._process import ServerSpec, launch, stop_group, wait_healthy
+from kvturn_server.local import Stack
+from kvturn_server.local._process import stop_group
 
-from ._helpers import Delta, plain_chat
+from ._helpers import Delta, plain_chat, start_router
 from ._turns import assert_same_answer, chat_turn
 
 MAX_TOKENS = 64
@@ -30,20 +29,10 @@ STEPS = ["Read the first file.", "Now read the second file.", "Compare the two r
 
 @pytest.fixture(scope="module")
 def router_url(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    cfg = stack.config
     logs = tmp_path_factory.mktemp("placement-router")
-    port = free_port()
-    spec = ServerSpec(
-        name="placement-router", port=port, health_url=f"http://127.0.0.1:{port}/health",
-        log_path=logs / "router.log", env={"PYTHONUNBUFFERED": "1"},
-        argv=[sys.executable, "-m", "kvturn_server.cli", "router", "--port", str(port),
-              "--prefill", cfg.prefill_url,
-              "--decode", f"{cfg.decode_url},control={cfg.decode_control_url}",
-              "--retention-ttl", f"{cfg.decoder_kv_blocks_ttl:g}"])
-    proc = launch(spec, die_with_parent=True)
+    url, proc = start_router(stack.config, "placement-router", logs)
     try:
-        wait_healthy({spec.name: (spec, proc)}, timeout=60)
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         stop_group(proc.pid)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,11 +15,12 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from kvturn_server.local import Stack, free_port
-from kvturn_server.local._process import ServerSpec, launch, stop_group, wait_healthy
+from kvturn_server.local import Stack
+from kvturn_server.local._process import stop_group
 from tests.server.conftest import redis_server  # noqa: F401 - the fixture, shared
 
 from ._helpers import plain_chat
+from ._helpers import start_router as extra_router
 from ._turns import assert_same_answer, chat_turn
 
 MAX_TOKENS = 24
@@ -41,21 +41,12 @@ def start_router(stack: Stack, redis_server: str,  # noqa: F811
     pids: list[int] = []
 
     def start(name: str) -> tuple[str, int]:
-        port = free_port()
-        spec = ServerSpec(
-            name=name, port=port, health_url=f"http://127.0.0.1:{port}/ready",
-            log_path=logs / f"{name}.log", env={"PYTHONUNBUFFERED": "1"},
-            argv=[sys.executable, "-m", "kvturn_server.cli", "router", "--port", str(port),
-                  "--prefill", cfg.prefill_url,
-                  "--decode", f"{cfg.decode_url},control={cfg.decode_control_url}",
-                  "--retention-ttl", f"{cfg.decoder_kv_blocks_ttl:g}",
-                  "--state", redis_server, "--state-prefix", "replicas:",
-                  # The prefill path, as the session router: turns 2+ read the retention.
-                  "--decode-continue-tokens", "0", "--health-interval", "1"])
-        proc = launch(spec, die_with_parent=True)
+        url, proc = extra_router(
+            cfg, name, logs, "--state", redis_server, "--state-prefix", "replicas:",
+            # The prefill path, as the session router: turns 2+ read the retention.
+            "--decode-continue-tokens", "0", "--health-interval", "1", health="/ready")
         pids.append(proc.pid)
-        wait_healthy({name: (spec, proc)}, timeout=60)
-        return f"http://127.0.0.1:{port}", proc.pid
+        return url, proc.pid
 
     yield start
     for pid in pids:

@@ -16,7 +16,6 @@ go join and leave the router's pools without a restart:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterable
@@ -25,7 +24,7 @@ from urllib.parse import urlsplit
 
 from kvturn_server.router._config import DNS_PREFIX, DecodeSpec
 from kvturn_server.router._log import event
-from kvturn_server.router._pool import Backend, Pool
+from kvturn_server.router._pool import Backend, Pool, cancel_and_wait
 
 log = logging.getLogger("kvturn.router")
 
@@ -103,11 +102,8 @@ class Discovery:
             self._task = asyncio.create_task(self._loop(), name="kvturn-discovery")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _loop(self) -> None:
         while True:

@@ -245,11 +245,8 @@ class HealthChecker:
             self._task = asyncio.create_task(self._loop(), name="kvturn-health")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     @property
     def running(self) -> bool:
@@ -321,3 +318,11 @@ class HealthChecker:
             old = backend.engine_id
             backend.engine_id = engine_id
             self.on_engine_change(backend, old, engine_id)
+
+
+async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
+    """Stop a background loop (health checks, discovery) and wait until it has stopped."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import openai
 
@@ -29,6 +30,8 @@ log = logging.getLogger("kvturn.langgraph")
 
 Forks = tuple[str, ...]
 View = kvturn.Conversation | kvturn.AsyncConversation
+_V = TypeVar("_V", kvturn.Conversation, kvturn.AsyncConversation)
+_C = TypeVar("_C", kvturn.OpenAI, kvturn.AsyncOpenAI)
 
 # Threads kept in memory per client (least recently used first out). Dropping one forgets its
 # continuity record and counters; the router's lease then simply runs out.
@@ -56,8 +59,10 @@ class _Thread:
 class _Hold:
     """Renews the leases of an interrupted thread until it resumes, for at most ``max_hold``.
 
-    A daemon thread with the sync client: it must outlive the event loop of an async run that
-    was interrupted (``asyncio.run`` returns before the human answers).
+    The SDK's keepalive loop (``kvturn.Heartbeat``, a daemon thread) with the sync client: it
+    must outlive the event loop of an async run that was interrupted (``asyncio.run`` returns
+    before the human answers). Unlike a ``pause()``, a hold gives up on a conversation the
+    router no longer holds or whose client is closed, and stops when none is left.
     """
 
     def __init__(self, owner: Conversations, views: list[kvturn.Conversation], interval: float,
@@ -65,39 +70,34 @@ class _Hold:
         # The registry stays alive while it holds, so that the thread's next run (in this
         # process) still finds it and stops the hold.
         self._owner = owner
-        self._views = views
+        self._live = list(views)
         self._interval = interval
-        self._max_hold = max_hold
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._deadline = time.monotonic() + max_hold
+        self._heartbeat = kvturn.Heartbeat(self._renew, interval, name)
+        self._heartbeat.hold()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._heartbeat.stop()
 
     def join(self, timeout: float) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return self._heartbeat.join(timeout)
 
-    def _run(self) -> None:
-        live = list(self._views)
-        waited = 0.0
-        while live and waited < self._max_hold:
-            step = min(self._interval, self._max_hold - waited)
-            if self._stop.wait(step):
-                return
-            waited += step
-            for view in list(live):
-                try:
-                    view.keepalive()
-                except kvturn.ConversationNotFoundError:
-                    live.remove(view)  # nothing left to hold (expired, evicted, released)
-                except (openai.APIConnectionError, openai.APIStatusError) as error:
-                    log.warning("kvturn: holding %s failed (retried next round): %r",
-                                view.id, error)
-                except Exception as error:  # e.g. the client was closed: give up
-                    log.info("kvturn: stopped holding %s: %r", view.id, error)
-                    live.remove(view)
+    def _renew(self) -> None:
+        for view in list(self._live):
+            try:
+                view.keepalive()
+            except kvturn.ConversationNotFoundError:
+                self._live.remove(view)  # nothing left to hold (expired, evicted, released)
+            except (openai.APIConnectionError, openai.APIStatusError) as error:
+                log.warning("kvturn: holding %s failed (retried next round): %r",
+                            view.id, error)
+            except Exception as error:  # e.g. the client was closed: give up
+                log.info("kvturn: stopped holding %s: %r", view.id, error)
+                self._live.remove(view)
+        # The loop ends with the last renewal due before max_hold (or with the first, when
+        # max_hold is shorter than the interval).
+        if not self._live or time.monotonic() + self._interval > self._deadline:
+            self._heartbeat.stop()
 
 
 class Conversations:
@@ -116,28 +116,12 @@ class Conversations:
     def sync(self, path: ConversationPath, run: RootRun | None,
              policy: LeasePolicy) -> kvturn.Conversation:
         """The sync conversation for a turn on ``path`` (the thread is live again)."""
-        with self._lock:
-            thread = self._use(path.root, run, policy)
-            view = thread.sync_views.get(path.forks)
-            if view is None or view.closed:
-                view = self._sync_view(thread, path.forks)
-            thread.used.add((False, path.forks))
-        if run is not None:
-            run.note(self)
-        return view
+        return self._for_turn(path, run, policy, self._sync_view, asynchronous=False)
 
     def aio(self, path: ConversationPath, run: RootRun | None,
             policy: LeasePolicy) -> kvturn.AsyncConversation:
         """The async conversation for a turn on ``path``."""
-        with self._lock:
-            thread = self._use(path.root, run, policy)
-            view = thread.async_views.get(path.forks)
-            if view is None or view.closed:
-                view = self._async_view(thread, path.forks)
-            thread.used.add((True, path.forks))
-        if run is not None:
-            run.note(self)
-        return view
+        return self._for_turn(path, run, policy, self._async_view, asynchronous=True)
 
     def keepalive_views(self, path: ConversationPath, *, asynchronous: bool) -> list[View]:
         """What to ``pause()`` while a tool of ``path`` runs: the conversation that carried the
@@ -222,33 +206,23 @@ class Conversations:
             thread.hold = None
         return thread
 
-    def _sync_view(self, thread: _Thread, forks: Forks) -> kvturn.Conversation:
-        views = thread.sync_views
-        view = views.get(())
-        if view is None or view.closed:
-            if self.client is None:
-                raise RuntimeError("kvturn_langgraph: this registry has no sync kvturn client")
-            view = views[()] = self.client.conversation(thread.id)
-        for depth in range(1, len(forks) + 1):
-            child = views.get(forks[:depth])
-            if child is None or child.closed:
-                child = views[forks[:depth]] = view.fork(forks[depth - 1])
-            view = child
+    def _for_turn(self, path: ConversationPath, run: RootRun | None, policy: LeasePolicy,
+                  view_of: Callable[[_Thread, Forks], _V], *, asynchronous: bool) -> _V:
+        with self._lock:
+            thread = self._use(path.root, run, policy)
+            view = view_of(thread, path.forks)
+            thread.used.add((asynchronous, path.forks))
+        if run is not None:
+            run.note(self)
         return view
 
+    def _sync_view(self, thread: _Thread, forks: Forks) -> kvturn.Conversation:
+        return _view(thread.sync_views, forks,
+                     lambda: _needed(self.client, "sync").conversation(thread.id))
+
     def _async_view(self, thread: _Thread, forks: Forks) -> kvturn.AsyncConversation:
-        views = thread.async_views
-        view = views.get(())
-        if view is None or view.closed:
-            if self.async_client is None:
-                raise RuntimeError("kvturn_langgraph: this registry has no async kvturn client")
-            view = views[()] = self.async_client.conversation(thread.id)
-        for depth in range(1, len(forks) + 1):
-            child = views.get(forks[:depth])
-            if child is None or child.closed:
-                child = views[forks[:depth]] = view.fork(forks[depth - 1])
-            view = child
-        return view
+        return _view(thread.async_views, forks,
+                     lambda: _needed(self.async_client, "async").conversation(thread.id))
 
     def _release(self, thread: _Thread) -> None:
         if thread.hold is not None:
@@ -290,6 +264,26 @@ class Conversations:
         """The hold of an interrupted thread (tests and diagnostics)."""
         thread = self._threads.get(conversation_id)
         return None if thread is None else thread.hold
+
+
+def _needed(client: _C | None, flavour: str) -> _C:
+    if client is None:
+        raise RuntimeError(f"kvturn_langgraph: this registry has no {flavour} kvturn client")
+    return client
+
+
+def _view(views: dict[Forks, _V], forks: Forks, root: Callable[[], _V]) -> _V:
+    """The conversation of ``forks`` in a thread's ``views`` of one flavour: its root (from
+    ``root()``) and each fork on the way are made again where missing or closed."""
+    view = views.get(())
+    if view is None or view.closed:
+        view = views[()] = root()
+    for depth in range(1, len(forks) + 1):
+        child = views.get(forks[:depth])
+        if child is None or child.closed:
+            child = views[forks[:depth]] = view.fork(forks[depth - 1])
+        view = child
+    return view
 
 
 def _in_background(loop: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, None]) -> None:

@@ -84,30 +84,18 @@ class RunTracker(BaseCallbackHandler):
     """Follows chain and tool runs to their root (see the module docstring)."""
 
     run_inline = True  # called in the run's own thread/task: no executor hop, ever
+    # Model tokens and ends, retriever and custom events are of no interest: not even called
+    # (chat model starts are: see MODEL_CALL). Class attributes over LangChain's properties.
+    ignore_llm = True
+    ignore_retriever = True
+    ignore_retry = True
+    ignore_custom_event = True
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._runs: dict[UUID, Located] = {}
         self._levels: dict[str, str] = {}
         self._registries: weakref.WeakSet[Any] = weakref.WeakSet()
-
-    # Model tokens and ends, retriever and custom events are of no interest: not even called
-    # (chat model starts are: see MODEL_CALL).
-    @property
-    def ignore_llm(self) -> bool:
-        return True
-
-    @property
-    def ignore_retriever(self) -> bool:
-        return True
-
-    @property
-    def ignore_retry(self) -> bool:
-        return True
-
-    @property
-    def ignore_custom_event(self) -> bool:
-        return True
 
     # --- queries ---------------------------------------------------------------------------
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
@@ -25,7 +26,7 @@ from pydantic import Field, PrivateAttr, SecretStr, model_validator
 
 import kvturn
 from kvturn_langgraph import _lifecycle
-from kvturn_langgraph._conversations import Conversations, registry_for
+from kvturn_langgraph._conversations import Conversations, View, registry_for
 from kvturn_langgraph._ids import root_id
 from kvturn_langgraph._policy import LeasePolicy
 from kvturn_langgraph._replies import (
@@ -228,15 +229,9 @@ class KVTurnChatOpenAI(ChatOpenAI):
         conversation = self._sync_conversation(run_manager)
         if conversation is None:
             return super()._generate(messages, stop, run_manager, **kwargs)
-        token = _ACTIVE.set((self._kvturn, conversation))
-        try:
+        with _active(_ACTIVE, (self._kvturn, conversation)):
             result = super()._generate(messages, stop, run_manager, **kwargs)
-        finally:
-            _ACTIVE.reset(token)
-        values = report(conversation.last_turn)
-        for generation in result.generations:
-            annotate(generation.message, values)
-        return result
+        return _reported(result, conversation)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None,
@@ -244,15 +239,9 @@ class KVTurnChatOpenAI(ChatOpenAI):
         conversation = self._async_conversation(run_manager)
         if conversation is None:
             return await super()._agenerate(messages, stop, run_manager, **kwargs)
-        token = _AACTIVE.set((self._kvturn, conversation))
-        try:
+        with _active(_AACTIVE, (self._kvturn, conversation)):
             result = await super()._agenerate(messages, stop, run_manager, **kwargs)
-        finally:
-            _AACTIVE.reset(token)
-        values = report(conversation.last_turn)
-        for generation in result.generations:
-            annotate(generation.message, values)
-        return result
+        return _reported(result, conversation)
 
     def _stream(self, *args: Any, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         conversation = self._sync_conversation(kwargs.get("run_manager"))
@@ -262,16 +251,11 @@ class KVTurnChatOpenAI(ChatOpenAI):
             return
         # The request goes out when the first chunk is pulled; the stream then keeps its
         # conversation, so only that pull needs the active conversation set.
-        token = _ACTIVE.set((self._kvturn, conversation))
-        try:
+        with _active(_ACTIVE, (self._kvturn, conversation)):
             first = next(chunks, None)
-        finally:
-            _ACTIVE.reset(token)
         if first is None:
             return
-        arguments = StreamedArguments()
-        annotate(first.message, report(conversation.last_turn))
-        arguments.see(first)
+        arguments = _first_chunk(first, conversation)
         yield first
         for chunk in chunks:
             arguments.see(chunk)
@@ -284,18 +268,42 @@ class KVTurnChatOpenAI(ChatOpenAI):
             async for chunk in chunks:
                 yield chunk
             return
-        token = _AACTIVE.set((self._kvturn, conversation))
-        try:
+        with _active(_AACTIVE, (self._kvturn, conversation)):
             first = await anext(chunks, None)
-        finally:
-            _AACTIVE.reset(token)
         if first is None:
             return
-        arguments = StreamedArguments()
-        annotate(first.message, report(conversation.last_turn))
-        arguments.see(first)
+        arguments = _first_chunk(first, conversation)
         yield first
         async for chunk in chunks:
             arguments.see(chunk)
             yield chunk
 
+
+_T = TypeVar("_T")
+
+
+@contextmanager
+def _active(var: ContextVar[_T | None], value: _T) -> Iterator[None]:
+    """``value`` is the active conversation of this thread or task while the block runs."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def _reported(result: ChatResult, conversation: View) -> ChatResult:
+    """``result`` with the router's report on the turn in each generation's metadata."""
+    values = report(conversation.last_turn)
+    for generation in result.generations:
+        annotate(generation.message, values)
+    return result
+
+
+def _first_chunk(first: ChatGenerationChunk, conversation: View) -> StreamedArguments:
+    """Annotate a stream's first chunk with the turn's report; the tool-call arguments of the
+    stream are gathered from it on."""
+    annotate(first.message, report(conversation.last_turn))
+    arguments = StreamedArguments()
+    arguments.see(first)
+    return arguments

@@ -26,6 +26,7 @@ from kvturn._errors import (
     InvalidConversationIdError,
     KVTurnError,
 )
+from kvturn._keepalive import Heartbeat
 from kvturn._retry import RetryPolicy
 from kvturn._turns import ConversationStats, Lease, TurnInfo
 
@@ -42,6 +43,7 @@ __all__ = [
     "ConversationClosedError",
     "ConversationNotFoundError",
     "ConversationStats",
+    "Heartbeat",
     "InvalidConversationIdError",
     "KVTurnError",
     "Lease",

@@ -415,6 +415,21 @@ def test_hold_stops_after_max_hold(router: FakeRouter, make_model: ModelFactory)
     assert 1 <= len(router.keepalives("hitl-3")) <= 5
 
 
+def test_hold_retries_a_failed_renewal_and_ends_when_the_router_holds_nothing(
+        router: FakeRouter, make_model: ModelFactory) -> None:
+    model = make_model()
+    approval_graph(model, InMemorySaver()).invoke({"messages": [HumanMessage("x")]},
+                                                  thread("hitl-4"))
+    hold = model._kvturn.holding("hitl-4")
+    assert hold is not None
+    router.keepalive_status = 503
+    failed = len(router.keepalives("hitl-4"))
+    assert router.wait_for(lambda: len(router.keepalives("hitl-4")) >= failed + 2)
+    router.keepalive_status = 404
+    assert hold.join(timeout=5)
+    assert router.releases() == []
+
+
 def test_human_in_the_loop_agent_holds_then_resumes_elsewhere(
         router: FakeRouter, make_model: ModelFactory) -> None:
     saver = InMemorySaver()

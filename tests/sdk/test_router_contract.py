@@ -15,8 +15,8 @@ import pytest
 
 import kvturn
 from kvturn_server.router import Router, RouterConfig, create_app
+from tests.fakes.backends import Cluster, ManualClock
 from tests.server.conftest import TEST_SETTINGS
-from tests.server.router_fakes import Cluster, ManualClock
 
 
 @pytest.fixture

@@ -26,8 +26,8 @@ from kvturn_server.router._conversations import PREFIX as CONVERSATIONS_PREFIX
 from kvturn_server.router._errors import ApiError
 from kvturn_server.router._identity import _SOURCES, MAX_ID_LENGTH, validate_id
 from kvturn_server.router._legs import REUSE_REASONS
+from tests.fakes.backends import Cluster, ManualClock
 from tests.server.conftest import TEST_SETTINGS
-from tests.server.router_fakes import Cluster, ManualClock
 
 _ROOT = "http://router.test/"
 

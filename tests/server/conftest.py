@@ -18,7 +18,7 @@ import pytest
 from kvturn_server.local import free_port
 from kvturn_server.router import Router, RouterConfig, create_app
 from kvturn_server.router._state import ConversationStore
-from tests.server.router_fakes import Cluster, ManualClock
+from tests.fakes.backends import Cluster, ManualClock
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import httpx2
 import pytest
 
 import kvturn
@@ -52,13 +51,8 @@ from kvturn_server.bench._agent_report import (
 from kvturn_server.bench._host import cpu_info, describe_cpu, host_info
 from kvturn_server.bench._stats import bootstrap_ratio
 from kvturn_server.local._metrics import PromptSources
-from tests.server.bench_fakes import (
-    ConversationEndpoints,
-    chat_stream,
-    failing_turn,
-    mock_client,
-    prompt_size,
-)
+from tests.fakes.bench_router import AgentBenchRouter as FakeRouter
+from tests.fakes.bench_router import failing_turn, mock_client
 
 MIB = 1024 * 1024
 
@@ -577,58 +571,6 @@ def test_the_command_line_maps_onto_the_settings(tmp_path: Path) -> None:
 
 
 # The agent loop against an in-process fake router.
-
-class FakeRouter(ConversationEndpoints):
-    """Answers streamed chat completions with reuse headers the way the router does (hit
-    after a conversation's first turn, miss without an id), plus the conversation endpoints.
-    With ``routes`` it also reports each turn's route the way the next router version will:
-    a conversation's later turns continue on the decode (which then computes their new
-    tokens), every other turn takes a prefill leg chosen by round-robin or affinity."""
-
-    REPLY = ("Sure", ",", " looking", " into", " it", ".")
-
-    def __init__(self, routes: bool = False) -> None:
-        super().__init__()
-        self.routes = routes
-        self.decode_computed = 0
-        self.last_prompt: dict[str, int] = {}
-        self.computed = 0
-
-    def handle(self, request: httpx2.Request) -> httpx2.Response:
-        answer = self.conversation_endpoint(request)
-        if answer is not None:
-            return answer
-        assert request.url.path == "/v1/chat/completions", request.url.path
-        body = json.loads(request.content)
-        self.requests.append({"body": body, "headers": dict(request.headers)})
-        prompt = prompt_size(body["messages"])
-        conversation = body.get("conversation_id")
-        if conversation is None:
-            reuse, reused = "miss", 0
-        elif conversation in self.last_prompt:
-            reuse, reused = "hit", self.last_prompt[conversation]
-        else:
-            reuse, reused = "miss", 0
-        if conversation is not None:
-            self.last_prompt[conversation] = prompt
-            self.live.add(conversation)
-        route: dict[str, str] = {}
-        if self.routes and reuse == "hit":
-            route = {"X-KVTurn-Route": "decode"}
-            self.decode_computed += prompt - reused
-        else:
-            if self.routes:
-                route = {"X-KVTurn-Route": "prefill", "X-KVTurn-Prefill-Choice":
-                         "round-robin" if conversation is None else "affinity"}
-            self.computed += prompt - reused
-        assert body["stream_options"] == {"include_usage": True}
-        headers = {"content-type": "text/event-stream", "X-KVTurn-Reuse": reuse,
-                   "X-KVTurn-Reused-Tokens": str(reused), "x-request-id": "fake", **route}
-        if conversation is not None:
-            headers["X-KVTurn-Conversation"] = conversation
-        return httpx2.Response(200, headers=headers,
-                               content=chat_stream(body["model"], self.REPLY, prompt))
-
 
 class FakeProbe:
     """The stack's instance-wide numbers, as the fake router's bookkeeping has them."""

@@ -13,7 +13,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import httpx2
 import pytest
 
 from kvturn_server.bench._agent_report import AgentOutcome
@@ -51,13 +50,8 @@ from kvturn_server.bench._fleet_report import (
 )
 from kvturn_server.bench._stats import write_json
 from kvturn_server.local import free_port
-from tests.server.bench_fakes import (
-    ConversationEndpoints,
-    chat_stream,
-    failing_turn,
-    mock_client,
-    prompt_size,
-)
+from tests.fakes.bench_router import FleetBenchRouter as FakeRouter
+from tests.fakes.bench_router import failing_turn, mock_client
 
 MIB = 1024 * 1024
 
@@ -368,49 +362,6 @@ def test_the_command_line_maps_onto_the_settings(tmp_path: Path) -> None:
 
 
 # The agents against a fake router.
-
-class FakeRouter(ConversationEndpoints):
-    """Streams ``max_tokens`` one-token chunks with the headers a router sends: reuse and route
-    for conversations (the id from the body or the header), plus the conversation endpoints."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: set[str] = set()
-        self.computed = 0.0
-        self.reused = 0.0
-
-    def handle(self, request: httpx2.Request) -> httpx2.Response:
-        answer = self.conversation_endpoint(request)
-        if answer is not None:
-            return answer
-        body = json.loads(request.content)
-        self.requests.append({"body": body, "headers": dict(request.headers)})
-        prompt = prompt_size(body["messages"])
-        kvturn_id = body.get("conversation_id")
-        header_id = request.headers.get("x-conversation-id")
-        key = kvturn_id or header_id
-        reused = 0
-        headers = {"content-type": "text/event-stream", "x-request-id": "fake"}
-        if kvturn_id is not None:
-            reused = prompt // 2 if kvturn_id in self.seen else 0
-            headers.update({"X-KVTurn-Reuse": "hit" if reused else "miss",
-                            "X-KVTurn-Route": "prefill",
-                            "X-KVTurn-Prefill-Choice": "holder" if reused else "load"})
-            self.live.add(kvturn_id)
-        else:
-            headers.update({"X-KVTurn-Reuse": "disabled" if header_id else "miss",
-                            "X-KVTurn-Route": "prefill",
-                            "X-KVTurn-Prefill-Choice": "affinity" if header_id
-                            else "round-robin"})
-        if key is not None:
-            self.seen.add(key)
-        headers["X-KVTurn-Reused-Tokens"] = str(reused)
-        self.computed += prompt - reused
-        self.reused += reused
-        pieces = [f" t{i}" for i in range(body["max_tokens"])]
-        return httpx2.Response(200, headers=headers,
-                               content=chat_stream(body["model"], pieces, prompt))
-
 
 class FakeProbe:
     def __init__(self, router: FakeRouter) -> None:

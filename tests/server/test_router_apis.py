@@ -19,8 +19,8 @@ from kvturn_server.router._state_responses import (
     RedisResponseStore,
     ResponseStore,
 )
+from tests.fakes.backends import FakeBackend, ManualClock
 from tests.server.conftest import Harness, MakeHarness
-from tests.server.router_fakes import FakeBackend, ManualClock
 
 # Replies shaped like vLLM 0.32's, built on the fake decode's own (which retains and reports).
 

@@ -1,7 +1,7 @@
 """The router sends the control API's shared secret; a decode that refuses it gets no pins.
 
-Fake decodes (``router_fakes``) require the secret when ``control_secret`` is set and answer
-401 otherwise, as the connector does (``test_control_auth.py``).
+Fake decodes (``tests/fakes/backends.py``) require the secret when ``control_secret`` is set
+and answer 401 otherwise, as the connector does (``test_control_auth.py``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 from kvturn_server._control_secret import ENV, ENV_FILE, HEADER
 from kvturn_server.router import RouterConfig, RouterConfigError, add_router_args
 from kvturn_server.router._config import router_config_from_args
+from tests.fakes.backends import Cluster
 from tests.server.conftest import MakeHarness
-from tests.server.router_fakes import Cluster
 
 SECRET = "fleet-secret-0123456789abcdef"
 P, D = "http://prefill:8100", "http://decode:8200"

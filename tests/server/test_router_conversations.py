@@ -6,8 +6,8 @@ from urllib.parse import quote
 
 import pytest
 
+from tests.fakes.backends import Cluster
 from tests.server.conftest import MakeHarness
-from tests.server.router_fakes import Cluster
 
 
 def _path(conversation: str, suffix: str = "") -> str:

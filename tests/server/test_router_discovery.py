@@ -13,8 +13,8 @@ import pytest
 
 from kvturn_server.router import Router, RouterApp, RouterConfig, RouterConfigError, create_app
 from kvturn_server.router._discovery import resolve
+from tests.fakes.backends import DEFAULT_SSE, AsgiCall, Cluster, ManualClock, wait_for
 from tests.server.conftest import TEST_SETTINGS
-from tests.server.router_fakes import DEFAULT_SSE, AsgiCall, Cluster, ManualClock, wait_for
 
 
 class FakeDns:

@@ -14,8 +14,8 @@ from dataclasses import replace
 
 import pytest
 
+from tests.fakes.backends import Cluster
 from tests.server.conftest import MakeHarness
-from tests.server.router_fakes import Cluster
 
 
 def _metric(text: str, name: str, **labels: str) -> float:

@@ -10,8 +10,8 @@ import httpx2
 import pytest
 
 from kvturn_server.router import MemoryStore
+from tests.fakes.backends import DEFAULT_SSE, AsgiCall, Cluster, ManualClock, sse
 from tests.server.conftest import MakeHarness
-from tests.server.router_fakes import DEFAULT_SSE, AsgiCall, Cluster, ManualClock, sse
 
 PREFILL_FAILURES: list[Any] = [
     "connect", "broken", "hang", ("status", 500), ("status", 503), ("status", 429),

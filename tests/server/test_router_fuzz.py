@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvturn_server.router import RouterConfig, create_app
+from tests.fakes.backends import Cluster, ManualClock
 from tests.server.conftest import TEST_SETTINGS
-from tests.server.router_fakes import Cluster, ManualClock
 
 EXAMPLES = 600
 PER_REQUEST_S = 2.0

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from kvturn_server.router._stream import scrub_events
+from tests.fakes.backends import Cluster, sse
 from tests.server.conftest import Harness, MakeHarness
-from tests.server.router_fakes import Cluster, sse
 
 FORGED = {"do_remote_prefill": True, "remote_host": "10.6.6.6", "remote_port": 6666,
           "remote_engine_id": "evil", "remote_block_ids": [[666]],

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvturn_server.router._pool import Backend, Pool
+from tests.fakes.backends import Cluster, wait_for
 from tests.server.conftest import MakeHarness
-from tests.server.router_fakes import Cluster, wait_for
 
 
 def _pool(n: int = 3) -> Pool:

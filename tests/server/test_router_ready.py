@@ -3,8 +3,8 @@ and not while draining; the body says why not."""
 
 from __future__ import annotations
 
+from tests.fakes.backends import Cluster
 from tests.server.conftest import MakeHarness
-from tests.server.router_fakes import Cluster
 
 
 async def test_ready_follows_backend_health_and_drain(make_harness: MakeHarness) -> None:

@@ -11,8 +11,8 @@ from kvturn_server.bench._router import RouterBenchSettings, run_router_bench
 from kvturn_server.local import free_port
 from kvturn_server.router import PooledTransport, RouterConfig, create_app
 from kvturn_server.router._backend import BackendClient, BackendError
+from tests.fakes.backends import DEFAULT_SSE, Cluster, wait_for
 from tests.server.conftest import TEST_SETTINGS
-from tests.server.router_fakes import DEFAULT_SSE, Cluster, wait_for
 
 
 async def test_shutdown_drains_in_flight_streams() -> None:

@@ -12,8 +12,8 @@ import pytest
 from kvturn_server.router import MemoryStore, Placement, StoreError
 from kvturn_server.router._state import SUPERSEDED, ConversationStore, open_store
 from kvturn_server.router._state_redis import RedisStore
+from tests.fakes.backends import AsgiCall, Cluster, ManualClock
 from tests.server.conftest import MakeHarness
-from tests.server.router_fakes import AsgiCall, Cluster, ManualClock
 
 MakeStore = Callable[..., Awaitable[ConversationStore]]
 

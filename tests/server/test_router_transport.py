@@ -10,7 +10,7 @@ import pytest
 
 from kvturn_server.router._backend import BackendClient, BackendError
 from kvturn_server.router._transport import PooledTransport
-from tests.server.router_fakes import wait_for
+from tests.fakes.backends import wait_for
 
 Handler = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool]]
 

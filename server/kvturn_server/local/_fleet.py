@@ -36,6 +36,7 @@ from kvturn_server.local._process import (
 )
 from kvturn_server.local._secret import ensure_control_secret
 from kvturn_server.local._stack import (
+    CONNECTOR_DEFAULTS,
     INSTALL_HINT,
     Progress,
     StackConfig,
@@ -64,13 +65,13 @@ class FleetConfig:
     served_model_name: str | None = None
     kv_cache_gib: float = 1.0
     max_model_len: int | None = None
-    kv_read_timeout: float = 20.0
+    kv_read_timeout: float = CONNECTOR_DEFAULTS.kv_read_timeout
     prefill_prefix_caching: bool = True
     prefill_num_blocks: int | None = None
     decode_num_blocks: int | None = None
-    decoder_kv_blocks_ttl: float = 480.0
-    retention_max_hold: float = 3600.0
-    retention_budget: float = 0.5
+    decoder_kv_blocks_ttl: float = CONNECTOR_DEFAULTS.decoder_kv_blocks_ttl
+    retention_max_hold: float = CONNECTOR_DEFAULTS.retention_max_hold
+    retention_budget: float = CONNECTOR_DEFAULTS.retention_budget
     startup_timeout: float = 600.0
     extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
 

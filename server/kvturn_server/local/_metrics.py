@@ -2,33 +2,25 @@
 
 from __future__ import annotations
 
-import re
 import urllib.request
 from dataclasses import dataclass
 
-_LINE = re.compile(
-    r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    """Samples of a Prometheus text exposition, keyed by (name, labels)."""
-    samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if m is None:
-            continue
-        labels = frozenset(_LABEL.findall(m.group("labels") or ""))
-        try:
-            samples[(m.group("name"), labels)] = float(m.group("value"))
-        except ValueError:
-            continue
-    return samples
-
-
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def parse(text: str) -> Samples:
+    """Samples of a Prometheus text exposition, keyed by (name, labels); label values unescaped.
+
+    Raises ValueError on text that is not the exposition format (vLLM's ``/metrics`` is written
+    by prometheus_client, so a failure means the URL is not a vLLM metrics endpoint).
+    """
+    # prometheus_client comes with the [router] extra: imported here, so that the ``kvturn``
+    # command (which imports this package) still starts where only the SDK's dependencies are
+    # installed. Only the demo, the benches and the tests scrape, and they run the full install.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def scrape(base_url: str, timeout: float = 5.0) -> Samples:

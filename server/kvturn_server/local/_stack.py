@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvturn_server.connector import ConnectorConfig
 from kvturn_server.local._model import SIZES, build_model, is_built
 from kvturn_server.local._process import (
     ServerSpec,
@@ -39,6 +40,8 @@ STATE_FILE = "stack.json"
 # Seconds `kvturn down` waits for the supervising process to stop the members itself.
 SUPERVISOR_STOP_TIMEOUT = 90.0
 Progress = Callable[[float, list[str], list[str]], None]
+# The connector's own defaults: the stack passes its lease and read settings on to it.
+CONNECTOR_DEFAULTS = ConnectorConfig()
 
 
 @dataclass(frozen=True)
@@ -62,11 +65,11 @@ class StackConfig:
     """``kv_buffer_device`` of both instances: ``cpu`` for the CPU build; None leaves vLLM's
     default (the accelerator's memory; the connector refuses a host buffer on a GPU)."""
     max_model_len: int = 8192
-    kv_read_timeout: float = 20.0
+    kv_read_timeout: float = CONNECTOR_DEFAULTS.kv_read_timeout
     prefill_prefix_caching: bool = True
-    decoder_kv_blocks_ttl: float = 480.0
-    retention_max_hold: float = 3600.0
-    retention_budget: float = 0.5
+    decoder_kv_blocks_ttl: float = CONNECTOR_DEFAULTS.decoder_kv_blocks_ttl
+    retention_max_hold: float = CONNECTOR_DEFAULTS.retention_max_hold
+    retention_budget: float = CONNECTOR_DEFAULTS.retention_budget
     startup_timeout: float = 600.0
     with_reference: bool = False
     reference_port: int = 8300

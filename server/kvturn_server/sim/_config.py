@@ -7,8 +7,10 @@ JSON. Defaults describe the fleet ``docs/simulate.md`` discusses (Qwen3-32B on H
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from kvturn_server.router._config import RouterConfig
 
 GIB = 1024 ** 3
 UNLIMITED_S = 1e9
@@ -111,16 +113,20 @@ class FleetSpec:
         return self.kv_bytes_per_token * self.block_size
 
 
+# The router's own defaults, so that a simulation places turns as a default router does.
+_ROUTER: dict[str, Any] = {f.name: f.default for f in fields(RouterConfig)}
+
+
 @dataclass(frozen=True)
 class RouterSpec:
     """The router's placement settings (the names and defaults of ``RouterConfig``)."""
 
-    prefill_policy: str = "kv-aware"
-    prefill_affinity_slack: int = 1
-    decode_affinity_slack: int = 4
-    decode_continue_tokens: int = 512
-    decode_continue_budget: int = 1024
-    min_read_tokens: int = 1
+    prefill_policy: str = _ROUTER["prefill_policy"]
+    prefill_affinity_slack: int = _ROUTER["prefill_affinity_slack"]
+    decode_affinity_slack: int = _ROUTER["decode_affinity_slack"]
+    decode_continue_tokens: int = _ROUTER["decode_continue_tokens"]
+    decode_continue_budget: int = _ROUTER["decode_continue_budget"]
+    min_read_tokens: int = _ROUTER["min_read_tokens"]
     pin_ttl_s: float = 30.0
     recompute_threshold: int = 0
 

@@ -35,15 +35,8 @@ from kvturn_server.bench._agent_workload import FRAMING_TOKENS
 from kvturn_server.connector._cost import CostModel, CostSettings
 from kvturn_server.connector._hashing import verified_prefix_blocks
 from kvturn_server.connector._reuse import decide_reuse
+from kvturn_server.router import _placement as routing
 from kvturn_server.router._history import Transcript
-from kvturn_server.router._placement import (
-    choose_decode,
-    choose_prefill,
-    continuation,
-    learn_read_floor,
-    read_floor,
-    read_gain,
-)
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import Placement
 from kvturn_server.sim._config import SimSettings
@@ -243,7 +236,7 @@ class Simulation:
         if s.policy.retain and s.router.decode_continue_tokens > 0:
             turn.transcript = Transcript(self._messages(turn))
         if placement is not None and turn.holder is not None:
-            estimate, why = continuation(
+            estimate, why = routing.continuation(
                 placement=placement, holder=turn.holder, transcript=turn.transcript,
                 now=self.now, max_tokens=s.router.decode_continue_tokens,
                 budget=s.router.decode_continue_budget)
@@ -255,8 +248,8 @@ class Simulation:
                 turn.ready_at = self.now + s.cost.leg_overhead_ms / 1e3
                 self._admit(turn)
                 return
-        prefill, _ = choose_prefill(self.prefill_pool, s.router.prefill_policy, placement,
-                                    slack=s.router.prefill_affinity_slack)
+        prefill, _ = routing.choose_prefill(self.prefill_pool, s.router.prefill_policy,
+                                            placement, slack=s.router.prefill_affinity_slack)
         assert prefill is not None
         turn.prefill = prefill
         prefill.in_flight += 1
@@ -280,8 +273,9 @@ class Simulation:
         placement = turn.placement
         if placement is not None and turn.holder is not None:
             # The router's _worth_pinning, then its pin (the control call is the table's pin).
-            gain = read_gain(placement, prefill)
-            if gain >= max(1, s.router.min_read_tokens) and gain > read_floor(prefill, self.now):
+            gain = routing.read_gain(placement, prefill)
+            floor = routing.read_floor(prefill, self.now)
+            if gain >= max(1, s.router.min_read_tokens) and gain > floor:
                 decode = self._decode_of[placement.decode]
                 pin = decode.table.pin(turn.conv.cid, s.router.pin_ttl_s)
                 if pin is None:
@@ -307,7 +301,7 @@ class Simulation:
                 read_s = self.cost_model.estimate(read_tokens, local).read_ms / 1e3
             declined = decision.cost.tokens if decision.cheaper_to_compute and decision.cost \
                 else 0
-            learn_read_floor(prefill, declined=declined, reused=read_tokens, now=self.now)
+            routing.learn_read_floor(prefill, declined=declined, reused=read_tokens, now=self.now)
         elif pin_skipped:
             # The prefill held all the retention offered: the router reports its own cache's
             # coverage (router/_turn.py, _local_coverage).
@@ -335,8 +329,8 @@ class Simulation:
             sim.remember(SHARED_SYSTEM, self._system_blocks(turn.conv))
         assert turn.prefill is not None
         turn.prefill.in_flight -= 1
-        target = choose_decode(self.decode_pool, turn.holder,
-                               slack=self.s.router.decode_affinity_slack)
+        target = routing.choose_decode(self.decode_pool, turn.holder,
+                                       slack=self.s.router.decode_affinity_slack)
         assert target is not None
         turn.decode = target
         target.in_flight += 1

@@ -1,0 +1,199 @@
+"""The agent benchmarks' fake routers (``test_bench_agent.py``, ``test_bench_fleet.py``): a
+router's conversation endpoints, a streamed chat completion, a turn that fails, the client, and
+one router per benchmark.
+
+Not ``RouterAPI``: the benchmarks' tests are async and wait on an ``asyncio.Event`` for
+keepalives, and their routers renew any conversation (a benchmark measures the client, not
+lease expiry), where ``RouterAPI``'s keepalive answers 404 for what it does not retain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import unquote
+
+import httpx2
+
+import kvturn
+
+Handler = Callable[[httpx2.Request], httpx2.Response]
+CONVERSATIONS = "/kvturn/v1/conversations/"
+
+
+def sse(data: dict[str, Any]) -> str:
+    return "data: " + json.dumps(data) + "\n\n"
+
+
+def prompt_size(messages: Sequence[dict[str, Any]]) -> int:
+    """The fakes' prompt length: each message's words plus 4 tokens of framing."""
+    return sum(len(str(m.get("content") or "").split()) + 4 for m in messages)
+
+
+def chat_stream(model: str, pieces: Sequence[str], prompt_tokens: int) -> bytes:
+    """A streamed chat completion as vLLM sends it: the role, one chunk per piece, the finish
+    (``length``), the usage, ``[DONE]``."""
+    base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
+            "model": model}
+    events = [sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                               "content": ""},
+                                         "finish_reason": None}]})]
+    events += [sse({**base, "choices": [{"index": 0, "delta": {"content": piece},
+                                         "finish_reason": None}]}) for piece in pieces]
+    events.append(sse({**base, "choices": [{"index": 0, "delta": {},
+                                            "finish_reason": "length"}]}))
+    events.append(sse({**base, "choices": [], "usage": {
+        "prompt_tokens": prompt_tokens, "completion_tokens": len(pieces),
+        "total_tokens": prompt_tokens + len(pieces)}}))
+    events.append("data: [DONE]\n\n")
+    return "".join(events).encode()
+
+
+class ConversationEndpoints:
+    """A router's keepalive and release endpoints, and what they were asked: the conversations
+    renewed (``keepalive_seen`` is set at each), released, and still live."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.keepalives: list[str] = []
+        self.released: list[str] = []
+        self.live: set[str] = set()
+        self.keepalive_seen = asyncio.Event()
+
+    def conversation_endpoint(self, request: httpx2.Request) -> httpx2.Response | None:
+        """The answer to a conversation endpoint's request; None for any other path."""
+        path = request.url.path
+        if not path.startswith(CONVERSATIONS):
+            return None
+        rest = path.removeprefix(CONVERSATIONS)
+        if request.method == "POST" and rest.endswith("/keepalive"):
+            conversation = unquote(rest.removesuffix("/keepalive"))
+            self.keepalives.append(conversation)
+            self.keepalive_seen.set()
+            return httpx2.Response(200, json={
+                "conversation_id": conversation, "retained": True, "expires_in": 48.0,
+                "hold_remaining": 3000.0, "num_tokens": 100})
+        conversation = unquote(rest)
+        self.released.append(conversation)
+        self.live.discard(conversation)
+        return httpx2.Response(200, json={"conversation_id": conversation, "released": True})
+
+
+def failing_turn(handle: Handler, n: int) -> Handler:
+    """``handle``, but the ``n``-th chat completion is refused (400, as vLLM refuses a bad
+    request)."""
+    calls = 0
+
+    def flaky(request: httpx2.Request) -> httpx2.Response:
+        nonlocal calls
+        if request.url.path == "/v1/chat/completions":
+            calls += 1
+            if calls == n:
+                return httpx2.Response(400, json={"error": {
+                    "message": "bad", "type": "invalid_request_error", "param": None,
+                    "code": None}})
+        return handle(request)
+    return flaky
+
+
+def mock_client(handle: Handler) -> kvturn.AsyncOpenAI:
+    """A kvturn client whose requests ``handle`` answers in process (no retries)."""
+    http = httpx2.AsyncClient(transport=httpx2.MockTransport(handle))
+    return kvturn.AsyncOpenAI(base_url="http://router.test/v1", api_key="bench", max_retries=0,
+                              http_client=http)
+
+
+class AgentBenchRouter(ConversationEndpoints):
+    """Answers streamed chat completions with reuse headers the way the router does (hit
+    after a conversation's first turn, miss without an id), plus the conversation endpoints.
+    With ``routes`` it also reports each turn's route the way the next router version will:
+    a conversation's later turns continue on the decode (which then computes their new
+    tokens), every other turn takes a prefill leg chosen by round-robin or affinity."""
+
+    REPLY = ("Sure", ",", " looking", " into", " it", ".")
+
+    def __init__(self, routes: bool = False) -> None:
+        super().__init__()
+        self.routes = routes
+        self.decode_computed = 0
+        self.last_prompt: dict[str, int] = {}
+        self.computed = 0
+
+    def handle(self, request: httpx2.Request) -> httpx2.Response:
+        answer = self.conversation_endpoint(request)
+        if answer is not None:
+            return answer
+        assert request.url.path == "/v1/chat/completions", request.url.path
+        body = json.loads(request.content)
+        self.requests.append({"body": body, "headers": dict(request.headers)})
+        prompt = prompt_size(body["messages"])
+        conversation = body.get("conversation_id")
+        if conversation is None:
+            reuse, reused = "miss", 0
+        elif conversation in self.last_prompt:
+            reuse, reused = "hit", self.last_prompt[conversation]
+        else:
+            reuse, reused = "miss", 0
+        if conversation is not None:
+            self.last_prompt[conversation] = prompt
+            self.live.add(conversation)
+        route: dict[str, str] = {}
+        if self.routes and reuse == "hit":
+            route = {"X-KVTurn-Route": "decode"}
+            self.decode_computed += prompt - reused
+        else:
+            if self.routes:
+                route = {"X-KVTurn-Route": "prefill", "X-KVTurn-Prefill-Choice":
+                         "round-robin" if conversation is None else "affinity"}
+            self.computed += prompt - reused
+        assert body["stream_options"] == {"include_usage": True}
+        headers = {"content-type": "text/event-stream", "X-KVTurn-Reuse": reuse,
+                   "X-KVTurn-Reused-Tokens": str(reused), "x-request-id": "fake", **route}
+        if conversation is not None:
+            headers["X-KVTurn-Conversation"] = conversation
+        return httpx2.Response(200, headers=headers,
+                               content=chat_stream(body["model"], self.REPLY, prompt))
+
+
+class FleetBenchRouter(ConversationEndpoints):
+    """Streams ``max_tokens`` one-token chunks with the headers a router sends: reuse and route
+    for conversations (the id from the body or the header), plus the conversation endpoints."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+        self.computed = 0.0
+        self.reused = 0.0
+
+    def handle(self, request: httpx2.Request) -> httpx2.Response:
+        answer = self.conversation_endpoint(request)
+        if answer is not None:
+            return answer
+        body = json.loads(request.content)
+        self.requests.append({"body": body, "headers": dict(request.headers)})
+        prompt = prompt_size(body["messages"])
+        kvturn_id = body.get("conversation_id")
+        header_id = request.headers.get("x-conversation-id")
+        key = kvturn_id or header_id
+        reused = 0
+        headers = {"content-type": "text/event-stream", "x-request-id": "fake"}
+        if kvturn_id is not None:
+            reused = prompt // 2 if kvturn_id in self.seen else 0
+            headers.update({"X-KVTurn-Reuse": "hit" if reused else "miss",
+                            "X-KVTurn-Route": "prefill",
+                            "X-KVTurn-Prefill-Choice": "holder" if reused else "load"})
+            self.live.add(kvturn_id)
+        else:
+            headers.update({"X-KVTurn-Reuse": "disabled" if header_id else "miss",
+                            "X-KVTurn-Route": "prefill",
+                            "X-KVTurn-Prefill-Choice": "affinity" if header_id
+                            else "round-robin"})
+        if key is not None:
+            self.seen.add(key)
+        headers["X-KVTurn-Reused-Tokens"] = str(reused)
+        self.computed += prompt - reused
+        self.reused += reused
+        pieces = [f" t{i}" for i in range(body["max_tokens"])]
+        return httpx2.Response(200, headers=headers,
+                               content=chat_stream(body["model"], pieces, prompt))

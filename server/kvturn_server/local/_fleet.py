@@ -67,6 +67,7 @@ class FleetConfig:
     model_dir: Path | None = None
     served_model_name: str | None = None
     kv_cache_gib: float = 1.0
+    kv_buffer_device: str | None = "cpu"
     max_model_len: int | None = None
     kv_read_timeout: float = CONNECTOR_DEFAULTS.kv_read_timeout
     prefill_prefix_caching: bool = True
@@ -116,7 +117,8 @@ class FleetConfig:
         return StackConfig(
             state_dir=self.state_dir, model_size=self.model_size, model_dir=self.model_path,
             served_model_name=self.model_name, kv_cache_gib=self.kv_cache_gib,
-            max_model_len=self.context, kv_read_timeout=self.kv_read_timeout,
+            kv_buffer_device=self.kv_buffer_device, max_model_len=self.context,
+            kv_read_timeout=self.kv_read_timeout,
             prefill_prefix_caching=self.prefill_prefix_caching,
             decoder_kv_blocks_ttl=self.decoder_kv_blocks_ttl,
             retention_max_hold=self.retention_max_hold, retention_budget=self.retention_budget,
@@ -126,7 +128,7 @@ class FleetConfig:
     def describe(self) -> dict[str, Any]:
         return {"prefills": self.prefills, "decodes": self.decodes, "model": self.model_size,
                 "served_model_name": self.model_name, "max_model_len": self.context,
-                "kv_cache_gib": self.kv_cache_gib,
+                "kv_cache_gib": self.kv_cache_gib, "kv_buffer_device": self.kv_buffer_device,
                 "prefill_prefix_caching": self.prefill_prefix_caching,
                 "prefill_num_blocks": self.prefill_num_blocks,
                 "decode_num_blocks": self.decode_num_blocks,

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # kvturn on one GPU, offline: install the [gpu] extra, run the connector's vLLM contract tests,
 # build a random-weight model with the shape of Llama 3.1 8B, start a prefill and a decode on the
-# one GPU (each with a share of its memory) and run a short `kvturn bench reuse`. Everything it
-# learns goes to --out as JSON and logs; docs/deploy.md, "Checking a GPU machine".
+# one GPU (each with a share of its memory) and run a short `kvturn bench reuse`, then a short
+# `kvturn bench fleet` (two prefills and a decode on the same GPU). Everything it learns goes to
+# --out as JSON and logs; docs/deploy.md, "Checking a GPU machine".
 #
 #   bash scripts/gpu-check.sh --wheelhouse /mnt/wheels      # pip install --no-index from there
 #   bash scripts/gpu-check.sh --skip-install                 # kvturn[gpu] already in --venv
@@ -15,8 +16,8 @@ set -euo pipefail
 usage() {
   cat <<'EOF'
 usage: scripts/gpu-check.sh [options]
-  --out DIR          results: gpu-check.json, bench-reuse.json, contract.xml, logs
-                     (default: .kvturn/gpu-check)
+  --out DIR          results: gpu-check.json, bench-reuse.json, bench-fleet.json,
+                     contract.xml, logs (default: .kvturn/gpu-check)
   --venv DIR         virtualenv to create or use (default: .venv-gpu)
   --python PY        interpreter for a new virtualenv (default: python3)
   --wheelhouse DIR   install offline from this directory (pip --no-index --find-links)
@@ -25,6 +26,9 @@ usage: scripts/gpu-check.sh [options]
   --sizes N,N        previous-turn prompt sizes (default: 2048,8192)
   --generated N,N    tokens the previous turn generated (default: 0,512)
   --runs N           runs per row (default: 3)
+  --fleet-share F    fraction of GPU memory for each of the fleet's three instances
+                     (default: 0.28)
+  --fleet-agents N   concurrent agents of the fleet bench (default: 4)
   --dry-run          print the commands instead of running them
   -h, --help         this text
 EOF
@@ -39,6 +43,8 @@ share=0.4
 sizes=2048,8192
 generated=0,512
 runs=3
+fleet_share=0.28
+fleet_agents=4
 dry_run=0
 
 need_value() {
@@ -60,20 +66,27 @@ while [ "$#" -gt 0 ]; do
     --sizes) need_value "$@"; sizes=$2; shift 2 ;;
     --generated) need_value "$@"; generated=$2; shift 2 ;;
     --runs) need_value "$@"; runs=$2; shift 2 ;;
+    --fleet-share) need_value "$@"; fleet_share=$2; shift 2 ;;
+    --fleet-agents) need_value "$@"; fleet_agents=$2; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu-check: unknown option $1" >&2; usage >&2; exit 2 ;;
   esac
 done
 
-case "$share" in
-  0.[0-9]*) ;;
-  *) echo "gpu-check: --gpu-share must be a fraction below 1 (two instances share the GPU)" >&2
-     exit 2 ;;
-esac
-case "$runs" in
-  ''|*[!0-9]*) echo "gpu-check: --runs must be a whole number" >&2; exit 2 ;;
-esac
+for fraction in "$share" "$fleet_share"; do
+  case "$fraction" in
+    0.[0-9]*) ;;
+    *) echo "gpu-check: --gpu-share and --fleet-share must be fractions below 1 (instances" \
+            "share the GPU)" >&2
+       exit 2 ;;
+  esac
+done
+for count in "$runs" "$fleet_agents"; do
+  case "$count" in
+    ''|*[!0-9]*) echo "gpu-check: --runs and --fleet-agents must be whole numbers" >&2; exit 2 ;;
+  esac
+done
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -157,7 +170,19 @@ run contract "$py" -m pytest tests/server/test_vllm_contract.py -q -p no:cachepr
 # 16 GB of random bfloat16 weights; the bench stack serves what it finds under its state dir.
 run model "$kvturn" model build --size 8b "$state/models/8b"
 
+# Both benchmarks run even if the first fails; the script's status is the last failure's.
+status=0
 run bench-reuse "$kvturn" bench reuse --gpu --size 8b --state-dir "$state" \
   --json "$out/bench-reuse.json" --sizes "$sizes" --generated "$generated" \
   --generated-sizes all --runs "$runs" --warmup-runs 1 \
-  --vllm-arg="--gpu-memory-utilization=$share"
+  --vllm-arg="--gpu-memory-utilization=$share" || status=$?
+
+# Two prefills and a decode of the same model on the one GPU, every mode once (stock P/D and
+# kvturn's), a few agents of three turns. "roomy": the prefills' KV is what --fleet-share
+# gives; "tight" counts blocks of the CPU build's 128 tokens, which on a GPU (16-token blocks)
+# would leave a prefill too few blocks for one request.
+run bench-fleet "$kvturn" bench fleet --gpu --size 8b --state-dir "$state" \
+  --json "$out/bench-fleet.json" --prefills 2 --decodes 1 --profiles tool --kv roomy \
+  --repeats 1 --agents "$fleet_agents" --turns 3 \
+  --vllm-arg="--gpu-memory-utilization=$fleet_share" || status=$?
+[ "$status" -eq 0 ] || exit "$status"

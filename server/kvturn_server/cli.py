@@ -39,6 +39,11 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
                    help="which locally built model to serve (default: %(default)s)")
     p.add_argument("--model-dir", type=Path, default=None,
                    help="serve this model directory instead of <state-dir>/models/<size>")
+    for member in ("router", "prefill", "decode"):
+        p.add_argument(f"--{member}-host", default=None, metavar="ADDRESS",
+                       help=f"loopback address the {member} listens on (default: {d.host}); "
+                            "an own 127.0.0.x each runs the stack as on separate hosts, every "
+                            "address passed explicitly (docs/deploy.md, \"Addresses\")")
     p.add_argument("--router-port", type=int, default=d.router_port, help="default: %(default)s")
     p.add_argument("--prefill-port", type=int, default=d.prefill_port, help="default: %(default)s")
     p.add_argument("--decode-port", type=int, default=d.decode_port, help="default: %(default)s")
@@ -62,7 +67,8 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
 def _stack_config(args: argparse.Namespace) -> StackConfig:
     return StackConfig(
         state_dir=args.state_dir, model_size=args.size, model_dir=args.model_dir,
-        router_port=args.router_port, prefill_port=args.prefill_port,
+        router_host=args.router_host, prefill_host=args.prefill_host,
+        decode_host=args.decode_host, router_port=args.router_port, prefill_port=args.prefill_port,
         decode_port=args.decode_port, kv_cache_gib=args.kv_cache_gib,
         # Each instance's control endpoint sits on its HTTP port + 1 (the router's default).
         prefill_control_port=args.prefill_port + 1, decode_control_port=args.decode_port + 1,
@@ -242,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser(
         "up", help="start the local prefill/decode/router stack",
         description="Start one prefill and one decode vLLM (CPU) with the kvturn connector and "
-                    "the router, all on 127.0.0.1. Runs until Ctrl-C unless --detach.")
+                    "the router, on 127.0.0.1 or a loopback address each (--prefill-host ...). "
+                    "Runs until Ctrl-C unless --detach.")
     _add_stack_args(up)
     up.add_argument("--detach", action="store_true",
                     help="return once healthy and leave the stack running, supervised by a "

@@ -2,7 +2,11 @@
 router, and a plain single vLLM instance of the same model and flags as the reference, which
 also scores answers teacher-forced past a near-tie (``_forced``). The session fails when its
 answers took more near-ties than ``_ties.BUDGET`` (3): each is a place a comparison had to
-accept a different token, and rounding makes them rare."""
+accept a different token, and rounding makes them rare.
+
+Each member listens on a loopback address of its own (``HOSTS``), as on separate hosts of a
+fleet, so every test also proves that nothing assumes one host (test_multi_address.py checks
+the addresses themselves)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from kvturn_server.local import (
     free_port,
     vllm_is_installed,
 )
+from kvturn_server.local._process import port_is_free
 from kvturn_server.local._supervise import Backoff
 
 from ._forced import ReferenceScorer, use_reference
@@ -47,6 +52,19 @@ PREFILL_CONNECTOR_EXTRA = {"compute_tokens_per_s": 1.0}
 # request without an adapter runs the base model unchanged.
 ADAPTERS = {"adapter-a": 1, "adapter-b": 2}
 LORA_RANK = 8
+# Each member on its own address (all of 127.0.0.0/8 is loopback): the README's multi-host
+# recipe on one machine. 127.0.0.1 is left to servers that tests start beside the stack.
+HOSTS = {"router_host": "127.0.0.2", "prefill_host": "127.0.0.3", "decode_host": "127.0.0.4",
+         "reference_host": "127.0.0.5"}
+
+
+def same_port(*hosts: str) -> int:
+    """A port free on every one of ``hosts``: the prefill's and the decode's side channel and
+    control endpoint use the same numbers, as every host of a fleet does (5600, 8101)."""
+    while True:
+        port = free_port(hosts[0])
+        if all(port_is_free(host, port) for host in hosts[1:]):
+            return port
 
 
 def lora_args(state: Path) -> tuple[str, ...]:
@@ -101,10 +119,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory,
     if not vllm_is_installed():
         pytest.fail(f"e2e tests need the vLLM CPU stack: {INSTALL_HINT}", pytrace=False)
     state = tmp_path_factory.mktemp("stack")
-    ports = {name: free_port() for name in (
-        "router_port", "prefill_port", "decode_port", "reference_port",
-        "prefill_side_channel_port", "decode_side_channel_port", "prefill_control_port",
-        "decode_control_port")}
+    side, control = (same_port(HOSTS["prefill_host"], HOSTS["decode_host"]) for _ in range(2))
+    ports = {"router_port": free_port(HOSTS["router_host"]),
+             "prefill_port": free_port(HOSTS["prefill_host"]),
+             "decode_port": free_port(HOSTS["decode_host"]),
+             "reference_port": free_port(HOSTS["reference_host"]),
+             "prefill_side_channel_port": side, "decode_side_channel_port": side,
+             "prefill_control_port": control, "decode_control_port": control}
     cfg = StackConfig(state_dir=state, model_dir=Path(state) / "model", with_reference=True,
                       kv_read_timeout=KV_READ_TIMEOUT, decoder_kv_blocks_ttl=RETENTION_TTL,
                       retention_max_hold=10 * RETENTION_TTL, retention_budget=RETENTION_BUDGET,
@@ -114,7 +135,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory,
                       # itself are tested through a second router (test_placement.py).
                       router_args=("--decode-continue-tokens", "0"),
                       prefill_connector_extra=PREFILL_CONNECTOR_EXTRA,
-                      extra_vllm_args=lora_args(Path(state)), **ports)
+                      extra_vllm_args=lora_args(Path(state)), **HOSTS, **ports)
     started = time.monotonic()
     # Supervised as `kvturn up` runs it (test_supervise.py kills a member); 1 s backoff.
     with Stack(cfg, die_with_parent=True, supervise=True, say=say,

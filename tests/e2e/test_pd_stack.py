@@ -1,7 +1,7 @@
 """Prefill -> decode over real NIXL: output equal to a plain run, KV received rather than
 recomputed, no stalled transfers, and a stalled transfer ending in a bounded recompute.
 
-Runs against real vLLM processes (CPU build) on 127.0.0.1; see conftest.py.
+Runs against real vLLM processes (CPU build) on loopback addresses; see conftest.py.
 """
 
 from __future__ import annotations

@@ -218,11 +218,14 @@ def fleet(stack: Stack, tmp_path_factory: pytest.TempPathFactory,
           say: Callable[[str], None]) -> Iterator[Fleet]:
     cfg = stack.config
     state = tmp_path_factory.mktemp("fleet")
-    ports = {name: free_port() for name in (
-        "prefill_port", "decode_port", "prefill_side_channel_port", "decode_side_channel_port",
-        "prefill_control_port", "decode_control_port", "router_port")}
+    # A second pair and its router on addresses of their own, like more hosts of the fleet.
+    hosts = {"prefill_host": "127.0.0.6", "decode_host": "127.0.0.7", "router_host": "127.0.0.8"}
+    ports = {f"{member}_{what}": free_port(hosts[f"{member}_host"]) for member, what in (
+        ("prefill", "port"), ("decode", "port"), ("prefill", "side_channel_port"),
+        ("decode", "side_channel_port"), ("prefill", "control_port"), ("decode", "control_port"),
+        ("router", "port"))}
     second: StackConfig = replace(cfg, state_dir=state, with_reference=False, with_router=False,
-                                  model_dir=cfg.model_path, **ports)
+                                  model_dir=cfg.model_path, **hosts, **ports)
     specs = {s.name: s for s in server_specs(second)}
     prefill2, decode2 = _second(specs["prefill"], "prefill2"), _second(specs["decode"], "decode2")
     router = ServerSpec(
@@ -230,7 +233,7 @@ def fleet(stack: Stack, tmp_path_factory: pytest.TempPathFactory,
         health_url=f"{second.router_url}/health", log_path=state / "logs" / "router.log",
         env={"PYTHONUNBUFFERED": "1"},
         argv=[sys.executable, "-m", "kvturn_server.cli", "router",
-              "--port", str(second.router_port),
+              "--host", second.host_of("router"), "--port", str(second.router_port),
               "--prefill", cfg.prefill_url, "--prefill", second.prefill_url,
               "--decode", f"{cfg.decode_url},control={cfg.decode_control_url}",
               "--decode", f"{second.decode_url},control={second.decode_control_url}",

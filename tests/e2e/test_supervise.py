@@ -119,7 +119,8 @@ def test_a_killed_decode_api_server_is_cleaned_up_restarted_and_never_reported_h
     say(f"decode healthy again {time.monotonic() - killed_at:.0f} s after the kill")
     status, health = control(cfg.decode_control_url, "GET", "/health")
     assert status == 200 and health["engine_id"] != old_engine  # the control port: new engine
-    assert not port_is_free(cfg.host, cfg.decode_side_channel_port)  # NIXL side channel bound
+    # The NIXL side channel is bound again.
+    assert not port_is_free(cfg.host_of("decode"), cfg.decode_side_channel_port)
     log_path = cfg.state_dir / "logs" / "decode.log"
     # The supervisor writes its last line after its own health poll (up to 0.5 s later).
     wait_until(lambda: "healthy again" in log_path.read_text(errors="replace"), 10,

@@ -39,3 +39,19 @@ def test_stack_errors_are_one_clear_line(tmp_path: Path,
     assert main(["up", "--state-dir", str(tmp_path), "--router-port", "8100"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("kvturn: stack ports must all differ")
+
+
+def test_up_puts_each_member_on_the_address_given(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from kvturn_server.cli import _stack_config, build_parser
+
+    args = build_parser().parse_args([
+        "up", "--state-dir", str(tmp_path), "--router-host", "127.0.0.2",
+        "--prefill-host", "127.0.0.3", "--decode-host", "127.0.0.4", "--decode-port", "8100"])
+    cfg = _stack_config(args)
+    cfg.validate()  # the same HTTP and control ports on two addresses
+    assert (cfg.router_url, cfg.prefill_url, cfg.decode_url, cfg.decode_control_url) == (
+        "http://127.0.0.2:8000", "http://127.0.0.3:8100", "http://127.0.0.4:8100",
+        "http://127.0.0.4:8101")
+    assert main(["up", "--state-dir", str(tmp_path), "--decode-host", "10.0.0.21"]) == 1
+    assert "loopback only" in capsys.readouterr().err

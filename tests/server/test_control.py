@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import pytest
 
-from kvturn_server.connector._control import MAX_BODY, ControlServer
+from kvturn_server.connector._control import MAX_BODY, ControlServer, dial_url
 from kvturn_server.connector._keeper import RetentionKeeper
 from tests.server.keeper_fakes import FakeBlockPool, FakeClock, finish, make_keeper
 
@@ -393,3 +393,18 @@ def test_concurrent_requests_are_served(server: ControlServer, keeper: Retention
     assert not any(thread.is_alive() for thread in threads)
     assert results == [200] * 16
     assert not keeper.has_pins()
+
+
+def test_the_reported_url_is_one_a_peer_can_dial() -> None:
+    # A control endpoint bound to a wildcard reports the instance's fleet address (its NIXL
+    # side-channel host): routers and tools on other hosts cannot dial 0.0.0.0.
+    assert dial_url("0.0.0.0", 8101, "10.0.0.21") == "http://10.0.0.21:8101"
+    assert dial_url("::", 8101, "fd00::21") == "http://[fd00::21]:8101"
+    assert dial_url("10.0.0.21", 8101, "10.0.0.99") == "http://10.0.0.21:8101"
+    assert dial_url("0.0.0.0", 8101, None) == "http://0.0.0.0:8101"
+    srv = ControlServer("127.0.0.3", 0, engine_id="e", role="decode", keeper=None,
+                        advertise="127.0.0.9")
+    try:
+        assert srv.url == f"http://127.0.0.3:{srv.address[1]}"
+    finally:
+        srv.start().stop()

@@ -17,9 +17,9 @@ from kvturn_server.local._stack import server_specs
 from kvturn_server.router import router_config_from_args
 
 
-def _ports() -> Callable[[], int]:
+def _ports() -> Callable[[str], int]:
     counter = iter(range(20000, 21000))
-    return lambda: next(counter)
+    return lambda host: next(counter)
 
 
 def _kv(argv: list[str]) -> dict[str, object]:
@@ -40,7 +40,7 @@ def test_the_plan_names_instances_by_role_with_ports_of_their_own(tmp_path: Path
         assert _kv(list(i.spec.argv))["kv_connector_extra_config"]["control_port"] == \
             i.control_port  # type: ignore[index]
     with pytest.raises(StackError, match="differ"):
-        plan_instances(cfg, lambda: 20000)
+        plan_instances(cfg, lambda host: 20000)
 
 
 def test_an_instance_is_the_stacks_prefill_or_decode_with_its_block_count(
@@ -97,3 +97,38 @@ def test_a_fleet_refuses_nonsense_and_stops_cleanly_before_it_starts(tmp_path: P
         assert fleet.instance("decode0").role == "decode"
         fleet.stop_router("never-started")  # a no-op
     assert fleet.routers == {}
+
+
+def test_instances_on_addresses_of_their_own_advertise_and_are_dialled_there(
+        tmp_path: Path) -> None:
+    hosts = ("127.0.0.3", "127.0.0.4", "127.0.0.5")
+    cfg = FleetConfig(state_dir=tmp_path, prefills=2, decodes=1, hosts=hosts,
+                      router_host="127.0.0.2")
+    asked: list[str] = []
+
+    def port(host: str) -> int:
+        asked.append(host)
+        return 20000  # the same number everywhere: each host has its own ports
+    with pytest.raises(StackError, match="differ on each address"):
+        plan_instances(cfg, port)
+    fleet = Fleet(cfg, port=_ports())
+    assert [i.host for i in fleet.instances] == list(hosts)
+    assert set(asked) == set(hosts)  # each port was found free on its own address
+    for i in fleet.instances:
+        argv = list(i.spec.argv)
+        assert argv[argv.index("--host") + 1] == i.host and i.spec.host == i.host
+        assert i.spec.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == i.host
+        assert i.spec.env["VLLM_HOST_IP"] == i.host
+        assert _kv(argv)["kv_connector_extra_config"]["control_host"] == i.host  # type: ignore[index]
+        assert i.url == f"http://{i.host}:{i.port}"
+        assert i.spec.health_url == f"{i.url}/health"
+    argv = router_argv(fleet.prefills, fleet.decodes, 8000, 48.0, host="127.0.0.2")
+    config = router_config_from_args(build_parser().parse_args(argv[3:]))
+    assert config.host == "127.0.0.2"
+    assert config.prefill == ("http://127.0.0.3:20000", "http://127.0.0.4:20003")
+    assert [(d.url, d.control) for d in config.decode] == [
+        ("http://127.0.0.5:20006", "http://127.0.0.5:20008")]
+    for bad in ({"hosts": hosts[:2]}, {"hosts": ("10.0.0.3", *hosts[1:])},
+                {"router_host": "0.0.0.0"}):
+        with pytest.raises(StackError):
+            FleetConfig(state_dir=tmp_path, prefills=2, decodes=1, **bad)  # type: ignore[arg-type]

@@ -9,6 +9,9 @@ import subprocess
 from pathlib import Path
 
 from kvturn_server.bench import bench_config
+from kvturn_server.bench._fleet import fleet_config
+from kvturn_server.bench._fleet import settings_from_args as fleet_settings_from_args
+from kvturn_server.bench._fleet_plan import scenarios
 from kvturn_server.bench._reuse import settings_from_args
 from kvturn_server.cli import build_parser
 from kvturn_server.local import SIZES
@@ -32,10 +35,11 @@ def test_the_script_is_valid_bash() -> None:
 
 
 def test_dry_run_commands_parse_with_kvturns_cli(tmp_path: Path) -> None:
-    out = dry_run("--out", str(tmp_path), "--runs", "2", "--gpu-share", "0.45")
+    out = dry_run("--out", str(tmp_path), "--runs", "2", "--gpu-share", "0.45",
+                  "--fleet-share", "0.3")
     assert out.returncode == 0, out.stderr
     steps = dict(line.split(": ", 1) for line in out.stdout.splitlines())
-    assert {"install", "contract", "model", "bench-reuse"} <= set(steps)
+    assert {"install", "contract", "model", "bench-reuse", "bench-fleet"} <= set(steps)
     assert "[gpu," in shlex.split(steps["install"])[-1]
 
     model = shlex.split(steps["model"])
@@ -54,9 +58,27 @@ def test_dry_run_commands_parse_with_kvturns_cli(tmp_path: Path) -> None:
     assert cfg.model_path == build.dir
     settings.check(cfg.max_model_len)
 
+    fleet = shlex.split(steps["bench-fleet"])
+    args = build_parser().parse_args(fleet[1:])
+    assert args.func.__name__ == "cmd_bench_fleet"
+    assert args.json == tmp_path / "bench-fleet.json"  # beside bench-reuse.json
+    fleet_settings = fleet_settings_from_args(args)
+    assert fleet_settings.gpu and fleet_settings.size == "8b"
+    assert fleet_settings.vllm_args == ("--gpu-memory-utilization=0.3",)
+    # Three instances (two prefills, a decode) fit their shares of the one GPU.
+    assert (fleet_settings.prefills + fleet_settings.decodes) * 0.3 <= 0.9
+    for scenario in scenarios(fleet_settings):  # every scenario fits the 8b model's context
+        fleet_cfg = fleet_config(fleet_settings, scenario)
+        assert fleet_cfg.model_path == build.dir  # the model the model step builds
+        assert fleet_cfg.kv_buffer_device is None  # the GPU's memory, not a host buffer
+        # roomy: no block count computed for the CPU build's 128-token blocks
+        assert scenario.prefill_num_blocks is None
+        assert fleet_cfg.stack_config().extra_vllm_args == fleet_settings.vllm_args
+
 
 def test_bad_options_are_refused() -> None:
-    for args in (["--bogus"], ["--runs"], ["--gpu-share", "1.5"], ["--runs", "x"]):
+    for args in (["--bogus"], ["--runs"], ["--gpu-share", "1.5"], ["--runs", "x"],
+                 ["--fleet-share", "1"], ["--fleet-agents", "-1"]):
         out = dry_run(*args)
         assert out.returncode == 2, args
         assert "gpu-check:" in out.stderr

@@ -141,19 +141,21 @@ def test_retention_and_prefix_cache_switches(tmp_path: Path) -> None:
     assert "--no-enable-prefix-caching" in specs["prefill"].argv
     assert "--no-enable-prefix-caching" not in specs["decode"].argv
     decode = kv_transfer_config(cfg, "kv_consumer")["kv_connector_extra_config"]
-    assert decode == {"kv_read_timeout": 20.0, "control_port": 8201,
+    assert decode == {"kv_read_timeout": 20.0, "control_host": "127.0.0.1", "control_port": 8201,
                       "decoder_kv_blocks_ttl": 60, "retention_max_hold": 3600.0,
                       "retention_budget": 0.25}
     prefill = kv_transfer_config(cfg, "kv_producer")["kv_connector_extra_config"]
     # The connector turns vLLM's bidirectional read on for prefills itself, never on decodes.
-    assert prefill == {"kv_read_timeout": 20.0, "control_port": 8101}
+    assert prefill == {"kv_read_timeout": 20.0, "control_host": "127.0.0.1",
+                       "control_port": 8101}
 
 
 def test_prefill_connector_extra_reaches_the_prefill_only() -> None:
     cfg = StackConfig(prefill_connector_extra={"compute_tokens_per_s": 1.0,
                                                "kv_read_timeout": 7})
     prefill = kv_transfer_config(cfg, "kv_producer")["kv_connector_extra_config"]
-    assert prefill == {"kv_read_timeout": 7, "control_port": 8101, "compute_tokens_per_s": 1.0}
+    assert prefill == {"kv_read_timeout": 7, "control_host": "127.0.0.1", "control_port": 8101,
+                       "compute_tokens_per_s": 1.0}
     decode = kv_transfer_config(cfg, "kv_consumer")["kv_connector_extra_config"]
     assert "compute_tokens_per_s" not in decode and decode["kv_read_timeout"] == 20.0
 
@@ -169,3 +171,49 @@ def test_free_ports_are_distinct_and_outside_the_ephemeral_range() -> None:
     for port in ports[:5]:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+# The README's multi-host recipe on loopback: every member on its own address, and the same
+# port numbers on each (as on separate hosts).
+SPREAD = {"router_host": "127.0.0.2", "prefill_host": "127.0.0.3", "decode_host": "127.0.0.4",
+          "reference_host": "127.0.0.5", "router_port": 8000, "prefill_port": 8100,
+          "decode_port": 8100, "reference_port": 8100, "prefill_side_channel_port": 5600,
+          "decode_side_channel_port": 5600, "prefill_control_port": 8101,
+          "decode_control_port": 8101}
+
+
+def test_members_on_addresses_of_their_own_bind_advertise_and_dial_only_those(
+        tmp_path: Path) -> None:
+    cfg = StackConfig(state_dir=tmp_path, with_reference=True, **SPREAD)  # type: ignore[arg-type]
+    cfg.validate()  # equal port numbers on different addresses do not clash
+    specs = {s.name: s for s in server_specs(cfg)}
+    for name in ("prefill", "decode", "reference"):
+        host, spec = cfg.host_of(name), specs[name]
+        assert spec.argv[spec.argv.index("--host") + 1] == host and spec.host == host
+        assert spec.health_url == f"http://{host}:8100/health"
+        assert spec.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == host  # bound and advertised
+        assert spec.env["VLLM_HOST_IP"] == host
+    for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        extra = kv_transfer_config(cfg, role)["kv_connector_extra_config"]
+        assert (extra["control_host"], extra["control_port"]) == (cfg.host_of(name), 8101)
+        assert specs[name].other_ports == (5600, 8101)
+    router = list(specs["router"].argv)
+    assert router[router.index("--host") + 1] == "127.0.0.2" == specs["router"].host
+    assert router[router.index("--prefill") + 1] == "http://127.0.0.3:8100"
+    assert router[router.index("--decode") + 1] == \
+        "http://127.0.0.4:8100,control=http://127.0.0.4:8101"
+    assert cfg.router_url == "http://127.0.0.2:8000"
+    assert cfg.reference_url == "http://127.0.0.5:8100"
+    # Nothing falls back to the one-host default anywhere on a command line or environment.
+    assert "127.0.0.1" not in json.dumps([[s.argv, dict(s.env)] for s in specs.values()])
+    assert "localhost" not in json.dumps([[s.argv, dict(s.env)] for s in specs.values()])
+    # The state file keeps the addresses (``kvturn status`` and ``down`` read it).
+    again = RunningStack.from_json(RunningStack(cfg, {}, 0.0).to_json()).config
+    assert again.decode_url == cfg.decode_url and again.router_host == "127.0.0.2"
+
+
+def test_members_on_one_address_still_need_ports_of_their_own() -> None:
+    with pytest.raises(StackError, match="must all differ"):
+        StackConfig(**{**SPREAD, "decode_host": "127.0.0.3"}).validate()  # type: ignore[arg-type]
+    with pytest.raises(StackError, match="loopback only"):
+        StackConfig(**{**SPREAD, "decode_host": "10.0.0.21"}).validate()  # type: ignore[arg-type]

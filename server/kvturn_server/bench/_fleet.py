@@ -89,7 +89,10 @@ def fleet_config(settings: FleetBenchSettings, scenario: Scenario) -> Any:
         prefills=settings.prefills, decodes=settings.decodes, model_size=settings.size,
         kv_cache_gib=settings.kv_cache_gib, max_model_len=scenario.max_model_len,
         prefill_prefix_caching=True, prefill_num_blocks=scenario.prefill_num_blocks,
-        decoder_kv_blocks_ttl=settings.retention_ttl)
+        decoder_kv_blocks_ttl=settings.retention_ttl,
+        # On a GPU vLLM's default (the accelerator's memory): the connector refuses a host
+        # buffer there (docs/connector.md).
+        kv_buffer_device=None if settings.gpu else "cpu", extra_vllm_args=settings.vllm_args)
 
 
 def _client(url: str, settings: FleetBenchSettings) -> kvturn.AsyncOpenAI:
@@ -269,8 +272,8 @@ def settings_from_args(args: argparse.Namespace) -> FleetBenchSettings:
         time_scale=args.time_scale, seed=args.seed, stagger_s=args.stagger, size=args.size,
         state_dir=args.state_dir, kv_cache_gib=args.kv_cache_gib,
         retention_ttl_s=args.retention_ttl,
-        decode_continue_tokens=args.decode_continue_tokens,
-        json_path=args.json, plot_path=args.plot)
+        decode_continue_tokens=args.decode_continue_tokens, gpu=args.gpu,
+        vllm_args=tuple(args.vllm_arg or ()), json_path=args.json, plot_path=args.plot)
 
 
 def cmd_bench_fleet(args: argparse.Namespace) -> int:
@@ -356,5 +359,12 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--decode-continue-tokens", type=int, default=None,
                    help="passed to the kvturn modes' routers (default: the router's, 512; 0: "
                         "the decode never continues a turn itself)")
+    p.add_argument("--gpu", action="store_true",
+                   help="run on a GPU: KV in its memory (vLLM's default) instead of the CPU "
+                        "build's host buffer")
+    p.add_argument("--vllm-arg", action="append", default=None, metavar="FLAG",
+                   help="another vllm serve flag for every instance, as one argument "
+                        "(repeatable), e.g. --vllm-arg=--gpu-memory-utilization=0.28 for three "
+                        "instances on one GPU")
     p.set_defaults(func=cmd_bench_fleet)
     return p

@@ -141,6 +141,10 @@ class FleetBenchSettings:
     kv_cache_gib: float = 1.0
     retention_ttl_s: float | None = None
     decode_continue_tokens: int | None = None
+    gpu: bool = False
+    """KV in the accelerator's memory (vLLM's default) instead of the CPU build's host buffer."""
+    vllm_args: tuple[str, ...] = ()
+    """More ``vllm serve`` flags for every instance (``--gpu-memory-utilization=0.28``)."""
     warmup: bool = True
     sample_interval_s: float = 1.0
     progress_interval_s: float = 10.0
@@ -211,7 +215,7 @@ class FleetBenchSettings:
         data = asdict(self)
         for key in ("state_dir", "json_path", "plot_path"):
             data[key] = None if data[key] is None else str(data[key])
-        for key in ("modes", "profiles", "sizings", "message_tokens"):
+        for key in ("modes", "profiles", "sizings", "message_tokens", "vllm_args"):
             data[key] = None if data[key] is None else list(data[key])
         data["effective_retention_ttl_s"] = self.retention_ttl
         data["effective_keepalive_interval_s"] = self.keepalive_interval

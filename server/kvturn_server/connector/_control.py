@@ -12,6 +12,7 @@ changes what the decode holds, and stats and retentions name conversations.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import threading
@@ -42,13 +43,16 @@ class ControlServer:
 
     ``keeper`` is None on a prefill (or a decode with retention off): then only ``/health``
     and ``/kvturn/v1/stats`` answer, and retention routes say that nothing is retained here.
+    ``advertise`` is the address ``url`` names when ``host`` is a wildcard (``0.0.0.0``,
+    ``::``), which no peer can dial: the instance's own fleet address.
     """
 
     def __init__(self, host: str, port: int, *, engine_id: str, role: str,
                  keeper: RetentionKeeper | None,
                  extra_stats: Callable[[], dict[str, Any]] | None = None,
-                 secret: str | None = None) -> None:
+                 secret: str | None = None, advertise: str | None = None) -> None:
         self.engine_id = engine_id
+        self._advertise = advertise
         self.role = role
         self.keeper = keeper
         self.extra_stats = extra_stats or dict
@@ -75,8 +79,8 @@ class ControlServer:
 
     @property
     def url(self) -> str:
-        host, port = self.address
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        """The URL peers dial (what the decode reports in ``kv_transfer_params``)."""
+        return dial_url(*self.address, self._advertise)
 
     def start(self) -> ControlServer:
         self._thread.start()
@@ -148,6 +152,17 @@ class ControlServer:
         if len(route) == 2 and route[0] == "pins" and method == "DELETE":
             return 200, {"pin_id": route[1], "unpinned": keeper.unpin(route[1])}
         return _not_found(f"no route {method} {path}")
+
+
+def dial_url(host: str, port: int, advertise: str | None = None) -> str:
+    """The URL of an endpoint bound to ``host``: a wildcard bind is named by ``advertise``."""
+    try:
+        wildcard = ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        wildcard = False
+    if advertise and wildcard:
+        host = advertise
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def exposure_warning(host: str, secret: str | None, url: str) -> str | None:

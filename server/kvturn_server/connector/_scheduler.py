@@ -130,7 +130,10 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             raise ConnectorConfigError(str(exc)) from exc
         self.control = ControlServer(config.control_host, port, engine_id=engine_id, role=role,
                                      keeper=self.keeper, extra_stats=self._control_stats,
-                                     secret=secret).start()
+                                     secret=secret,
+                                     # vLLM's NIXL side-channel host: the address this
+                                     # instance advertises to its peers
+                                     advertise=self.side_channel_host).start()
 
     def _make_calibration(self, vllm_config: Any, kv_cache_config: Any) -> Calibration | None:
         cfg = self.kvturn_config

@@ -1,5 +1,7 @@
 """A local fleet: N prefills and M decodes of one model with the kvturn connector, and routers in
-front of them, all on 127.0.0.1 (``kvturn bench fleet``; e2e tests with several instances).
+front of them, on loopback (``kvturn bench fleet``; e2e tests with several instances). All
+listen on 127.0.0.1 unless ``FleetConfig.hosts`` gives each instance an address of its own in
+127.0.0.0/8 (and ``router_host`` the routers'), as hosts of a real fleet have.
 
 Each instance is launched exactly as the ``Stack`` launches its prefill or decode
 (``_vllm_spec``: same flags, same connector config), only with ports of its own, so a fleet and
@@ -12,7 +14,7 @@ flags: a benchmark can give every mode a fresh router on the same warm backends.
         router = fleet.start_router("router", ["--prefill-policy", "kv-aware"])
         ...  # router.url, fleet.prefills[i].url, fleet.decodes[j].control_url
 
-Logs go to ``<state_dir>/logs/<name>.log``; ports come from ``free_port()``.
+Logs go to ``<state_dir>/logs/<name>.log``; ports come from ``free_port(host)``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvturn_server._control_secret import is_loopback
 from kvturn_server.local._model import SIZES, build_model, is_built
 from kvturn_server.local._process import (
     ServerSpec,
@@ -64,6 +67,7 @@ class FleetConfig:
     model_dir: Path | None = None
     served_model_name: str | None = None
     kv_cache_gib: float = 1.0
+    kv_buffer_device: str | None = "cpu"
     max_model_len: int | None = None
     kv_read_timeout: float = CONNECTOR_DEFAULTS.kv_read_timeout
     prefill_prefix_caching: bool = True
@@ -74,10 +78,21 @@ class FleetConfig:
     retention_budget: float = CONNECTOR_DEFAULTS.retention_budget
     startup_timeout: float = 600.0
     extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
+    hosts: tuple[str, ...] = ()
+    """One loopback address per instance in plan order (``prefill0..``, then ``decode0..``);
+    empty: every instance on 127.0.0.1."""
+    router_host: str = "127.0.0.1"
+    """The address routers listen on."""
 
     def __post_init__(self) -> None:
         if self.prefills < 1 or self.decodes < 1:
             raise StackError("a fleet needs at least one prefill and one decode")
+        if self.hosts and len(self.hosts) != self.prefills + self.decodes:
+            raise StackError(f"hosts names {len(self.hosts)} addresses for "
+                             f"{self.prefills + self.decodes} instances")
+        for host in (*self.hosts, self.router_host):
+            if not is_loopback(host):
+                raise StackError(f"a local fleet listens on loopback only, not {host!r}")
         if self.model_size not in SIZES:
             raise StackError(f"unknown model size {self.model_size!r}; one of {sorted(SIZES)}")
         for name in ("prefill_num_blocks", "decode_num_blocks"):
@@ -102,7 +117,8 @@ class FleetConfig:
         return StackConfig(
             state_dir=self.state_dir, model_size=self.model_size, model_dir=self.model_path,
             served_model_name=self.model_name, kv_cache_gib=self.kv_cache_gib,
-            max_model_len=self.context, kv_read_timeout=self.kv_read_timeout,
+            kv_buffer_device=self.kv_buffer_device, max_model_len=self.context,
+            kv_read_timeout=self.kv_read_timeout,
             prefill_prefix_caching=self.prefill_prefix_caching,
             decoder_kv_blocks_ttl=self.decoder_kv_blocks_ttl,
             retention_max_hold=self.retention_max_hold, retention_budget=self.retention_budget,
@@ -112,7 +128,7 @@ class FleetConfig:
     def describe(self) -> dict[str, Any]:
         return {"prefills": self.prefills, "decodes": self.decodes, "model": self.model_size,
                 "served_model_name": self.model_name, "max_model_len": self.context,
-                "kv_cache_gib": self.kv_cache_gib,
+                "kv_cache_gib": self.kv_cache_gib, "kv_buffer_device": self.kv_buffer_device,
                 "prefill_prefix_caching": self.prefill_prefix_caching,
                 "prefill_num_blocks": self.prefill_num_blocks,
                 "decode_num_blocks": self.decode_num_blocks,
@@ -132,14 +148,15 @@ class Instance:
     side_channel_port: int
     control_port: int
     spec: ServerSpec
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def control_url(self) -> str:
-        return f"http://127.0.0.1:{self.control_port}"
+        return f"http://{self.host}:{self.control_port}"
 
 
 @dataclass(frozen=True)
@@ -151,47 +168,56 @@ class Router:
     argv: tuple[str, ...]
     pid: int
     startup_s: float
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
 def instance_spec(cfg: FleetConfig, name: str, role: str, port: int, side_channel_port: int,
-                  control_port: int) -> ServerSpec:
-    """The Stack's prefill or decode command line with this instance's ports and block count."""
+                  control_port: int, host: str = "127.0.0.1") -> ServerSpec:
+    """The Stack's prefill or decode command line with this instance's address, ports and
+    block count."""
     base = cfg.stack_config()
     if role == PREFILL:
         extra = base.extra_vllm_args
         if cfg.prefill_num_blocks is not None:
             extra = (*extra, "--num-gpu-blocks-override", str(cfg.prefill_num_blocks))
-        stack = replace(base, prefill_control_port=control_port, extra_vllm_args=extra)
+        stack = replace(base, prefill_host=host, prefill_control_port=control_port,
+                        extra_vllm_args=extra)
     elif role == DECODE:
-        stack = replace(base, decode_control_port=control_port)
+        stack = replace(base, decode_host=host, decode_control_port=control_port)
     else:
         raise ValueError(f"role must be {PREFILL!r} or {DECODE!r}, got {role!r}")
     return _vllm_spec(stack, name, port, _ROLES[role], side_channel_port)
 
 
-def plan_instances(cfg: FleetConfig, port: Callable[[], int] = free_port) -> list[Instance]:
-    """``prefill0..`` then ``decode0..``, each with three ports of its own."""
+def plan_instances(cfg: FleetConfig,
+                   port: Callable[[str], int] = free_port) -> list[Instance]:
+    """``prefill0..`` then ``decode0..``, each with its address (``cfg.hosts``) and three ports
+    of its own there."""
     out = []
+    hosts = iter(cfg.hosts)
     for role, count in ((PREFILL, cfg.prefills), (DECODE, cfg.decodes)):
         for i in range(count):
             name = f"{role}{i}"
-            http, side, control = port(), port(), port()
+            host = next(hosts, "127.0.0.1")
+            http, side, control = port(host), port(host), port(host)
             out.append(Instance(name, role, http, side, control,
-                                instance_spec(cfg, name, role, http, side, control)))
-    ports = [p for i in out for p in (i.port, i.side_channel_port, i.control_port)]
-    if len(set(ports)) != len(ports):
-        raise StackError(f"fleet ports must all differ: {ports}")
+                                instance_spec(cfg, name, role, http, side, control, host),
+                                host))
+    binds = [(i.host, p) for i in out for p in (i.port, i.side_channel_port, i.control_port)]
+    if len(set(binds)) != len(binds):
+        raise StackError(f"fleet ports must all differ on each address: {binds}")
     return out
 
 
 def router_argv(prefills: Sequence[Instance], decodes: Sequence[Instance], port: int,
-                retention_ttl: float, args: Sequence[str] = ()) -> list[str]:
+                retention_ttl: float, args: Sequence[str] = (),
+                host: str = "127.0.0.1") -> list[str]:
     """``kvturn router`` over these instances; ``args`` are appended (policy flags, ...)."""
-    argv = [sys.executable, "-m", "kvturn_server.cli", "router", "--host", "127.0.0.1",
+    argv = [sys.executable, "-m", "kvturn_server.cli", "router", "--host", host,
             "--port", str(port), "--retention-ttl", f"{retention_ttl:g}"]
     for p in prefills:
         argv += ["--prefill", p.url]
@@ -205,7 +231,7 @@ class Fleet:
     stops everything it started)."""
 
     def __init__(self, config: FleetConfig, *, die_with_parent: bool = False,
-                 port: Callable[[], int] = free_port) -> None:
+                 port: Callable[[str], int] = free_port) -> None:
         self.config = config
         self.die_with_parent = die_with_parent
         self._port = port
@@ -261,21 +287,22 @@ class Fleet:
         it answers ``/health``. Its log is ``logs/<name>.log``."""
         if name in self.routers or name in self._procs:
             raise StackError(f"{name!r} is already running")
-        port = self._port()
+        host = self.config.router_host
+        port = self._port(host)
         argv = router_argv(self.prefills if prefills is None else prefills,
                            self.decodes if decodes is None else decodes, port,
-                           self.config.decoder_kv_blocks_ttl, args)
+                           self.config.decoder_kv_blocks_ttl, args, host)
         spec = ServerSpec(name=name, argv=argv, port=port,
-                          health_url=f"http://127.0.0.1:{port}/health",
+                          health_url=f"http://{host}:{port}/health",
                           log_path=self.config.state_dir / "logs" / f"{name}.log",
-                          env={"PYTHONUNBUFFERED": "1"})
+                          env={"PYTHONUNBUFFERED": "1"}, host=host)
         proc = launch(spec, die_with_parent=self.die_with_parent)
         try:
             seconds = wait_healthy({name: (spec, proc)}, timeout=timeout)
         except BaseException:
             stop_group(proc.pid)
             raise
-        router = Router(name, port, tuple(argv), proc.pid, seconds)
+        router = Router(name, port, tuple(argv), proc.pid, seconds, host)
         self.routers[name] = router
         return router
 

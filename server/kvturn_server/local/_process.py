@@ -37,6 +37,9 @@ class ServerSpec:
     other_ports: tuple[int, ...] = ()
     """Ports it binds besides ``port`` (NIXL side channel, control endpoint): a restart waits
     until they are free."""
+    host: str = "127.0.0.1"
+    """The address ``port`` and ``other_ports`` are bound on (each member of a stack may have
+    its own, as each host of a fleet does)."""
 
 
 def _die_with_parent() -> None:

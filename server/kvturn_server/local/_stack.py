@@ -1,4 +1,8 @@
-"""The local stack: one prefill vLLM, one decode vLLM and the router, all on 127.0.0.1.
+"""The local stack: one prefill vLLM, one decode vLLM and the router, on loopback.
+
+All listen on 127.0.0.1 by default; each may have an address of its own in 127.0.0.0/8
+(``StackConfig.prefill_host`` ...), which runs the stack the way a multi-host fleet runs: every
+address an instance binds, advertises or dials is passed explicitly, as on separate hosts.
 
 ``Stack.start()`` launches the servers, waits for health with progress output and records them
 in ``<state_dir>/stack.json``; ``Stack.stop()`` (or ``kvturn down`` from another shell) stops
@@ -22,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvturn_server._control_secret import is_loopback
 from kvturn_server.connector import ConnectorConfig
 from kvturn_server.local._model import SIZES, build_model, is_built
 from kvturn_server.local._process import (
@@ -52,6 +57,14 @@ class StackConfig:
     model_size: str = "tiny"
     model_dir: Path | None = None
     host: str = "127.0.0.1"
+    """The loopback address of every member that has none of its own below."""
+    router_host: str | None = None
+    prefill_host: str | None = None
+    decode_host: str | None = None
+    reference_host: str | None = None
+    """Each member's own loopback address (None: ``host``). Distinct ones (127.0.0.2, 127.0.0.3,
+    ...: all of 127.0.0.0/8 is loopback) put each member on a host of its own, as a fleet does:
+    ``--host``, the NIXL side channel, the control endpoint and every URL a peer dials follow."""
     router_port: int = 8000
     prefill_port: int = 8100
     decode_port: int = 8200
@@ -87,54 +100,68 @@ class StackConfig:
     def model_path(self) -> Path:
         return self.model_dir or self.state_dir / "models" / self.model_size
 
-    def url(self, port: int) -> str:
-        return f"http://{self.host}:{port}"
+    def host_of(self, member: str) -> str:
+        """The address ``member`` (router, prefill, decode, reference) listens on."""
+        own = {"router": self.router_host, "prefill": self.prefill_host,
+               "decode": self.decode_host, "reference": self.reference_host}[member]
+        return own or self.host
+
+    def url(self, member: str, port: int) -> str:
+        host = self.host_of(member)
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     @property
     def router_url(self) -> str:
-        return self.url(self.router_port)
+        return self.url("router", self.router_port)
 
     @property
     def prefill_url(self) -> str:
-        return self.url(self.prefill_port)
+        return self.url("prefill", self.prefill_port)
 
     @property
     def decode_url(self) -> str:
-        return self.url(self.decode_port)
+        return self.url("decode", self.decode_port)
 
     @property
     def reference_url(self) -> str:
-        return self.url(self.reference_port)
+        return self.url("reference", self.reference_port)
 
     @property
     def prefill_control_url(self) -> str:
-        return self.url(self.prefill_control_port)
+        return self.url("prefill", self.prefill_control_port)
 
     @property
     def decode_control_url(self) -> str:
-        return self.url(self.decode_control_port)
+        return self.url("decode", self.decode_control_port)
 
-    def ports(self) -> dict[str, int]:
-        ports = {
-            "prefill": self.prefill_port,
-            "decode": self.decode_port,
-            "prefill NIXL side channel": self.prefill_side_channel_port,
-            "decode NIXL side channel": self.decode_side_channel_port,
-            "prefill control": self.prefill_control_port,
-            "decode control": self.decode_control_port,
+    def binds(self) -> dict[str, tuple[str, int]]:
+        """Every address and port a member binds, by what it is for."""
+        binds = {
+            "prefill": ("prefill", self.prefill_port),
+            "decode": ("decode", self.decode_port),
+            "prefill NIXL side channel": ("prefill", self.prefill_side_channel_port),
+            "decode NIXL side channel": ("decode", self.decode_side_channel_port),
+            "prefill control": ("prefill", self.prefill_control_port),
+            "decode control": ("decode", self.decode_control_port),
         }
         if self.with_router:
-            ports["router"] = self.router_port
+            binds["router"] = ("router", self.router_port)
         if self.with_reference:
-            ports["reference"] = self.reference_port
-        return ports
+            binds["reference"] = ("reference", self.reference_port)
+        return {what: (self.host_of(member), port) for what, (member, port) in binds.items()}
+
+    def ports(self) -> dict[str, int]:
+        return {what: port for what, (_, port) in self.binds().items()}
 
     def validate(self) -> None:
-        if self.host not in ("127.0.0.1", "localhost", "::1"):
-            raise StackError(f"the local stack listens on loopback only, not {self.host!r}")
-        ports = self.ports()
-        if len(set(ports.values())) != len(ports):
-            raise StackError(f"stack ports must all differ: {ports}")
+        for member in ("router", "prefill", "decode", "reference"):
+            if not is_loopback(self.host_of(member)):
+                raise StackError(f"the local stack listens on loopback only, not "
+                                 f"{self.host_of(member)!r} ({member})")
+        # Members on different addresses may share port numbers, as hosts of a fleet do.
+        binds = self.binds()
+        if len(set(binds.values())) != len(binds):
+            raise StackError(f"stack ports must all differ on each address: {binds}")
 
 
 def vllm_is_installed() -> bool:
@@ -149,7 +176,7 @@ INSTALL_HINT = (
 )
 
 
-def _vllm_env(cfg: StackConfig, side_channel_port: int | None) -> dict[str, str]:
+def _vllm_env(cfg: StackConfig, host: str, side_channel_port: int | None) -> dict[str, str]:
     env = {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -157,8 +184,10 @@ def _vllm_env(cfg: StackConfig, side_channel_port: int | None) -> dict[str, str]
         "DO_NOT_TRACK": "1",
         "VLLM_CPU_KVCACHE_SPACE": f"{cfg.kv_cache_gib:g}",
         # vLLM binds its engine<->worker message queues to this address; keep them on loopback.
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_HOST_IP": host,
+        # NIXL binds its side channel here *and* advertises it to peers in kv_transfer_params
+        # (remote_host): it must be the address the other instances dial, never a default.
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
         "PYTHONUNBUFFERED": "1",
     }
     if side_channel_port is not None:
@@ -166,10 +195,17 @@ def _vllm_env(cfg: StackConfig, side_channel_port: int | None) -> dict[str, str]
     return env
 
 
+# The member of the stack that plays each vLLM role (None: the plain reference instance).
+MEMBERS: dict[str | None, str] = {"kv_producer": "prefill", "kv_consumer": "decode",
+                                  None: "reference"}
+
+
 def kv_transfer_config(cfg: StackConfig, role: str) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of the prefill (``kv_producer``) or decode (``kv_consumer``)."""
     extra: dict[str, Any] = {
         "kv_read_timeout": cfg.kv_read_timeout,
+        # The connector's default is 127.0.0.1: routers on other hosts could not reach it.
+        "control_host": cfg.host_of(MEMBERS[role]),
         "control_port": cfg.prefill_control_port if role == "kv_producer"
         else cfg.decode_control_port,
     }
@@ -195,9 +231,10 @@ def kv_transfer_config(cfg: StackConfig, role: str) -> dict[str, Any]:
 
 def _vllm_spec(cfg: StackConfig, name: str, port: int, role: str | None,
                side_channel_port: int | None) -> ServerSpec:
+    host = cfg.host_of(MEMBERS[role])
     argv = [
         sys.executable, "-m", "kvturn_server.local._vllm", "serve", str(cfg.model_path),
-        "--host", cfg.host, "--port", str(port),
+        "--host", host, "--port", str(port),
         "--served-model-name", cfg.served_model_name,
         "--seed", "0",
         # vLLM's "auto" downcasts float32 checkpoints to bfloat16 on CPU; the tiny model must run
@@ -225,9 +262,9 @@ def _vllm_spec(cfg: StackConfig, name: str, port: int, role: str | None,
         control = cfg.prefill_control_port if role == "kv_producer" else cfg.decode_control_port
         other_ports = tuple(p for p in (side_channel_port, control) if p is not None)
     return ServerSpec(
-        name=name, argv=argv, port=port, health_url=f"{cfg.url(port)}/health",
+        name=name, argv=argv, port=port, health_url=f"{cfg.url(MEMBERS[role], port)}/health",
         log_path=cfg.state_dir / "logs" / f"{name}.log",
-        env=_vllm_env(cfg, side_channel_port), other_ports=other_ports)
+        env=_vllm_env(cfg, host, side_channel_port), other_ports=other_ports, host=host)
 
 
 def server_specs(cfg: StackConfig) -> list[ServerSpec]:
@@ -241,7 +278,7 @@ def server_specs(cfg: StackConfig) -> list[ServerSpec]:
         return specs
     router_argv = [
         sys.executable, "-m", "kvturn_server.cli", "router",
-        "--host", cfg.host, "--port", str(cfg.router_port),
+        "--host", cfg.host_of("router"), "--port", str(cfg.router_port),
         "--prefill", cfg.prefill_url,
         "--decode", f"{cfg.decode_url},control={cfg.decode_control_url}",
         "--retention-ttl", f"{cfg.decoder_kv_blocks_ttl:g}",
@@ -250,7 +287,8 @@ def server_specs(cfg: StackConfig) -> list[ServerSpec]:
     specs.append(ServerSpec(
         name="router", argv=router_argv, port=cfg.router_port,
         health_url=f"{cfg.router_url}/health",
-        log_path=cfg.state_dir / "logs" / "router.log", env={"PYTHONUNBUFFERED": "1"}))
+        log_path=cfg.state_dir / "logs" / "router.log", env={"PYTHONUNBUFFERED": "1"},
+        host=cfg.host_of("router")))
     return specs
 
 
@@ -350,8 +388,8 @@ class Stack:
                 f"a kvturn stack is already running from {cfg.state_dir} (router "
                 f"{running.config.router_url}, pids {sorted(running.pids.values())}); "
                 "stop it with `kvturn down` first")
-        busy = [f"{name} port {port}" for name, port in cfg.ports().items()
-                if not port_is_free(cfg.host, port)]
+        busy = [f"{name} port {port} on {host}" for name, (host, port) in cfg.binds().items()
+                if not port_is_free(host, port)]
         if busy:
             raise StackError(f"in use by another process: {', '.join(busy)}; stop it or "
                              "choose other ports (see `kvturn up --help`)")
@@ -384,7 +422,7 @@ class Stack:
             self.stop()
             raise
         if self.supervise:
-            self.supervisor = Supervisor(self, host=cfg.host, backoff=self.backoff,
+            self.supervisor = Supervisor(self, backoff=self.backoff,
                                          say=self.say).start()
             self._record()
         return self

@@ -93,12 +93,10 @@ def wait_ports_free(host: str, ports: Iterable[int], *, timeout: float,
 class Supervisor:
     """A thread that restarts the members of ``members`` that exit on their own."""
 
-    def __init__(self, members: Members, *, host: str = "127.0.0.1",
-                 backoff: Backoff | None = None, interval: float = 0.5,
+    def __init__(self, members: Members, *, backoff: Backoff | None = None, interval: float = 0.5,
                  group_grace: float = 5.0, say: Say | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.members = members
-        self.host = host
         self.backoff = backoff or Backoff()
         self.interval = interval
         self.group_grace = group_grace
@@ -171,7 +169,7 @@ class Supervisor:
         # The group outlives its leader: vLLM's engine core and workers hold the ports.
         stop_group(proc.pid, grace=self.group_grace)
         ports = (spec.port, *spec.other_ports)
-        busy = wait_ports_free(self.host, ports, timeout=30.0, stopping=self._stopping)
+        busy = wait_ports_free(spec.host, ports, timeout=30.0, stopping=self._stopping)
         self._note(spec, f"kvturn: {name}: process group {proc.pid} gone after "
                          f"{time.monotonic() - t0:.1f} s"
                          + (f"; ports {busy} still busy" if busy else "; its ports are free"))

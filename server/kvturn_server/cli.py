@@ -222,7 +222,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from kvturn_server.local._demo import run_demo
 
     return run_demo(_stack_config(args), turns=args.turns, tool_latency=args.tool_latency,
-                    plot=args.plot)
+                    plot=args.plot, api=args.api)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.set_defaults(func=cmd_router)
 
     demo = sub.add_parser(
-        "demo", help="run the demo: stack up, a LangGraph tool agent with kvturn off and on, "
+        "demo", help="run the demo: stack up, a tool agent with kvturn off and on, "
                      "per-turn table and plot, stack down",
         description="Build the tiny model, start the stack (vLLM's defaults: prefix caching "
                     "on, on the prefill and the decode), run a LangGraph tool-calling agent "
@@ -298,13 +298,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "(the decode alone, or prefill then decode) and where the prompt's KV came "
                     "from (the prefill's cache, the decode's retention, computed), write a "
                     "PNG plot, stop the stack. Uses a running stack (kvturn up) as it is. A "
-                    "few minutes on a 2-core machine.")
+                    "few minutes on a 2-core machine. --api picks the API the agent talks "
+                    "through the router.")
     _add_stack_args(demo)
     demo.add_argument("--turns", type=int, default=6,
                       help="model turns of the agent, all but the last call a tool "
                            "(default: %(default)s)")
     demo.add_argument("--tool-latency", type=float, default=0.5,
                       help="seconds each tool call takes (default: %(default)s)")
+    demo.add_argument("--api", choices=("chat", "responses", "messages"), default="chat",
+                      help="the API the agent talks: chat (Chat Completions), responses "
+                           "(/v1/responses) or messages (Anthropic's /v1/messages) "
+                           "(default: %(default)s)")
     demo.add_argument("--plot", type=Path, default=None,
                       help="PNG path (default: <state-dir>/demo.png)")
     demo.set_defaults(func=cmd_demo)

@@ -1,6 +1,6 @@
-"""The LangGraph integration tests' fake kvturn router: plays a tool-calling model (tool calls
-for a few rounds, then a final answer; SSE when ``stream`` is set); the router API around it
-(reuse headers, keepalive, release, recording) is ``RouterAPI``'s."""
+"""The integration tests' fake kvturn router: plays a tool-calling model (tool calls for a few
+rounds, then a final answer; SSE when ``stream`` is set) on Chat Completions and on Responses;
+the router API around it (reuse headers, keepalive, release, recording) is ``RouterAPI``'s."""
 
 from __future__ import annotations
 
@@ -15,6 +15,21 @@ from tests.fakes.router import tool_call_deltas
 from tests.fakes.router_api import CONVERSATIONS, Recorded, RouterAPI, api_error
 
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
+
+
+def _response_rounds_since_user(items: list[dict[str, Any]] | str) -> int:
+    """Tool rounds in a Responses input since its last user message: runs of function calls."""
+    rounds = 0
+    following_call = False
+    for item in reversed(items if isinstance(items, list) else []):
+        if item.get("role") == "user":
+            break
+        is_call = item.get("type") == "function_call"
+        if following_call and not is_call:
+            rounds += 1
+        following_call = is_call
+    return rounds + int(following_call)
 
 
 def _rounds_since_user(messages: list[dict[str, Any]]) -> int:
@@ -58,12 +73,14 @@ class ToolCallingRouter(RouterAPI):
     # --- the turns --------------------------------------------------------------------------
 
     def handle_turn(self, recorded: Recorded) -> httpx2.Response:
-        if recorded.path != CHAT:
+        if recorded.path not in (CHAT, RESPONSES):
             return api_error(404, "unknown route", type_="not_found")
         if self.on_turn is not None:
             self.on_turn(recorded)
         body = recorded.body
         headers = self.reuse_headers(recorded)
+        if recorded.path == RESPONSES:
+            return self._response(recorded, headers)
         self.retain(recorded, len(json.dumps(body["messages"])))
         message = self._reply(body)
         if not body.get("stream"):
@@ -78,12 +95,65 @@ class ToolCallingRouter(RouterAPI):
         return httpx2.Response(200, headers={**headers, "content-type": "text/event-stream"},
                                content="".join(events).encode())
 
-    def _reply(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _response(self, recorded: Recorded, headers: dict[str, str]) -> httpx2.Response:
+        """A Responses turn: the same model, its reply as output items."""
+        body = recorded.body
+        self.retain(recorded, len(json.dumps(body["input"])))
+        tools = [{"type": "function", "function": {"name": t["name"],
+                                                    "parameters": t.get("parameters")}}
+                 for t in body.get("tools") or () if t.get("type") == "function"]
+        forced = body.get("tool_choice")
+        if isinstance(forced, dict):
+            forced = {"type": "function", "function": {"name": forced["name"]}}
+        message = self._reply({"tools": tools, "tool_choice": forced},
+                              _response_rounds_since_user(body["input"]))
+        number = self._calls
+        output: list[dict[str, Any]] = [
+            {"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"],
+             "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+             "status": "completed"} for call in message["tool_calls"]]
+        if message["content"]:
+            output.append({"type": "message", "id": f"msg_{number}", "role": "assistant",
+                           "status": "completed", "content": [
+                               {"type": "output_text", "text": message["content"],
+                                "annotations": []}]})
+        response = {"id": f"resp_{number}", "object": "response", "created_at": 0,
+                    "model": body.get("model"), "status": "completed",
+                    "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                    "output": output, "usage": {
+                        "input_tokens": 10, "output_tokens": 2, "total_tokens": 12,
+                        "input_tokens_details": {"cached_tokens": 0},
+                        "output_tokens_details": {"reasoning_tokens": 0}}}
+        if not body.get("stream"):
+            return httpx2.Response(200, headers=headers, json=response)
+        events = [{"type": "response.created",
+                   "response": {**response, "status": "in_progress", "output": []}}]
+        for index, item in enumerate(output):
+            at = {"output_index": index, "item_id": item["id"]}
+            events.append({"type": "response.output_item.added", "output_index": index,
+                           "item": {**item, "status": "in_progress"}})
+            if item["type"] == "function_call":
+                events.append({"type": "response.function_call_arguments.delta", **at,
+                               "delta": item["arguments"]})
+            else:
+                events += [{"type": "response.output_text.delta", **at, "content_index": 0,
+                            "delta": word if i == 0 else f" {word}", "logprobs": []}
+                           for i, word in enumerate(item["content"][0]["text"].split(" "))]
+            events.append({"type": "response.output_item.done", "output_index": index,
+                           "item": item})
+        events.append({"type": "response.completed", "response": response})
+        sse = "".join(f"event: {e['type']}\ndata: {json.dumps({**e, 'sequence_number': n})}\n\n"
+                      for n, e in enumerate(events))
+        return httpx2.Response(200, headers={**headers, "content-type": "text/event-stream"},
+                               content=sse.encode())
+
+    def _reply(self, body: dict[str, Any], rounds: int | None = None) -> dict[str, Any]:
         schemas = {tool["function"]["name"]: tool["function"].get("parameters") or {}
                    for tool in body.get("tools") or ()}
         tools = list(schemas)
         forced = body.get("tool_choice")
-        rounds = _rounds_since_user(body["messages"])
+        if rounds is None:
+            rounds = _rounds_since_user(body["messages"])
         with self._changed:
             self._calls += 1
             number = self._calls

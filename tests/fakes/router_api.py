@@ -15,7 +15,7 @@ from urllib.parse import unquote
 import httpx2
 
 CONVERSATIONS = "/kvturn/v1/conversations/"
-TURN_PATHS = ("/v1/chat/completions", "/v1/completions")
+TURN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 @dataclass

@@ -316,6 +316,41 @@ async def test_responses_stream_is_stored_before_its_final_event(
     assert h.cluster.bodies("decode0")[1]["input"][1]["type"] == "function_call"
 
 
+async def test_responses_stream_events_carry_the_requests_own_fields(
+        make_harness: MakeHarness) -> None:
+    # The legs saw the expanded request (no previous_response_id, store false): every response
+    # object the stream carries says what the client asked for, as a whole reply does.
+    h = await make_harness()
+    _responses_decode(h.cluster.decodes[0])
+    first = await _responses(h, request_id="resp_p1")
+    assert first.status_code == 200
+    decode = h.cluster.decodes[0]
+    leg = {"id": "resp_p2", "status": "in_progress", "previous_response_id": None,
+           "store": False, "output": []}
+    delta = {"type": "response.output_text.delta", "delta": "x", "sequence_number": 1}
+    decode.chunks = [
+        _event("response.created", {"type": "response.created", "response": leg}),
+        _event("response.output_text.delta", delta),
+        _event("response.completed", {"type": "response.completed", "response": {
+            **leg, "status": "completed", "output": [
+                {"type": "message", "id": "m", "role": "assistant", "status": "completed",
+                 "content": [{"type": "output_text", "text": "x"}]}]}})]
+    resp = await _responses(h, stream=True, request_id="resp_p2",
+                            previous_response_id="resp_p1", input="more")
+    assert resp.status_code == 200
+    events = [_json.loads(line[6:]) for line in resp.text.split("\n")
+              if line.startswith("data: ")]
+    assert [e["type"] for e in events] == [
+        "response.created", "response.output_text.delta", "response.completed"]
+    for e in (events[0], events[2]):
+        assert e["response"]["previous_response_id"] == "resp_p1", e
+        assert e["response"]["store"] is True, e
+    assert events[1] == delta
+    # The leg itself was sent the expanded input, without the id.
+    leg_body = h.cluster.bodies("decode0")[-1]
+    assert "previous_response_id" not in leg_body and leg_body["store"] is False
+
+
 def test_split_final_event() -> None:
     split = split_final_event((b"event: message_stop",))
     stop = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'

@@ -10,6 +10,11 @@ short turns itself, and a prefill reads what it lacks from the decode). Per mode
 measures the time to the first token and where the prompt's KV came from (the instances'
 metrics: the prefill's cache, the decode's retained KV, or computed on either), then prints a
 table, writes a PNG plot and stops the stack.
+
+``--api`` picks the API the agent talks through the router: ``chat`` (Chat Completions, the
+default), ``responses`` (the same LangGraph agent with ``use_responses_api=True``: turns go to
+``/v1/responses``) or ``messages`` (the same agent as a plain loop over Anthropic's
+``/v1/messages``, ``_demo_messages.py``).
 """
 
 from __future__ import annotations
@@ -22,15 +27,19 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 from uuid import UUID
 
 from kvturn_server._plot import pyplot, save
+from kvturn_server.local._demo_messages import run_messages_agent
 from kvturn_server.local._metrics import PromptSources, prompt_sources
 from kvturn_server.local._stack import Stack, StackConfig, read_running
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "langgraph_agent.py"
 MODES = ("off", "on")
+Api = Literal["chat", "responses", "messages"]
+API_NAMES: dict[str, str] = {"chat": "Chat Completions", "responses": "Responses",
+                             "messages": "Messages"}
 
 
 @dataclass(frozen=True)
@@ -78,50 +87,67 @@ def load_agent() -> ModuleType:
     return module
 
 
-def _tracer(mode: str, cfg: StackConfig, reports: list[TurnReport]) -> Any:
+class Meter:
+    """Measures the agent's model calls, one after the other: the instances' metrics around
+    each, its time to the first token, and its report."""
+
+    def __init__(self, mode: str, cfg: StackConfig, reports: list[TurnReport]) -> None:
+        self.mode = mode
+        self.cfg = cfg
+        self.reports = reports
+        self._open: tuple[float, PromptSources, PromptSources] | None = None
+        self._first: float | None = None
+
+    def start(self) -> None:
+        self._open = (time.perf_counter(), prompt_sources(self.cfg.prefill_url),
+                      prompt_sources(self.cfg.decode_url))
+        self._first = None
+
+    def first_token(self) -> None:
+        if self._first is None:
+            self._first = time.perf_counter()
+
+    def end(self, tool: str | None, reuse: str | None) -> None:
+        assert self._open is not None, "end() without start()"
+        (started, p0, d0), self._open = self._open, None
+        now = time.perf_counter()
+        p = prompt_sources(self.cfg.prefill_url) - p0
+        d = prompt_sources(self.cfg.decode_url) - d0
+        prompt = p.computed + p.local_cache + p.transferred
+        if prompt == 0:  # the decode served the turn alone
+            prompt = d.computed + d.local_cache + d.transferred
+        report = TurnReport(
+            self.mode, len([r for r in self.reports if r.mode == self.mode]) + 1, tool,
+            int(prompt), ((self._first or now) - started) * 1000, (now - started) * 1000,
+            reuse or "-", p, d)
+        self.reports.append(report)
+        print(f"  [{self.mode}] turn {report.turn}: {report.tool or 'answer':<15} TTFT "
+              f"{report.ttft_ms:6.0f} ms  {report.route:<7} prefill cache "
+              f"{p.local_cache:6.0f}, from the decode {report.from_decode:6.0f}, computed "
+              f"{report.computed:6.0f}", file=sys.stderr, flush=True)
+
+
+def _tracer(meter: Meter) -> Any:
     from langchain_core.callbacks import BaseCallbackHandler
 
     class Tracer(BaseCallbackHandler):
-        """Metrics of each model call: the agent runs its calls one after the other."""
-
-        def __init__(self) -> None:
-            self.open: dict[UUID, tuple[float, float | None, PromptSources, PromptSources]] = {}
+        """The LangGraph agent's model calls, measured by ``meter``."""
 
         def on_chat_model_start(self, serialized: Any, messages: Any, *, run_id: UUID,
                                 **kwargs: Any) -> None:
-            self.open[run_id] = (time.perf_counter(), None, prompt_sources(cfg.prefill_url),
-                                 prompt_sources(cfg.decode_url))
+            meter.start()
 
         def on_llm_new_token(self, token: Any, *, chunk: Any = None, run_id: UUID,
                              **kwargs: Any) -> None:
-            entry = self.open.get(run_id)
-            if entry is None or entry[1] is not None:
-                return
             message = getattr(chunk, "message", None)
             if token or getattr(message, "tool_call_chunks", None):
-                self.open[run_id] = (entry[0], time.perf_counter(), entry[2], entry[3])
+                meter.first_token()
 
         def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
-            started, first, p0, d0 = self.open.pop(run_id)
-            now = time.perf_counter()
             message = response.generations[0][0].message
             calls = getattr(message, "tool_calls", None) or []
             info = message.response_metadata.get("kvturn") or {}
-            p = prompt_sources(cfg.prefill_url) - p0
-            d = prompt_sources(cfg.decode_url) - d0
-            prompt = p.computed + p.local_cache + p.transferred
-            if prompt == 0:  # the decode served the turn alone
-                prompt = d.computed + d.local_cache + d.transferred
-            report = TurnReport(
-                mode, len([r for r in reports if r.mode == mode]) + 1,
-                calls[0]["name"] if calls else None, int(prompt),
-                ((first or now) - started) * 1000, (now - started) * 1000,
-                info.get("reuse") or "-", p, d)
-            reports.append(report)
-            print(f"  [{mode}] turn {report.turn}: {report.tool or 'answer':<15} TTFT "
-                  f"{report.ttft_ms:6.0f} ms  {report.route:<7} prefill cache "
-                  f"{p.local_cache:6.0f}, from the decode {report.from_decode:6.0f}, computed "
-                  f"{report.computed:6.0f}", file=sys.stderr, flush=True)
+            meter.end(calls[0]["name"] if calls else None, info.get("reuse"))
 
     return Tracer()
 
@@ -131,24 +157,44 @@ MANUAL_SECTIONS = 100
 agent's tool documentation, so that the prefill's work is what it is in production."""
 
 
-def run_agents(cfg: StackConfig, turns: int, tool_latency: float) -> list[TurnReport]:
-    """Run the agent off, then on; one report per model turn."""
+def _ignore(*_: object) -> None:
+    """What the warm-up measures: nothing."""
+
+
+def run_agents(cfg: StackConfig, turns: int, tool_latency: float,
+               api: Api = "chat") -> list[TurnReport]:
+    """Run the agent off, then on, talking ``api``; one report per model turn."""
     agent = load_agent()
     reports: list[TurnReport] = []
     base_url = f"{cfg.router_url}/v1"
+
+    def run(mode: str, turns: int, tag: str, meter: Meter | None) -> None:
+        plain = mode != "on"
+        if api == "messages":
+            run_messages_agent(
+                agent, cfg.router_url, cfg.served_model_name, turns,
+                conversation=None if plain else tag, tool_latency=tool_latency, tag=tag,
+                manual=MANUAL_SECTIONS if meter else 0,
+                start=meter.start if meter else _ignore,
+                first_token=meter.first_token if meter else _ignore,
+                end=meter.end if meter else _ignore)
+            return
+        agent.run_agent(base_url, cfg.served_model_name, turns, plain=plain, thread_id=tag,
+                        tool_latency=tool_latency, tag=tag,
+                        manual=MANUAL_SECTIONS if meter else 0,
+                        callbacks=[_tracer(meter)] if meter else [],
+                        use_responses_api=True if api == "responses" else None)
+
     # First-use costs stay out of the comparison: NIXL handshakes, and vLLM compiling the
     # grammar of each tool's forced call (a one-off per tool, which the first mode would pay).
     print("warming up (NIXL handshakes, tool-call grammars)", file=sys.stderr, flush=True)
-    agent.run_agent(base_url, cfg.served_model_name, len(agent.TOOLS) + 1, plain=True,
-                    tool_latency=0.0, tag="warm-up")
+    run("warm-up", len(agent.TOOLS) + 1, "warm-up", None)
     for mode in MODES:
-        print(f"running the agent with kvturn {mode}: {turns} model turns, tools take "
-              f"{tool_latency:g} s", file=sys.stderr, flush=True)
+        print(f"running the agent with kvturn {mode} on the {API_NAMES[api]} API: {turns} "
+              f"model turns, tools take {tool_latency:g} s", file=sys.stderr, flush=True)
         # A history of its own per mode: the runs share no prefix in any cache.
         tag = f"demo-{mode}-{uuid.uuid4().hex[:8]}"
-        agent.run_agent(base_url, cfg.served_model_name, turns, plain=mode == "off",
-                        thread_id=tag, tool_latency=tool_latency, tag=tag,
-                        manual=MANUAL_SECTIONS, callbacks=[_tracer(mode, cfg, reports)])
+        run(mode, turns, tag, Meter(mode, cfg, reports))
     return reports
 
 
@@ -199,7 +245,7 @@ reuse: the router's X-KVTurn-Reuse (hit: every full block of the prompt came fro
 cached KV; partial: a verified prefix did)."""
 
 
-def write_plot(reports: list[TurnReport], path: Path) -> bool:
+def write_plot(reports: list[TurnReport], path: Path, api: Api = "chat") -> bool:
     """TTFT per model turn, off vs on; False when matplotlib is not installed."""
     plt = pyplot()
     if plt is None:
@@ -211,7 +257,7 @@ def write_plot(reports: list[TurnReport], path: Path) -> bool:
         ax.plot([r.turn for r in rs], [r.ttft_ms for r in rs], "o-", label=label)
     ax.set_xlabel("model turn of the agent")
     ax.set_ylabel("time to first token (ms)")
-    ax.set_title("kvturn demo: LangGraph tool agent, tiny model on CPU")
+    ax.set_title(f"kvturn demo: tool agent on the {API_NAMES[api]} API, tiny model on CPU")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend()
@@ -220,7 +266,7 @@ def write_plot(reports: list[TurnReport], path: Path) -> bool:
 
 
 def run_demo(cfg: StackConfig, turns: int = 6, tool_latency: float = 0.5,
-             plot: Path | None = None) -> int:
+             plot: Path | None = None, api: Api = "chat") -> int:
     from kvturn_server.cli import ProgressLine
 
     load_agent()  # fail before minutes of start-up if the example is not there
@@ -236,7 +282,7 @@ def run_demo(cfg: StackConfig, turns: int = 6, tool_latency: float = 0.5,
               "prefix caching, router; about a minute)", file=sys.stderr)
         stack = Stack(cfg, die_with_parent=True).start(progress=ProgressLine())
     try:
-        reports = run_agents(cfg, turns, tool_latency)
+        reports = run_agents(cfg, turns, tool_latency, api)
     finally:
         if stack is not None:
             print("stopping the stack", file=sys.stderr)
@@ -248,6 +294,6 @@ def run_demo(cfg: StackConfig, turns: int = 6, tool_latency: float = 0.5,
     print()
     print(LEGEND)
     plot = plot or cfg.state_dir / "demo.png"
-    if write_plot(reports, plot):
+    if write_plot(reports, plot, api):
         print(f"\nplot: {plot}")
     return 0

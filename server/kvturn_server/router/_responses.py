@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
 from kvturn_server.router import _json
 from kvturn_server.router._apis import RESPONSES
@@ -48,6 +49,7 @@ from kvturn_server.router._identity import (
 from kvturn_server.router._legs import client_body
 from kvturn_server.router._log import event
 from kvturn_server.router._state import StoreError
+from kvturn_server.router._stream import RelayResponse
 from kvturn_server.router._turn import Turn, request_id_of, traced
 
 if TYPE_CHECKING:
@@ -100,15 +102,47 @@ class ResponsesTurn:
         self.conversation_param = conversation_param
         self.previous_response_id = previous_response_id
 
-    async def reply(self, payload: dict[str, Any]) -> dict[str, Any]:
-        # The legs saw neither field: the client gets back what it asked for.
-        payload["previous_response_id"] = self.previous_response_id
-        if "store" in payload:
-            payload["store"] = self.store
+    def restore(self, response: dict[str, Any]) -> None:
+        """The legs saw none of these fields: the client gets back what it asked for."""
+        response["previous_response_id"] = self.previous_response_id
+        if "store" in response:
+            response["store"] = self.store
         if self.conversation_param is not None:
-            payload["conversation"] = {"id": self.conversation_param}
+            response["conversation"] = {"id": self.conversation_param}
+
+    async def reply(self, payload: dict[str, Any]) -> dict[str, Any]:
+        self.restore(payload)
         await self._record(payload)
         return payload
+
+    def restore_events(self, events: bytes) -> bytes:
+        """A stream's events, each response object in them (``response.created``,
+        ``in_progress``, ``completed``, ...) restored as ``reply`` restores a whole reply;
+        the other events (deltas) pass as they are."""
+        if b'"response"' not in events:
+            return events
+        out = []
+        for block in events.split(b"\n\n"):
+            if b'"response"' in block:
+                block = self._restored_event(block)
+            out.append(block)
+        return b"\n\n".join(out)
+
+    def _restored_event(self, block: bytes) -> bytes:
+        lines = block.split(b"\n")
+        for i, line in enumerate(lines):
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                payload = _json.loads(line[5:])
+            except ValueError:
+                return block
+            response = payload.get("response") if isinstance(payload, dict) else None
+            if not isinstance(response, dict):
+                return block
+            self.restore(response)
+            lines[i] = b"data: " + _json.dumps(payload)
+        return b"\n".join(lines)
 
     async def final_event(self, event_bytes: bytes) -> None:
         data = b"\n".join(line[5:].removeprefix(b" ")
@@ -246,4 +280,28 @@ async def responses_endpoint(router: Router, request: Request) -> Response:
                 identity=identity, no_reuse="x-kvturn-no-reuse" in headers, started=started,
                 api=RESPONSES, hook=state)
     traced(turn, headers)
-    return await turn.run()
+    response = await turn.run()
+    if isinstance(response, RelayResponse):
+        return _RestoredStream(response, state)
+    return response
+
+
+class _RestoredStream(Response):
+    """A relayed Responses stream whose events carry the client's own fields (the legs saw
+    the expanded request: ``previous_response_id: null``, ``store: false``). The relay sends
+    whole events per body message (``_stream.py``), so each message is restored alone."""
+
+    def __init__(self, relay: RelayResponse, state: ResponsesTurn) -> None:
+        self.relay = relay
+        self.state = state
+        self.status_code = relay.status_code
+        self.background = None
+        self.raw_headers = relay.raw_headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def restoring(message: Message) -> None:
+            if message["type"] == "http.response.body" and message.get("body"):
+                message = {**message, "body": self.state.restore_events(message["body"])}
+            await send(message)
+
+        await self.relay(scope, receive, restoring)

@@ -86,6 +86,7 @@ from kvturn_server.bench._host import describe_cpu, host_info
 from kvturn_server.bench._sampling import PeriodicSampler, loadavg, retained_bytes, wait_released
 from kvturn_server.bench._stats import distribution, percentile, write_json
 from kvturn_server.local._metrics import PromptSources
+from kvturn_server.local._progress import ProgressLine
 
 if TYPE_CHECKING:
     import kvturn
@@ -314,7 +315,6 @@ def run_agent_bench(settings: AgentBenchSettings,
                     say: Callable[[str], None] = print) -> dict[str, Any]:
     """Start the stack, run the modes, stop the stack; print a table, write the JSON and the
     plot when their paths are set; return the results."""
-    from kvturn_server.cli import ProgressLine
     from kvturn_server.local._model import SIZES
     from kvturn_server.local._stack import Stack
 

@@ -70,6 +70,7 @@ from kvturn_server.bench._fleet_plan import (
 from kvturn_server.bench._fleet_report import build_results, scenario_result, table, write_plot
 from kvturn_server.bench._sampling import loadavg
 from kvturn_server.bench._stats import write_json
+from kvturn_server.local._progress import ProgressLine
 
 if TYPE_CHECKING:
     import kvturn
@@ -156,7 +157,6 @@ def run_scenario(scenario: Scenario, settings: FleetBenchSettings, counter: list
                  total_runs: int, say: Callable[[str], None]) -> tuple[dict[str, Any],
                                                                        list[ModeRun]]:
     """Start the scenario's fleet, warm it up, run every repeat of every mode, stop it."""
-    from kvturn_server.cli import ProgressLine
     from kvturn_server.local._fleet import Fleet
     from kvturn_server.local._process import StackError
 

@@ -95,6 +95,7 @@ from kvturn_server.local._direct import DirectConversation, control, retention_p
 from kvturn_server.local._http import post_json
 from kvturn_server.local._metrics import PromptSources, Samples, scrape, sources, total
 from kvturn_server.local._model import SIZES
+from kvturn_server.local._progress import ProgressLine
 from kvturn_server.local._stack import Stack, StackConfig
 
 
@@ -390,7 +391,6 @@ def run_reuse_bench(settings: ReuseBenchSettings, json_path: Path, plot_path: Pa
                         dict[str, Any]]:
     """Start the benchmark stack, measure every row, stop it; print the table, write the JSON
     and the plot."""
-    from kvturn_server.cli import ProgressLine
 
     cfg = bench_config(settings.state_dir, ports,
                        decode_steps_while_pinned=settings.decode_steps_while_pinned,

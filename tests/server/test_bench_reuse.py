@@ -40,13 +40,13 @@ from kvturn_server.bench._reuse_report import (
     RowSamples,
     Spread,
     below_floor,
-    quantile,
     steps_table,
     summarize,
     table,
     write_json,
     write_plot,
 )
+from kvturn_server.bench._stats import quantile
 from kvturn_server.cli import build_parser
 from kvturn_server.local._metrics import PromptSources
 from kvturn_server.local._stack import kv_transfer_config

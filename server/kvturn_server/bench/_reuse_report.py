@@ -24,19 +24,11 @@ from kvturn_server.bench._reuse_plan import (
     expected_prefill,
     mismatch,
 )
-from kvturn_server.bench._stats import percentile
+from kvturn_server.bench._stats import quantile
 from kvturn_server.local._metrics import PromptSources
 
 TARGET = 1.25
 """The issue's bound on reuse / floor (issue 12, item 5)."""
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (0..1), linear between order statistics (numpy's default)."""
-    value = percentile(values, q)
-    if value is None:
-        raise ValueError("no values")
-    return value
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvturn_server.bench._stats import quantile
 from kvturn_server.local._process import free_port
 
 try:
@@ -336,23 +337,18 @@ class _Client:
         return first[0] - t0, time.perf_counter() - t0
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def _summary(direct: list[float], router: list[float]) -> dict[str, Any]:
     """Percentiles of each path; ``added_*`` are their differences, ``paired_added_*`` the
     percentiles of the per-pair differences (steadier on a busy machine)."""
     ms = 1000.0
-    d50, d99 = _pct(direct, 0.5) * ms, _pct(direct, 0.99) * ms
-    r50, r99 = _pct(router, 0.5) * ms, _pct(router, 0.99) * ms
+    d50, d99 = quantile(direct, 0.5) * ms, quantile(direct, 0.99) * ms
+    r50, r99 = quantile(router, 0.5) * ms, quantile(router, 0.99) * ms
     pairs = [r - d for r, d in zip(router, direct, strict=True)]
     return {"direct_p50_ms": round(d50, 3), "direct_p99_ms": round(d99, 3),
             "router_p50_ms": round(r50, 3), "router_p99_ms": round(r99, 3),
             "added_p50_ms": round(r50 - d50, 3), "added_p99_ms": round(r99 - d99, 3),
-            "paired_added_p50_ms": round(_pct(pairs, 0.5) * ms, 3),
-            "paired_added_p99_ms": round(_pct(pairs, 0.99) * ms, 3),
+            "paired_added_p50_ms": round(quantile(pairs, 0.5) * ms, 3),
+            "paired_added_p99_ms": round(quantile(pairs, 0.99) * ms, 3),
             "samples": len(router)}
 
 

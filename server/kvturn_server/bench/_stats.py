@@ -1,31 +1,43 @@
-"""The numbers both agent benchmarks (``kvturn bench agent`` and ``kvturn bench fleet``) report
-with: quantiles, a distribution's summary, ratios, and how a missing value prints."""
+"""The statistics every benchmark reports with (and ``kvturn simulate``): one quantile
+definition, a distribution's summary, ratios and their bootstrap intervals, the turn summary of
+both agent benchmarks, and how a missing value prints."""
 
 from __future__ import annotations
 
 import json
-import math
 import random
 import statistics
 from collections.abc import Iterable, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Protocol
 
 MIB = 1024 * 1024
 
 
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """The ``q`` quantile (0..1) with linear interpolation between order statistics (numpy's
-    default); None for no values."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
+def quantile(values: Iterable[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``: the one definition every benchmark (and
+    ``kvturn simulate``) reports with. The stdlib's ``statistics.quantiles(method="inclusive")``:
+    linear interpolation between order statistics, numpy's default; ``q`` is taken as the
+    nearest fraction with a denominator up to 10 000 (0.99 is 99/100). Raises ValueError for
+    no values or ``q`` outside [0, 1]."""
+    data = [float(v) for v in values]
+    if not data:
+        raise ValueError("no values")
     if not 0 <= q <= 1:
         raise ValueError(f"q must be within [0, 1], got {q}")
-    pos = q * (len(ordered) - 1)
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    cut = Fraction(q).limit_denominator(10_000)
+    if len(data) == 1 or cut.numerator == 0:
+        return min(data)
+    if cut == 1:
+        return max(data)
+    return statistics.quantiles(data, n=cut.denominator, method="inclusive")[cut.numerator - 1]
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """``quantile``, but None for no values (a summary of nothing)."""
+    data = list(values)
+    return quantile(data, q) if data else None
 
 
 def rounded(value: float | None, digits: int = 3) -> float | None:

@@ -1,10 +1,5 @@
 """kvturn's benchmarks: each prints its numbers and writes them as JSON (and a plot)."""
 
-from kvturn_server.bench._agent import (
-    AgentBenchSettings,
-    add_agent_bench_parser,
-    run_agent_bench,
-)
 from kvturn_server.bench._fleet import add_fleet_bench_parser, run_fleet_bench
 from kvturn_server.bench._fleet_plan import FleetBenchSettings
 from kvturn_server.bench._reuse import (
@@ -19,6 +14,11 @@ from kvturn_server.bench._router import (
     run_router_bench,
 )
 from kvturn_server.bench._sdk import add_sdk_bench_parser, run_sdk_bench
+from kvturn_server.bench.agent import (
+    AgentBenchSettings,
+    add_agent_bench_parser,
+    run_agent_bench,
+)
 
 __all__ = ["AgentBenchSettings", "FleetBenchSettings", "ReuseBenchSettings",
            "RouterBenchSettings", "add_agent_bench_parser", "add_fleet_bench_parser",

@@ -36,16 +36,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvturn_server.bench._agent import AgentBenchSettings, GapDistribution, build_scripts
-from kvturn_server.bench._agent_cli import (
+from kvturn_server.bench._cli import (
     add_output_args,
     bench_client,
     comma_choices,
     token_range,
     write_plot_and_say,
 )
-from kvturn_server.bench._agent_loop import Live
-from kvturn_server.bench._agent_report import AgentOutcome
 from kvturn_server.bench._fleet_agents import (
     FleetTurn,
     HttpFleetProbe,
@@ -70,6 +67,9 @@ from kvturn_server.bench._fleet_plan import (
 from kvturn_server.bench._fleet_report import build_results, scenario_result, table, write_plot
 from kvturn_server.bench._sampling import loadavg
 from kvturn_server.bench._stats import write_json
+from kvturn_server.bench.agent._loop import Live
+from kvturn_server.bench.agent._records import AgentOutcome
+from kvturn_server.bench.agent._workload import AgentBenchSettings, GapDistribution, build_scripts
 from kvturn_server.local._progress import ProgressLine
 
 if TYPE_CHECKING:

@@ -56,6 +56,46 @@ def cdf_points(values: Sequence[float]) -> list[float | None]:
     return [rounded(percentile(values, i / 100)) for i in range(101)]
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def spread(values: Sequence[float | int | None]) -> dict[str, Any]:
+    """min, median and max of the measured values (None: not measured), and all of them."""
+    present = [v for v in values if v is not None]
+    return {"min": min(present) if present else None,
+            "median": rounded(statistics.median(present), 4) if present else None,
+            "max": max(present) if present else None, "per_repeat": list(values)}
+
+
+_DROP = object()
+
+
+def median_tree(values: Sequence[Any]) -> Any:
+    """The median over repeats of a summary, leaf by leaf: numbers become their median,
+    dicts are merged key by key (a key missing from a repeat counts 0 where the dict holds
+    only numbers, as a counter does, else it is left out), equal other values stay, differing
+    ones (lists of load averages, say) are dropped; None values are left out."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    if all(isinstance(v, dict) for v in present):
+        counter = all(_is_number(x) for v in present for x in v.values())
+        keys = list(dict.fromkeys(k for v in present for k in v))
+        merged = {}
+        for key in keys:
+            value = median_tree([v.get(key, 0 if counter else None) for v in present])
+            if value is not _DROP:
+                merged[key] = value
+        return merged
+    if all(_is_number(v) for v in present):
+        median = statistics.median(present)
+        return median if isinstance(median, int) else round(median, 4)
+    if all(v == present[0] for v in present):
+        return present[0]
+    return _DROP
+
+
 def ratio(a: float | int | None, b: float | int | None) -> float | None:
     """``a / b`` to three decimals; None where either is missing or ``b`` is 0."""
     if a is None or b is None or b == 0:

@@ -23,9 +23,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from kvturn_server.bench._agent_report import AgentOutcome
-from kvturn_server.bench._agent_workload import AgentScript, Message
 from kvturn_server.bench._stats import MIB, fmt, percentile
+from kvturn_server.bench.agent._records import AgentOutcome
+from kvturn_server.bench.agent._workload import AgentScript, Message
 
 if TYPE_CHECKING:
     import kvturn

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvturn_server.bench._fleet import add_fleet_bench_parser
-from kvturn_server.bench._reuse import add_reuse_bench_parser
+from kvturn_server.bench._reuse_cli import add_reuse_bench_parser
 from kvturn_server.bench._router import add_router_bench_parser
 from kvturn_server.bench._sdk import add_sdk_bench_parser
 from kvturn_server.bench.agent import add_agent_bench_parser

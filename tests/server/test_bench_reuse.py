@@ -14,14 +14,8 @@ from typing import Any
 
 import pytest
 
-from kvturn_server.bench._reuse import (
-    ReuseBenchSettings,
-    ReuseRunner,
-    Snapshot,
-    TurnReply,
-    bench_config,
-    settings_from_args,
-)
+from kvturn_server.bench._reuse import ReuseBenchSettings, ReuseRunner, bench_config
+from kvturn_server.bench._reuse_cli import settings_from_args
 from kvturn_server.bench._reuse_plan import (
     LABELS,
     MODES,
@@ -46,6 +40,7 @@ from kvturn_server.bench._reuse_report import (
     write_json,
     write_plot,
 )
+from kvturn_server.bench._reuse_stack import Snapshot, TurnReply
 from kvturn_server.bench._stats import quantile
 from kvturn_server.cli import build_parser
 from kvturn_server.local._metrics import PromptSources

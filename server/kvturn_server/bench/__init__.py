@@ -2,12 +2,8 @@
 
 from kvturn_server.bench._fleet import add_fleet_bench_parser, run_fleet_bench
 from kvturn_server.bench._fleet_plan import FleetBenchSettings
-from kvturn_server.bench._reuse import (
-    ReuseBenchSettings,
-    add_reuse_bench_parser,
-    bench_config,
-    run_reuse_bench,
-)
+from kvturn_server.bench._reuse import ReuseBenchSettings, bench_config, run_reuse_bench
+from kvturn_server.bench._reuse_cli import add_reuse_bench_parser
 from kvturn_server.bench._router import (
     RouterBenchSettings,
     add_router_bench_parser,

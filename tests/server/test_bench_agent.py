@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import kvturn
+from kvturn_server._cli_common import write_json
 from kvturn_server.bench._host import cpu_info, describe_cpu, host_info
 from kvturn_server.bench._stats import (
     bootstrap_ratio,
@@ -24,7 +25,6 @@ from kvturn_server.bench._stats import (
     median_tree,
     percentile,
     spread,
-    write_json,
 )
 from kvturn_server.bench.agent import (
     AgentBenchSettings,

@@ -1,44 +1,66 @@
 """What the two agent benchmarks' commands (``kvturn bench agent``, ``kvturn bench fleet``)
-share: their argument parsers, the ``--json`` and ``--plot`` options, the client they measure
-through, and the line that says what they wrote."""
+share: the options of their agents, the client they measure through, and the plot and line
+that follow the JSON. (What every measuring command shares is in ``kvturn_server._cli_common``.)
+"""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvturn_server._cli_common import plot_path, say_written
 
 if TYPE_CHECKING:
     import kvturn
 
 
-def token_range(text: str) -> tuple[int, int]:
-    """``MIN,MAX`` (or one number for both) as a pair of token counts."""
-    try:
-        low, _, high = text.partition(",")
-        return int(low), int(high or low)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN,MAX token counts, got {text!r}") from None
+class AgentDefaults(Protocol):
+    """The settings both agent benchmarks take their common options' defaults from."""
+
+    @property
+    def agents(self) -> int: ...
+
+    @property
+    def time_scale(self) -> float: ...
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def stagger_s(self) -> float: ...
+
+    @property
+    def size(self) -> str: ...
+
+    @property
+    def state_dir(self) -> Path: ...
 
 
-def comma_choices(known: Collection[str], what: str) -> Callable[[str], tuple[str, ...]]:
-    """A parser of a comma list of distinct values of ``known`` (``what`` they are, for the
-    error)."""
-    def parse(text: str) -> tuple[str, ...]:
-        values = tuple(v.strip() for v in text.split(",") if v.strip())
-        if not values or any(v not in known for v in values) or len(set(values)) != len(
-                values):
-            raise argparse.ArgumentTypeError(
-                f"expected a comma list of distinct {what} ({', '.join(known)}), got {text!r}")
-        return values
-    return parse
+def add_agents_args(p: argparse.ArgumentParser, d: AgentDefaults, *, seeded: str,
+                    state: str) -> None:
+    """``--agents``, ``--time-scale``, ``--seed``, ``--stagger``, ``--size``, ``--state-dir``
+    and ``--retention-ttl``, their defaults from ``d``; ``seeded``: what the seed draws,
+    ``state``: what the state directory holds."""
+    from kvturn_server.local._model import SIZES
 
-
-def add_output_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", type=Path, required=True, help="where to write the results")
-    p.add_argument("--plot", type=Path, default=None,
-                   help="PNG path (default: the JSON path with .png)")
+    p.add_argument("--agents", type=int, default=d.agents,
+                   help="concurrent agents (default: %(default)s)")
+    p.add_argument("--time-scale", type=float, default=d.time_scale,
+                   help="factor on the traces' tool gaps (p50 2 s, p90 24 s) and on the 480 s "
+                        "lease; 0.1 gives gaps of p50 0.2 s (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help=f"seed of {seeded} (default: %(default)s)")
+    p.add_argument("--stagger", type=float, default=d.stagger_s,
+                   help="seconds between two agents' starts (default: %(default)s)")
+    p.add_argument("--size", choices=sorted(SIZES), default=d.size,
+                   help="model (default: %(default)s)")
+    p.add_argument("--state-dir", type=Path, default=d.state_dir,
+                   help=f"{state} (default: %(default)s)")
+    p.add_argument("--retention-ttl", type=float, default=None,
+                   help="the decodes' lease in seconds (default: 480 x --time-scale, at least "
+                        "30); the SDK renews every eighth of it during a tool gap")
 
 
 def bench_client(url: str, timeout_s: float, max_retries: int) -> kvturn.AsyncOpenAI:
@@ -52,13 +74,10 @@ def bench_client(url: str, timeout_s: float, max_retries: int) -> kvturn.AsyncOp
                               max_retries=max_retries, timeout=timeout_s, http_client=http)
 
 
-def write_plot_and_say(results: dict[str, Any], json_path: Path, plot_path: Path | None,
+def write_plot_and_say(results: dict[str, Any], json_path: Path, plot: Path | None,
                        write_plot: Callable[[dict[str, Any], Path], bool],
                        say: Callable[[str], None]) -> None:
-    """Draw the plot next to the JSON (already written) unless ``plot_path`` says where; say
-    what was written."""
-    plot = plot_path or json_path.with_suffix(".png")
-    if write_plot(results, plot):
-        say(f"wrote {json_path} and {plot}")
-    else:
-        say(f"wrote {json_path}; no plot: matplotlib is not installed (extra [bench])")
+    """Draw the plot next to the JSON (already written) unless ``plot`` says where; say what
+    was written."""
+    path = plot_path(json_path, plot)
+    say_written(json_path, path, write_plot(results, path), say)

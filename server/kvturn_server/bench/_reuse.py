@@ -71,6 +71,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvturn_server._cli_common import say_written, write_json
 from kvturn_server.bench._reuse_plan import (
     DECODE_HOLDS,
     MODES,
@@ -85,9 +86,9 @@ from kvturn_server.bench._reuse_plan import (
 )
 from kvturn_server.bench._reuse_report import (
     RowSamples,
+    results_document,
     summarize,
     table,
-    write_json,
     write_plot,
 )
 from kvturn_server.bench._reuse_stack import Backend, Snapshot, StackBackend
@@ -311,10 +312,8 @@ def run_reuse_bench(settings: ReuseBenchSettings, json_path: Path, plot_path: Pa
     config = _config(settings, cfg, startup)
     config["wall_s"] = round(time.monotonic() - started, 1)
     say(table(rows))
-    write_json(config, rows, json_path)
+    write_json(results_document(config, rows), json_path)
     device = "GPU" if settings.gpu else "CPU"
-    if write_plot(rows, plot_path, f"kvturn bench reuse ({device}, {settings.size} model)"):
-        say(f"wrote {json_path} and {plot_path}")
-    else:
-        say(f"wrote {json_path}; no plot: matplotlib is not installed (extra [bench])")
+    say_written(json_path, plot_path, write_plot(
+        rows, plot_path, f"kvturn bench reuse ({device}, {settings.size} model)"), say)
     return rows

@@ -6,19 +6,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from kvturn_server._cli_common import add_output_args, number_list, plot_path, settings_or_exit
 from kvturn_server.bench._reuse import ReuseBenchSettings, bench_config, run_reuse_bench
 from kvturn_server.local._model import SIZES
 
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"comma-separated integers expected, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("at least one value is needed")
-    return values
+_ints = number_list(int)
 
 
 def settings_from_args(args: argparse.Namespace) -> ReuseBenchSettings:
@@ -41,15 +33,16 @@ def settings_from_args(args: argparse.Namespace) -> ReuseBenchSettings:
 def cmd_bench_reuse(args: argparse.Namespace) -> int:
     from kvturn_server.local import free_port
 
-    try:
+    def checked() -> ReuseBenchSettings:
         settings = settings_from_args(args)
         settings.check(bench_config(settings.state_dir, {}, size=settings.size).max_model_len)
-    except (ValueError, argparse.ArgumentTypeError) as error:
-        raise SystemExit(f"kvturn bench reuse: {error}") from None
+        return settings
+
+    settings = settings_or_exit("bench reuse", checked)
     ports = {name: free_port() for name in (
         "prefill_port", "decode_port", "prefill_control_port", "decode_control_port",
         "prefill_side_channel_port", "decode_side_channel_port")}
-    run_reuse_bench(settings, args.json, args.plot or args.json.with_suffix(".png"), ports)
+    run_reuse_bench(settings, args.json, plot_path(args.json, args.plot), ports)
     return 0
 
 
@@ -69,9 +62,7 @@ def add_reuse_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "beyond the spread is flagged as a measurement error. The default run "
                     "takes about 20 minutes on a 2-core machine; 16384 in --sizes adds about "
                     "10 minutes, --generated-sizes all about 9 per size.")
-    p.add_argument("--json", type=Path, required=True, help="where to write the results")
-    p.add_argument("--plot", type=Path, default=None,
-                   help="PNG path (default: the JSON path with .png)")
+    add_output_args(p)
     p.add_argument("--sizes", type=_ints, default=d.sizes, metavar="N,N,...",
                    help="previous-turn prompt sizes in tokens (default: 2048,4096,8192; the "
                         "stack fits up to 30000)")

@@ -28,9 +28,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from kvturn_server._cli_common import add_output_args, write_json
 from kvturn_server.bench._router_client import Endpoints, TurnClient
 from kvturn_server.bench._router_fakes import API_NAMES, serve_fake_backends
 from kvturn_server.bench._stats import quantile
@@ -296,8 +296,7 @@ def cmd_bench_router(args: argparse.Namespace) -> int:
                                    router_args=tuple(args.router_arg or ()),
                                    apis=_apis_of(args.api))
     results = run_router_bench(settings)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(results, args.json)
     _print(results)
     print(f"wrote {args.json}")  # noqa: T201
     return 0
@@ -312,7 +311,7 @@ def add_router_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "latency the router adds to a turn (p50/p99, streaming and not) against "
                     "calling the two legs directly, and requests per second at N concurrent "
                     "clients. About a minute.")
-    p.add_argument("--json", type=Path, required=True, help="where to write the results")
+    add_output_args(p, plot=False)
     p.add_argument("--requests", type=int, default=d.requests,
                    help="latency samples per path and mode (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="default: %(default)s")

@@ -4,12 +4,10 @@ both agent benchmarks, and how a missing value prints."""
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 from collections.abc import Iterable, Sequence
 from fractions import Fraction
-from pathlib import Path
 from typing import Any, Protocol
 
 MIB = 1024 * 1024
@@ -150,8 +148,3 @@ def bootstrap_ratio(a: Sequence[float], b: Sequence[float], q: float, *, rounds:
         if num is not None and den:
             ratios.append(num / den)
     return rounded(percentile(ratios, 0.025)), rounded(percentile(ratios, 0.975))
-
-
-def write_json(results: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")

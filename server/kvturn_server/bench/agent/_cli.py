@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
-from kvturn_server.bench._cli import add_output_args, comma_choices, token_range
+from kvturn_server._cli_common import add_output_args, comma_choices, int_range, settings_or_exit
+from kvturn_server.bench._cli import add_agents_args
 from kvturn_server.bench.agent._run import run_agent_bench
 from kvturn_server.bench.agent._workload import (
-    MIN_RETENTION_TTL_S,
     MODES,
     PROFILE_TEXT,
     PROFILES,
@@ -32,18 +31,17 @@ def settings_from_args(args: argparse.Namespace) -> AgentBenchSettings:
 def cmd_bench_agent(args: argparse.Namespace) -> int:
     from kvturn_server.local._model import SIZES
 
-    try:
+    def checked() -> AgentBenchSettings:
         settings = settings_from_args(args)
         settings.check_fits(SIZES[settings.size].max_positions)
-    except ValueError as error:
-        raise SystemExit(f"kvturn bench agent: {error}") from None
-    run_agent_bench(settings)
+        return settings
+
+    run_agent_bench(settings_or_exit("bench agent", checked))
     return 0
 
 
 def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     """Add ``agent`` to ``kvturn bench``'s subcommands (sets ``func``)."""
-    from kvturn_server.local._model import SIZES
 
     d = AgentBenchSettings()
     p: argparse.ArgumentParser = bench_subparsers.add_parser(
@@ -67,30 +65,19 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "as JSON and a PNG plot. The default run (3 repeats) takes about 7 "
                     "minutes on a 2-core machine; --profile long several times that.")
     add_output_args(p)
-    p.add_argument("--agents", type=int, default=d.agents,
-                   help="concurrent agents (default: %(default)s)")
+    add_agents_args(p, d, seeded="the gaps and the generated text",
+                    state="model, logs and state of the benchmark stack")
     p.add_argument("--turns", type=int, default=d.turns,
                    help="turns per agent (default: %(default)s)")
-    p.add_argument("--time-scale", type=float, default=d.time_scale,
-                   help="factor on the traces' tool gaps (p50 2 s, p90 24 s) and on the 480 s "
-                        "lease; 0.1 gives gaps of p50 0.2 s (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed,
-                   help="seed of the gaps and the generated text (default: %(default)s)")
-    p.add_argument("--size", choices=sorted(SIZES), default=d.size,
-                   help="model (default: %(default)s)")
-    p.add_argument("--state-dir", type=Path, default=d.state_dir,
-                   help="model, logs and state of the benchmark stack (default: %(default)s)")
     p.add_argument("--modes", type=comma_choices(MODES, "modes"), default=d.modes, metavar="off,on",
                    help="which modes to run, in this order in the first repeat; later repeats "
                         "rotate it (default: off,on)")
     p.add_argument("--repeats", type=int, default=d.repeats,
                    help="how many times to run the modes, order rotated each time; the table "
                         "reports medians and min-max over them (default: %(default)s)")
-    p.add_argument("--stagger", type=float, default=d.stagger_s,
-                   help="seconds between two agents' starts (default: %(default)s)")
     p.add_argument("--system-tokens", type=int, default=d.system_tokens,
                    help="system prompt length (default: %(default)s)")
-    p.add_argument("--message-tokens", type=token_range, default=d.message_tokens,
+    p.add_argument("--message-tokens", type=int_range, default=d.message_tokens,
                    metavar="MIN,MAX",
                    help="size of each turn's new user/tool message (default: 100,300)")
     p.add_argument("--profile", choices=PROFILES, default=d.profile,
@@ -102,17 +89,13 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                           "add --turns 5")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens,
                    help="every reply's length in the tool profile (default: %(default)s)")
-    p.add_argument("--long-reply-tokens", type=token_range, default=d.long_reply_tokens,
+    p.add_argument("--long-reply-tokens", type=int_range, default=d.long_reply_tokens,
                    metavar="MIN,MAX",
                    help="the range each reply's length is drawn from in the long profile "
                         "(default: 300,1000)")
     p.add_argument("--max-gap", type=float, default=d.gap_cap_s,
                    help="cap on a tool gap in trace seconds, before scaling; 0: none "
                         "(default: %(default)s, the traces' p99)")
-    p.add_argument("--retention-ttl", type=float, default=None,
-                   help="the decode's lease in seconds (default: 480 x --time-scale, at least "
-                        f"{MIN_RETENTION_TTL_S:g}); the SDK renews every eighth of it during a "
-                        "tool gap")
     p.add_argument("--prefill-prefix-cache", action=argparse.BooleanOptionalAction,
                    default=d.prefill_prefix_cache,
                    help="the prefill's own prefix cache: on by default, as vLLM ships it and "

@@ -44,10 +44,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvturn_server._cli_common import write_json
 from kvturn_server.bench._cli import bench_client, write_plot_and_say
 from kvturn_server.bench._host import describe_cpu, host_info
 from kvturn_server.bench._sampling import PeriodicSampler, loadavg, retained_bytes, wait_released
-from kvturn_server.bench._stats import write_json
 from kvturn_server.bench.agent._loop import KVTURN, PLAIN, Live, chunk_gaps_ms, progress
 from kvturn_server.bench.agent._loop import run_agent as run_as_client
 from kvturn_server.bench.agent._plot import write_plot

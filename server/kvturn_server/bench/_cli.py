@@ -8,38 +8,18 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from kvturn_server._cli_common import plot_path, say_written
 
 if TYPE_CHECKING:
     import kvturn
+    from kvturn_server.bench._fleet_plan import FleetBenchSettings
+    from kvturn_server.bench.agent._workload import AgentBenchSettings
 
 
-class AgentDefaults(Protocol):
-    """The settings both agent benchmarks take their common options' defaults from."""
-
-    @property
-    def agents(self) -> int: ...
-
-    @property
-    def time_scale(self) -> float: ...
-
-    @property
-    def seed(self) -> int: ...
-
-    @property
-    def stagger_s(self) -> float: ...
-
-    @property
-    def size(self) -> str: ...
-
-    @property
-    def state_dir(self) -> Path: ...
-
-
-def add_agents_args(p: argparse.ArgumentParser, d: AgentDefaults, *, seeded: str,
-                    state: str) -> None:
+def add_agents_args(p: argparse.ArgumentParser, d: AgentBenchSettings | FleetBenchSettings,
+                    *, seeded: str, state: str) -> None:
     """``--agents``, ``--time-scale``, ``--seed``, ``--stagger``, ``--size``, ``--state-dir``
     and ``--retention-ttl``, their defaults from ``d``; ``seeded``: what the seed draws,
     ``state``: what the state directory holds."""

@@ -94,6 +94,14 @@ def median_tree(values: Sequence[Any]) -> Any:
     return _DROP
 
 
+def at_path(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    """The value at ``path`` (keys, outermost first) of nested dicts; None where it is missing."""
+    value: Any = tree
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
 def ratio(a: float | int | None, b: float | int | None) -> float | None:
     """``a / b`` to three decimals; None where either is missing or ``b`` is 0."""
     if a is None or b is None or b == 0:

@@ -21,6 +21,7 @@ from typing import Any
 from kvturn_server.bench._host import host_info
 from kvturn_server.bench._stats import (
     MIB,
+    at_path,
     bootstrap_ratio,
     cdf_points,
     distribution,
@@ -165,15 +166,6 @@ HEADLINE: dict[str, tuple[str, ...]] = {
 }
 
 
-def _get(summary: dict[str, Any], path: tuple[str, ...]) -> Any:
-    value: Any = summary
-    for key in path:
-        if not isinstance(value, dict):
-            return None
-        value = value.get(key)
-    return value
-
-
 def aggregate_mode(runs: Sequence[ModeRun], summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One mode over its repeats (``MODES_NOTE``)."""
     merged = median_tree([{k: v for k, v in s.items() if k != "repeat"} for s in summaries])
@@ -183,7 +175,7 @@ def aggregate_mode(runs: Sequence[ModeRun], summaries: Sequence[dict[str, Any]])
             "turns_ok_total": sum(s["turns_ok"] for s in summaries),
             "errors_total": sum(s["errors"] for s in summaries),
             "itl_ms_pooled": {**distribution(gaps), "cdf_pct": cdf_points(gaps)},
-            "spread": {name: spread([_get(s, path) for s in summaries])
+            "spread": {name: spread([at_path(s, path) for s in summaries])
                        for name, path in HEADLINE.items()}}
 
 

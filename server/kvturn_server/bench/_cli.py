@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvturn_server._cli_common import plot_path, say_written
+from kvturn_server._cli_common import add_output_args, plot_path, say_written
 
 if TYPE_CHECKING:
     import kvturn
@@ -20,10 +20,12 @@ if TYPE_CHECKING:
 
 def add_agents_args(p: argparse.ArgumentParser, d: AgentBenchSettings | FleetBenchSettings,
                     *, seeded: str, state: str) -> None:
-    """``--agents``, ``--time-scale``, ``--seed``, ``--stagger``, ``--size``, ``--state-dir``
-    and ``--retention-ttl``, their defaults from ``d``; ``seeded``: what the seed draws,
-    ``state``: what the state directory holds."""
+    """``--json``, ``--plot``, ``--agents``, ``--time-scale``, ``--seed``, ``--stagger``,
+    ``--size``, ``--state-dir`` and ``--retention-ttl``, their defaults from ``d``; ``seeded``:
+    what the seed draws, ``state``: what the state directory holds."""
     from kvturn_server.local._model import SIZES
+
+    add_output_args(p)
 
     p.add_argument("--agents", type=int, default=d.agents,
                    help="concurrent agents (default: %(default)s)")

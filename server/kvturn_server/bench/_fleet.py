@@ -36,7 +36,6 @@ from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from kvturn_server._cli_common import (
-    add_output_args,
     comma_choices,
     int_range,
     settings_or_exit,
@@ -305,7 +304,6 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "configuration; writes JSON and a PNG. The defaults (tool and long on "
                     "tight, 2 repeats: 16 runs) take about 20 minutes on a 2-core machine; "
                     "each scenario adds about 8 (tool) or 11 (long) minutes per 2 repeats.")
-    add_output_args(p)
     add_agents_args(p, d, seeded="sizes, gaps, reply lengths and words",
                     state="model, logs (per scenario) of the fleet")
     p.add_argument("--prefills", type=int, default=d.prefills,

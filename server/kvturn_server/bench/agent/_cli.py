@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvturn_server._cli_common import add_output_args, comma_choices, int_range, settings_or_exit
+from kvturn_server._cli_common import comma_choices, int_range, settings_or_exit
 from kvturn_server.bench._cli import add_agents_args
 from kvturn_server.bench.agent._run import run_agent_bench
 from kvturn_server.bench.agent._workload import (
@@ -64,7 +64,6 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "repeat and whether kvturn was never slower. Writes every turn and sample "
                     "as JSON and a PNG plot. The default run (3 repeats) takes about 7 "
                     "minutes on a 2-core machine; --profile long several times that.")
-    add_output_args(p)
     add_agents_args(p, d, seeded="the gaps and the generated text",
                     state="model, logs and state of the benchmark stack")
     p.add_argument("--turns", type=int, default=d.turns,

@@ -10,11 +10,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvturn_server.bench._agent import add_agent_bench_parser
 from kvturn_server.bench._fleet import add_fleet_bench_parser
-from kvturn_server.bench._reuse import add_reuse_bench_parser
+from kvturn_server.bench._reuse_cli import add_reuse_bench_parser
 from kvturn_server.bench._router import add_router_bench_parser
 from kvturn_server.bench._sdk import add_sdk_bench_parser
+from kvturn_server.bench.agent import add_agent_bench_parser
 from kvturn_server.local import (
     SIZES,
     Stack,
@@ -25,6 +25,7 @@ from kvturn_server.local import (
     stop_running,
 )
 from kvturn_server.local._process import log_tail
+from kvturn_server.local._progress import ProgressLine
 from kvturn_server.local._supervise import Backoff
 from kvturn_server.router import add_router_args
 from kvturn_server.sim import add_simulate_parser
@@ -75,28 +76,6 @@ def _stack_config(args: argparse.Namespace) -> StackConfig:
         max_model_len=args.max_model_len, kv_read_timeout=args.kv_read_timeout,
         decoder_kv_blocks_ttl=args.retention_ttl, retention_budget=args.retention_budget,
         startup_timeout=args.startup_timeout, served_model_name=f"kvturn-{args.size}")
-
-
-class ProgressLine:
-    """Start-up progress: one rewritten line on a terminal, a line every 10 s otherwise."""
-
-    def __init__(self, stream: object = sys.stderr) -> None:
-        self.stream = stream
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self._last = -10.0
-
-    def __call__(self, elapsed: float, ready: list[str], waiting: list[str]) -> None:
-        if not waiting:
-            msg = f"{', '.join(ready)} healthy after {elapsed:.0f} s"
-            print(("\r" if self.tty else "") + msg + " " * 20, file=sys.stderr, flush=True)
-            return
-        msg = (f"starting: {elapsed:4.0f} s, waiting for {', '.join(waiting)}"
-               + (f" (ready: {', '.join(ready)})" if ready else ""))
-        if self.tty:
-            print("\r" + msg + " " * 10, end="", file=sys.stderr, flush=True)
-        elif elapsed - self._last >= 10:
-            self._last = elapsed
-            print(msg, file=sys.stderr, flush=True)
 
 
 def _print_endpoints(cfg: StackConfig) -> None:

@@ -17,7 +17,16 @@ from typing import Any
 import pytest
 
 import kvturn
-from kvturn_server.bench._agent import (
+from kvturn_server._cli_common import write_json
+from kvturn_server.bench._host import cpu_info, describe_cpu, host_info
+from kvturn_server.bench._stats import (
+    bootstrap_ratio,
+    cdf_points,
+    median_tree,
+    percentile,
+    spread,
+)
+from kvturn_server.bench.agent import (
     AgentBenchSettings,
     AgentOutcome,
     GapDistribution,
@@ -27,29 +36,20 @@ from kvturn_server.bench._agent import (
     TurnRecord,
     add_agent_bench_parser,
     agent_stack_config,
+    aggregate_comparison,
     build_results,
     build_scripts,
     compare,
     measure,
     mode_order,
-    percentile,
+    pooled_comparison,
     settings_from_args,
     summarize,
     table,
-    write_json,
-    write_plot,
-)
-from kvturn_server.bench._agent_report import (
-    aggregate_comparison,
-    cdf_points,
-    median_tree,
-    pooled_comparison,
-    spread,
     tail_makeup,
     verdict,
+    write_plot,
 )
-from kvturn_server.bench._host import cpu_info, describe_cpu, host_info
-from kvturn_server.bench._stats import bootstrap_ratio
 from kvturn_server.local._metrics import PromptSources
 from tests.fakes.bench_router import AgentBenchRouter as FakeRouter
 from tests.fakes.bench_router import failing_turn, mock_client
@@ -784,7 +784,7 @@ async def test_repeats_rotate_the_modes_and_record_routes_gaps_and_reply_lengths
 
 
 def test_router_arguments_reach_the_stack_and_the_results() -> None:
-    from kvturn_server.bench._agent import agent_stack_config
+    from kvturn_server.bench.agent import agent_stack_config
 
     settings = AgentBenchSettings(router_args=("--decode-continue-tokens", "256"))
     assert agent_stack_config(settings, {}).router_args == ("--decode-continue-tokens", "256")

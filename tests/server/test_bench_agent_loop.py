@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvturn_server.bench._agent_loop import IDS, Live, chunk_gaps_ms, run_agent
-from kvturn_server.bench._agent_workload import AgentBenchSettings, build_scripts
+from kvturn_server.bench.agent._loop import IDS, Live, chunk_gaps_ms, run_agent
+from kvturn_server.bench.agent._workload import AgentBenchSettings, build_scripts
 
 
 def test_chunk_gaps_are_the_milliseconds_between_consecutive_chunks() -> None:

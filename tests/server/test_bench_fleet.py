@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvturn_server.bench._agent_report import AgentOutcome
+from kvturn_server._cli_common import write_json
 from kvturn_server.bench._fleet import add_fleet_bench_parser, fleet_config, settings_from_args
 from kvturn_server.bench._fleet_agents import (
     Counters,
@@ -48,7 +48,7 @@ from kvturn_server.bench._fleet_report import (
     table,
     write_plot,
 )
-from kvturn_server.bench._stats import write_json
+from kvturn_server.bench.agent._records import AgentOutcome
 from kvturn_server.local import free_port
 from tests.fakes.bench_router import FleetBenchRouter as FakeRouter
 from tests.fakes.bench_router import failing_turn, mock_client

@@ -14,14 +14,9 @@ from typing import Any
 
 import pytest
 
-from kvturn_server.bench._reuse import (
-    ReuseBenchSettings,
-    ReuseRunner,
-    Snapshot,
-    TurnReply,
-    bench_config,
-    settings_from_args,
-)
+from kvturn_server._cli_common import write_json
+from kvturn_server.bench._reuse import ReuseBenchSettings, ReuseRunner, bench_config
+from kvturn_server.bench._reuse_cli import settings_from_args
 from kvturn_server.bench._reuse_plan import (
     LABELS,
     MODES,
@@ -40,13 +35,14 @@ from kvturn_server.bench._reuse_report import (
     RowSamples,
     Spread,
     below_floor,
-    quantile,
+    results_document,
     steps_table,
     summarize,
     table,
-    write_json,
     write_plot,
 )
+from kvturn_server.bench._reuse_stack import Snapshot, TurnReply
+from kvturn_server.bench._stats import quantile
 from kvturn_server.cli import build_parser
 from kvturn_server.local._metrics import PromptSources
 from kvturn_server.local._stack import kv_transfer_config
@@ -348,7 +344,7 @@ def test_a_reuse_faster_than_the_floor_is_a_measurement_error_in_table_and_json(
     assert "120 [119-122]!" in text and "WARNING: MEASUREMENT ERROR" in text
     assert "(off target)" in text
     path = tmp_path / "reuse.json"
-    write_json({"settings": {}}, [summary], path)
+    write_json(results_document({"settings": {}}, [summary]), path)
     data = json.loads(path.read_text())
     assert data["warnings"] == summary["warnings"]
     assert data["rows"][0]["modes"]["reuse"]["below_floor"] is True
@@ -377,7 +373,7 @@ def test_json_layout_and_plot(tmp_path: Path) -> None:
     rows = [summarize(_samples(GOOD, Row(s, g)))
             for s, g in ((2048, 0), (4096, 0), (2048, 512), (2048, 2048))]
     path = tmp_path / "out" / "reuse.json"
-    write_json({"settings": {"runs": 4}}, rows, path)
+    write_json(results_document({"settings": {"runs": 4}}, rows), path)
     data = json.loads(path.read_text())
     assert data["config"] == {"settings": {"runs": 4}}
     assert set(data["modes"]) == set(MODES)

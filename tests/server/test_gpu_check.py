@@ -12,7 +12,7 @@ from kvturn_server.bench import bench_config
 from kvturn_server.bench._fleet import fleet_config
 from kvturn_server.bench._fleet import settings_from_args as fleet_settings_from_args
 from kvturn_server.bench._fleet_plan import scenarios
-from kvturn_server.bench._reuse import settings_from_args
+from kvturn_server.bench._reuse_cli import settings_from_args
 from kvturn_server.cli import build_parser
 from kvturn_server.local import SIZES
 from kvturn_server.local._stack import kv_transfer_config

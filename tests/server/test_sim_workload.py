@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvturn_server.bench._agent_workload import FRAMING_TOKENS, AgentBenchSettings, agent_shape
+from kvturn_server.bench.agent._workload import FRAMING_TOKENS, AgentBenchSettings, agent_shape
 from kvturn_server.sim import Conversation, WorkloadSpec, from_agent_bench, load_trace, synthetic
 
 

@@ -33,19 +33,15 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvturn_server.bench._agent import AgentBenchSettings, GapDistribution, build_scripts
-from kvturn_server.bench._agent_cli import (
-    add_output_args,
-    bench_client,
+from kvturn_server._cli_common import (
     comma_choices,
-    token_range,
-    write_plot_and_say,
+    int_range,
+    settings_or_exit,
+    write_json,
 )
-from kvturn_server.bench._agent_loop import Live
-from kvturn_server.bench._agent_report import AgentOutcome
+from kvturn_server.bench._cli import add_agents_args, bench_client, write_plot_and_say
 from kvturn_server.bench._fleet_agents import (
     FleetTurn,
     HttpFleetProbe,
@@ -69,7 +65,10 @@ from kvturn_server.bench._fleet_plan import (
 )
 from kvturn_server.bench._fleet_report import build_results, scenario_result, table, write_plot
 from kvturn_server.bench._sampling import loadavg
-from kvturn_server.bench._stats import write_json
+from kvturn_server.bench.agent._loop import Live
+from kvturn_server.bench.agent._records import AgentOutcome
+from kvturn_server.bench.agent._workload import AgentBenchSettings, GapDistribution, build_scripts
+from kvturn_server.local._progress import ProgressLine
 
 if TYPE_CHECKING:
     import kvturn
@@ -159,7 +158,6 @@ def run_scenario(scenario: Scenario, settings: FleetBenchSettings, counter: list
                  total_runs: int, say: Callable[[str], None]) -> tuple[dict[str, Any],
                                                                        list[ModeRun]]:
     """Start the scenario's fleet, warm it up, run every repeat of every mode, stop it."""
-    from kvturn_server.cli import ProgressLine
     from kvturn_server.local._fleet import Fleet
     from kvturn_server.local._process import StackError
 
@@ -277,11 +275,12 @@ def settings_from_args(args: argparse.Namespace) -> FleetBenchSettings:
 
 
 def cmd_bench_fleet(args: argparse.Namespace) -> int:
-    try:
+    def checked() -> FleetBenchSettings:
         settings = settings_from_args(args)
         scenarios(settings)  # every scenario fits the model's context
-    except ValueError as error:
-        raise SystemExit(f"kvturn bench fleet: {error}") from None
+        return settings
+
+    settings = settings_or_exit("bench fleet", checked)
     # Flushed: a run takes many minutes and is often followed in a log file.
     run_fleet_bench(settings, say=functools.partial(print, flush=True))
     return 0
@@ -289,8 +288,6 @@ def cmd_bench_fleet(args: argparse.Namespace) -> int:
 
 def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     """Add ``fleet`` to ``kvturn bench``'s subcommands (sets ``func``)."""
-    from kvturn_server.local._model import SIZES
-
     d = FleetBenchSettings()
     modes = "; ".join(f"{m.name}: {m.stands_for} (router "
                       f"{' '.join(m.router_args) or 'with no flags'})" for m in MODE_TABLE)
@@ -310,7 +307,8 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "configuration; writes JSON and a PNG. The defaults (tool and long on "
                     "tight, 2 repeats: 16 runs) take about 20 minutes on a 2-core machine; "
                     "each scenario adds about 8 (tool) or 11 (long) minutes per 2 repeats.")
-    add_output_args(p)
+    add_agents_args(p, d, seeded="sizes, gaps, reply lengths and words",
+                    state="model, logs (per scenario) of the fleet")
     p.add_argument("--prefills", type=int, default=d.prefills,
                    help="prefill instances (default: %(default)s)")
     p.add_argument("--decodes", type=int, default=d.decodes,
@@ -328,34 +326,18 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=d.repeats,
                    help="rounds of every mode, the order rotated by one each round; as many as "
                         "modes puts every mode in every position (default: %(default)s)")
-    p.add_argument("--agents", type=int, default=d.agents,
-                   help="concurrent agents (default: %(default)s)")
     p.add_argument("--turns", type=int, default=None,
                    help="turns per agent (default: the profile's, tool 6, long 4)")
     p.add_argument("--system-tokens", type=int, default=None,
                    help="system prompt length (default: the profile's, tool 2500, long 1500)")
-    p.add_argument("--message-tokens", type=token_range, default=None, metavar="MIN,MAX",
+    p.add_argument("--message-tokens", type=int_range, default=None, metavar="MIN,MAX",
                    help="each turn's new user/tool message (default: 100,300)")
     p.add_argument("--prefill-holds", type=float, default=d.prefill_holds,
                    help="tight sizing: how many average conversations each prefill's KV cache "
                         "holds (at least one longest request) (default: %(default)s)")
-    p.add_argument("--time-scale", type=float, default=d.time_scale,
-                   help="factor on the traces' tool gaps (p50 2 s, p90 24 s) and on the 480 s "
-                        "lease (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed,
-                   help="seed of sizes, gaps, reply lengths and words (default: %(default)s)")
-    p.add_argument("--stagger", type=float, default=d.stagger_s,
-                   help="seconds between two agents' starts (default: %(default)s)")
-    p.add_argument("--size", choices=sorted(SIZES), default=d.size,
-                   help="model (default: %(default)s)")
-    p.add_argument("--state-dir", type=Path, default=d.state_dir,
-                   help="model, logs (per scenario) of the fleet (default: %(default)s)")
     p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib,
                    help="KV cache per vLLM instance in GiB where no block count is set: the "
                         "decodes, and the prefills when roomy (default: %(default)s)")
-    p.add_argument("--retention-ttl", type=float, default=None,
-                   help="the decodes' lease in seconds (default: 480 x --time-scale, at least "
-                        "30)")
     p.add_argument("--decode-continue-tokens", type=int, default=None,
                    help="passed to the kvturn modes' routers (default: the router's, 512; 0: "
                         "the decode never continues a turn itself)")

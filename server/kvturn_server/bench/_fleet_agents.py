@@ -7,8 +7,8 @@ streamed content chunks (inter-token latency as a client sees it), usage, and th
 cache hit, transferred) and the prefills' ``kvturn:reused_tokens_total``; during it, every
 decode's retained bytes (control endpoint ``/kvturn/v1/stats``) in a background thread.
 
-The agent loop is ``kvturn bench agent``'s (``_agent_loop``), run as the mode's client kind, every
-reply exactly its planned length (``ignore_eos``).
+The agent loop is ``kvturn bench agent``'s (``bench/agent/_loop.py``), run as the mode's
+client kind, every reply exactly its planned length (``ignore_eos``).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvturn_server.bench import _agent_loop
-from kvturn_server.bench._agent_loop import IDS, Live, chunk_gaps_ms, progress
-from kvturn_server.bench._agent_report import AgentOutcome
 from kvturn_server.bench._fleet_plan import AgentPlan, FleetMode
 from kvturn_server.bench._sampling import PeriodicSampler, loadavg, retained_bytes, wait_released
 from kvturn_server.bench._stats import fmt, percentile, rounded
+from kvturn_server.bench.agent._loop import IDS, Live, chunk_gaps_ms, progress
+from kvturn_server.bench.agent._loop import run_agent as run_as_client
+from kvturn_server.bench.agent._records import AgentOutcome
 
 if TYPE_CHECKING:
     import kvturn
@@ -107,7 +107,7 @@ async def run_agent(plan: AgentPlan, mode: FleetMode, scenario: str, repeat: int
             record.itl(gaps)
             gaps_ms.extend(gaps)
 
-    return await _agent_loop.run_agent(
+    return await run_as_client(
         script, mode.client, client, model, t0=t0, live=live, records=records,
         new_record=new_record, timed=timed, keepalive_interval=keepalive_interval,
         reply_tokens=plan.reply_tokens,

@@ -14,16 +14,16 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvturn_server.bench._agent import (
+from kvturn_server.bench.agent._loop import IDS as IDS
+from kvturn_server.bench.agent._loop import KVTURN as KVTURN
+from kvturn_server.bench.agent._loop import PLAIN as PLAIN
+from kvturn_server.bench.agent._workload import (
     FRAMING_TOKENS,
     AgentBenchSettings,
     AgentScript,
     GapDistribution,
     build_scripts,
 )
-from kvturn_server.bench._agent_loop import IDS as IDS
-from kvturn_server.bench._agent_loop import KVTURN as KVTURN
-from kvturn_server.bench._agent_loop import PLAIN as PLAIN
 from kvturn_server.local._model import SIZES
 
 # vLLM's block size on CPU platforms (vllm/platforms/cpu.py); the fleet reads the real value
@@ -33,7 +33,7 @@ GIB = 1024 ** 3
 
 
 # The modes. How each mode is run is data: the router's flags and what the client sends (one
-# of ``_agent_loop``'s client kinds, PLAIN, IDS or KVTURN, imported above).
+# of ``bench/agent/_loop.py``'s client kinds, PLAIN, IDS or KVTURN, imported above).
 
 @dataclass(frozen=True)
 class FleetMode:

@@ -22,7 +22,7 @@ from kvturn_server.bench._fleet_plan import (
     TIGHT,
     FleetBenchSettings,
 )
-from kvturn_server.bench._stats import MIB, distribution, fmt, ratio, turn_summary
+from kvturn_server.bench._stats import MIB, at_path, distribution, fmt, ratio, turn_summary
 
 # Targets of issue 12 for the fleet bench (kvturn-kv against the best stock mode).
 TARGET_TIGHT_TTFT_P50 = 1.5
@@ -119,13 +119,6 @@ def summarize(run: ModeRun) -> dict[str, Any]:
     }
 
 
-def _path(summary: dict[str, Any], path: tuple[str, ...]) -> Any:
-    value: Any = summary
-    for key in path:
-        value = value.get(key) if isinstance(value, dict) else None
-    return value
-
-
 def spread(values: Sequence[float | None]) -> dict[str, Any]:
     """Median and range over the repeats (None values are left out and counted)."""
     got = [v for v in values if v is not None]
@@ -145,7 +138,7 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out[mode] = {"repeats": len(mine),
                      "turns_ok": sum(r["turns_ok"] for r in mine),
                      "errors": sum(r["errors"] for r in mine),
-                     **{name: spread([_path(r, path) for r in mine])
+                     **{name: spread([at_path(r, path) for r in mine])
                         for name, path in METRICS.items()}}
     return out
 
@@ -175,7 +168,7 @@ def compare(modes: dict[str, Any], runs: Sequence[dict[str, Any]], sizing: str) 
                 value = ratio(best, mine)
             per_repeat = []
             for repeat in sorted({r["repeat"] for r in runs}):
-                here = {r["mode"]: _path(r, METRICS[name]) for r in runs
+                here = {r["mode"]: at_path(r, METRICS[name]) for r in runs
                         if r["repeat"] == repeat}
                 got = [here[s] for s in stock if here.get(s) is not None]
                 if not got or here.get(k) is None:

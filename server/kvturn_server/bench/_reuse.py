@@ -62,16 +62,16 @@ stock / reuse+cache, stock / reuse), per-run paired ratios, the token sources an
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from kvturn_server._cli_common import say_written, write_json
 from kvturn_server.bench._reuse_plan import (
     DECODE_HOLDS,
     MODES,
@@ -86,106 +86,15 @@ from kvturn_server.bench._reuse_plan import (
 )
 from kvturn_server.bench._reuse_report import (
     RowSamples,
+    results_document,
     summarize,
     table,
-    write_json,
     write_plot,
 )
-from kvturn_server.local._direct import DirectConversation, control, retention_path
-from kvturn_server.local._http import post_json
-from kvturn_server.local._metrics import PromptSources, Samples, scrape, sources, total
-from kvturn_server.local._model import SIZES
+from kvturn_server.bench._reuse_stack import Backend, Snapshot, StackBackend
+from kvturn_server.bench._sampling import loadavg
+from kvturn_server.local._progress import ProgressLine
 from kvturn_server.local._stack import Stack, StackConfig
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """Both instances at one moment: idle or not, and their prompt-token counters."""
-
-    idle: bool
-    prefill: PromptSources
-    decode: PromptSources
-
-
-@dataclass(frozen=True)
-class TurnReply:
-    """What a P/D turn reports back: the decode's block size, the prefill's reuse report and
-    the milliseconds each step took (``pin``, ``prefill``, ``unpin``, ``decode``; a step that
-    did not happen is absent)."""
-
-    block_size: int
-    reuse: dict[str, Any]
-    steps_ms: dict[str, float] = field(default_factory=dict)
-
-
-class Backend(Protocol):
-    """The five things the benchmark does to the stack (tests swap in a fake)."""
-
-    def turn(self, prompt: Sequence[int], key: str, *, read_retention: bool) -> TurnReply:
-        """A router's turn: pin ``key``'s retention if reading, prefill leg, unpin, decode leg
-        (first token), retained under ``key``."""
-
-    def hold(self, prompt: Sequence[int], key: str) -> None:
-        """The decode computes what it lacks of ``prompt`` and retains it under ``key``."""
-
-    def warm(self, prompt: Sequence[int]) -> None:
-        """The prefill computes what it lacks of ``prompt`` into its prefix cache."""
-
-    def release(self, key: str) -> None: ...
-
-    def snapshot(self) -> Snapshot: ...
-
-
-def _running(samples: Samples) -> float:
-    return (total(samples, "vllm:num_requests_running")
-            + total(samples, "vllm:num_requests_waiting"))
-
-
-class StackBackend:
-    """:class:`Backend` over a started stack's prefill and decode (completions API)."""
-
-    def __init__(self, cfg: StackConfig) -> None:
-        self.cfg = cfg
-
-    def _conversation(self, key: str, reuse: bool) -> DirectConversation:
-        cfg = self.cfg
-        return DirectConversation(cfg.prefill_url, cfg.decode_url, cfg.decode_control_url,
-                                  cfg.served_model_name, key=key, reuse=reuse)
-
-    def turn(self, prompt: Sequence[int], key: str, *, read_retention: bool) -> TurnReply:
-        leg = self._conversation(key, read_retention).turn(list(prompt), 1)
-        if read_retention and leg.pin is None:
-            raise RuntimeError(f"the benchmark's retention {key!r} could not be pinned "
-                               f"({leg.gone}); its mode would measure a recompute")
-        return TurnReply(_retained_block_size(leg.decode, key), leg.reuse,
-                         {step: s * 1000 for step, s in leg.steps.items()})
-
-    def hold(self, prompt: Sequence[int], key: str) -> None:
-        conv = self._conversation(key, False)
-        reply = post_json(f"{self.cfg.decode_url}/v1/completions",
-                          conv.body(list(prompt), 1, {"kvturn": {"conversation": key}}),
-                          timeout=conv.timeout)
-        _retained_block_size(reply, key)
-
-    def warm(self, prompt: Sequence[int]) -> None:
-        conv = self._conversation("", False)
-        post_json(f"{self.cfg.prefill_url}/v1/completions", conv.body(list(prompt), 1, None),
-                  timeout=conv.timeout)
-
-    def release(self, key: str) -> None:
-        control(self.cfg.decode_control_url, "DELETE", retention_path(key))
-
-    def snapshot(self) -> Snapshot:
-        p, d = scrape(self.cfg.prefill_url), scrape(self.cfg.decode_url)
-        return Snapshot(_running(p) + _running(d) == 0, sources(p), sources(d))
-
-
-def _retained_block_size(reply: dict[str, Any], key: str) -> int:
-    info = (reply.get("kv_transfer_params") or {}).get("kvturn") or {}
-    if not info.get("retained"):
-        raise RuntimeError(f"the decode did not retain {key!r} (retention off or over budget?); "
-                           "the benchmark's modes need it")
-    return int(info["block_size"])
 
 
 @dataclass(frozen=True)
@@ -333,7 +242,7 @@ class ReuseRunner:
         shared_key = self._key(row, "shared", "prompt")
         reply = self.backend.turn(shared, shared_key, read_retention=False)
         samples = RowSamples(row, reply.block_size)
-        samples.loadavg["start"] = list(_loadavg())
+        samples.loadavg["start"] = list(loadavg())
         orders = run_orders(s.runs)
         try:
             for i in range(warmup_runs):
@@ -345,7 +254,7 @@ class ReuseRunner:
                     f"{m} {ttft[m]:.0f}" for m in MODES) + " ms")
         finally:
             self.backend.release(shared_key)
-        samples.loadavg["end"] = list(_loadavg())
+        samples.loadavg["end"] = list(loadavg())
         samples.wall_s = self.now() - started
         self.say(f"  {samples.wall_s:.0f} s")
         return samples
@@ -360,13 +269,6 @@ class ReuseRunner:
                      f"{warmup} warm-up and {self.settings.runs} runs")
             rows.append(summarize(self.measure_row(row, warmup)))
         return rows
-
-
-def _loadavg() -> tuple[float, ...]:
-    try:
-        return tuple(round(x, 2) for x in os.getloadavg())
-    except OSError:
-        return ()
 
 
 def _config(settings: ReuseBenchSettings, cfg: StackConfig,
@@ -390,7 +292,6 @@ def run_reuse_bench(settings: ReuseBenchSettings, json_path: Path, plot_path: Pa
                         dict[str, Any]]:
     """Start the benchmark stack, measure every row, stop it; print the table, write the JSON
     and the plot."""
-    from kvturn_server.cli import ProgressLine
 
     cfg = bench_config(settings.state_dir, ports,
                        decode_steps_while_pinned=settings.decode_steps_while_pinned,
@@ -411,110 +312,8 @@ def run_reuse_bench(settings: ReuseBenchSettings, json_path: Path, plot_path: Pa
     config = _config(settings, cfg, startup)
     config["wall_s"] = round(time.monotonic() - started, 1)
     say(table(rows))
-    write_json(config, rows, json_path)
+    write_json(results_document(config, rows), json_path)
     device = "GPU" if settings.gpu else "CPU"
-    if write_plot(rows, plot_path, f"kvturn bench reuse ({device}, {settings.size} model)"):
-        say(f"wrote {json_path} and {plot_path}")
-    else:
-        say(f"wrote {json_path}; no plot: matplotlib is not installed (extra [bench])")
+    say_written(json_path, plot_path, write_plot(
+        rows, plot_path, f"kvturn bench reuse ({device}, {settings.size} model)"), say)
     return rows
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"comma-separated integers expected, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("at least one value is needed")
-    return values
-
-
-def settings_from_args(args: argparse.Namespace) -> ReuseBenchSettings:
-    sizes = tuple(sorted(set(args.sizes)))
-    generated_sizes: tuple[int, ...] | None
-    if args.generated_sizes is None:
-        generated_sizes = (sizes[0],)
-    elif args.generated_sizes.strip() == "all":
-        generated_sizes = None
-    else:
-        generated_sizes = _ints(args.generated_sizes)
-    return ReuseBenchSettings(
-        sizes=sizes, generated=tuple(sorted(set(args.generated))),
-        generated_sizes=generated_sizes, runs=args.runs, warmup_runs=args.warmup_runs,
-        settle_s=args.settle, seed=args.seed, state_dir=args.state_dir,
-        decode_steps_while_pinned=args.decode_steps_while_pinned, size=args.size,
-        gpu=args.gpu, vllm_args=tuple(args.vllm_arg or ()))
-
-
-def cmd_bench_reuse(args: argparse.Namespace) -> int:
-    from kvturn_server.local import free_port
-
-    try:
-        settings = settings_from_args(args)
-        settings.check(bench_config(settings.state_dir, {}, size=settings.size).max_model_len)
-    except (ValueError, argparse.ArgumentTypeError) as error:
-        raise SystemExit(f"kvturn bench reuse: {error}") from None
-    ports = {name: free_port() for name in (
-        "prefill_port", "decode_port", "prefill_control_port", "decode_control_port",
-        "prefill_side_channel_port", "decode_side_channel_port")}
-    run_reuse_bench(settings, args.json, args.plot or args.json.with_suffix(".png"), ports)
-    return 0
-
-
-def add_reuse_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``reuse`` to ``kvturn bench``'s subcommands (sets ``func``)."""
-    d = ReuseBenchSettings()
-    p: argparse.ArgumentParser = bench_subparsers.add_parser(
-        "reuse", help="next-turn TTFT: recompute, reuse from the decode, the floor (KV already "
-                      "in the prefill), vLLM's default prefix cache, and kvturn on top of it",
-        description="On the bench model, prefix cache on everywhere: the next turn's TTFT "
-                    "(a) recomputed, (b) reading the history from the decode into a cold "
-                    "prefill, (c) the floor: the prefill already holds the history, (d) stock "
-                    "P/D: the prefill holds the previous prompt and computes the generated "
-                    "tokens, (e) kvturn on stock: the prefill holds the previous prompt and "
-                    "reads the generated tokens from the decode. p50 and p10/p90 over --runs "
-                    "runs in rotated order after equal idle time; a mode below the floor "
-                    "beyond the spread is flagged as a measurement error. The default run "
-                    "takes about 20 minutes on a 2-core machine; 16384 in --sizes adds about "
-                    "10 minutes, --generated-sizes all about 9 per size.")
-    p.add_argument("--json", type=Path, required=True, help="where to write the results")
-    p.add_argument("--plot", type=Path, default=None,
-                   help="PNG path (default: the JSON path with .png)")
-    p.add_argument("--sizes", type=_ints, default=d.sizes, metavar="N,N,...",
-                   help="previous-turn prompt sizes in tokens (default: 2048,4096,8192; the "
-                        "stack fits up to 30000)")
-    p.add_argument("--generated", type=_ints, default=d.generated, metavar="N,N,...",
-                   help="tokens the previous turn generated (default: 0,512,2048)")
-    p.add_argument("--generated-sizes", default=None, metavar="N,N,...|all",
-                   help="sizes measured at every --generated count; the other sizes only at "
-                        "the smallest count (default: the smallest size; 'all': every size)")
-    p.add_argument("--runs", type=int, default=d.runs,
-                   help="runs per row, each a fresh conversation per mode (default: "
-                        "%(default)s)")
-    p.add_argument("--warmup-runs", type=int, default=d.warmup_runs,
-                   help="unrecorded runs before the first row (default: %(default)s)")
-    p.add_argument("--settle", type=float, default=d.settle_s,
-                   help="seconds both instances stay idle before every timed request; keep "
-                        "it above vLLM's 1 s busy loop after a step (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed,
-                   help="seed of the prompts' token ids (default: %(default)s)")
-    p.add_argument("--state-dir", type=Path, default=d.state_dir,
-                   help="model, logs and state of the benchmark stack (default: %(default)s)")
-    p.add_argument("--decode-steps-while-pinned", action="store_true",
-                   help="run the decode without NIXL's progress thread, so that its engine "
-                        "steps while a pin is held (the behaviour before the thread was the "
-                        "default; for before/after comparisons)")
-    p.add_argument("--size", choices=sorted(SIZES), default=d.size,
-                   help="locally built model to serve (default: %(default)s; 8b: a real 8B "
-                        "model's shape with random weights, for GPUs)")
-    p.add_argument("--gpu", action="store_true",
-                   help="run on a GPU: KV in its memory (vLLM's default) instead of the CPU "
-                        "build's host buffer")
-    p.add_argument("--vllm-arg", action="append", default=None, metavar="FLAG",
-                   help="another vllm serve flag for both instances, as one argument "
-                        "(repeatable), e.g. --vllm-arg=--gpu-memory-utilization=0.4")
-    p.set_defaults(func=cmd_bench_reuse)
-    return p
-

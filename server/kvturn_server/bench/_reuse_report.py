@@ -8,7 +8,6 @@ JSON instead of being quoted.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,19 +23,11 @@ from kvturn_server.bench._reuse_plan import (
     expected_prefill,
     mismatch,
 )
-from kvturn_server.bench._stats import percentile
+from kvturn_server.bench._stats import quantile
 from kvturn_server.local._metrics import PromptSources
 
 TARGET = 1.25
 """The issue's bound on reuse / floor (issue 12, item 5)."""
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (0..1), linear between order statistics (numpy's default)."""
-    value = percentile(values, q)
-    if value is None:
-        raise ValueError("no values")
-    return value
 
 
 @dataclass(frozen=True)
@@ -259,12 +250,11 @@ def steps_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def write_json(config: dict[str, Any], rows: Sequence[dict[str, Any]], path: Path) -> None:
-    data = {"benchmark": "kvturn bench reuse", "config": config,
+def results_document(config: dict[str, Any], rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON document: the configuration, the modes, every row and every warning."""
+    return {"benchmark": "kvturn bench reuse", "config": config,
             "modes": {m: {"label": LABELS[m]} for m in MODES},
             "rows": list(rows), "warnings": [w for r in rows for w in r["warnings"]]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def write_plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> bool:

@@ -23,342 +23,41 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from kvturn_server._cli_common import add_output_args, write_json
+from kvturn_server.bench._router_client import Endpoints, TurnClient
+from kvturn_server.bench._router_fakes import API_NAMES, serve_fake_backends
+from kvturn_server.bench._stats import quantile
 from kvturn_server.local._process import free_port
-
-try:
-    import orjson as _orjson
-except ImportError:  # pragma: no cover - orjson is in the [router] extra
-    _orjson = None  # type: ignore[assignment]
-
-
-def _dumps(obj: Any) -> bytes:
-    # Not the router's _json: importing the router package here would slow every `kvturn`.
-    if _orjson is not None:
-        return _orjson.dumps(obj)
-    return json.dumps(obj, separators=(",", ":")).encode()  # pragma: no cover
-
-
-def _loads(data: bytes) -> Any:
-    return _orjson.loads(data) if _orjson is not None else json.loads(data)
-
 
 TARGET_ADDED_P50_MS = 1.5
 TARGET_ADDED_P99_MS = 5.0
-
-# What the fakes answer (shapes as in docs/http-api.md; sizes as a small real turn).
-_PROMPT = "You are a helpful agent. " * 40
-
-# Per API: (path, the turn's body, the name of its token limit). The same prompt in each.
-_API_BODIES: dict[str, tuple[str, dict[str, Any], str]] = {
-    "chat": ("/v1/chat/completions", {
-        "model": "m", "messages": [{"role": "system", "content": _PROMPT},
-                                   {"role": "user", "content": "next step?"}],
-        "max_tokens": 16, "temperature": 0}, "max_tokens"),
-    "messages": ("/v1/messages", {
-        "model": "m", "system": _PROMPT, "messages": [{"role": "user", "content": "next step?"}],
-        "max_tokens": 16, "temperature": 0}, "max_tokens"),
-    # Full input with a conversation id: the router stores each response (store defaults to
-    # true), which is part of what it adds on this path.
-    "responses": ("/v1/responses", {
-        "model": "m", "instructions": _PROMPT,
-        "input": [{"role": "user", "content": "next step?"}], "max_output_tokens": 16,
-        "temperature": 0}, "max_output_tokens"),
-}
-API_NAMES = tuple(_API_BODIES)
-
-
-def _fake_replies(stream_chunks: int) -> dict[str, Any]:
-    prefill = _dumps({
-        "id": "cmpl-p", "object": "chat.completion",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
-                     "finish_reason": "length"}],
-        "kv_transfer_params": {
-            "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_engine_id": "prefill-engine", "remote_block_ids": [list(range(64))],
-            "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": "p-1",
-            "kvturn": {"reuse": {"reason": "hit", "reused_tokens": 960, "local_tokens": 0}}}})
-    decode = _dumps({
-        "id": "cmpl-d", "object": "chat.completion",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello " * 16},
-                     "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 1000, "completion_tokens": 16, "total_tokens": 1016},
-        "kv_transfer_params": {"do_remote_decode": True, "remote_engine_id": "decode-engine",
-                               "kvturn": {"retained": True, "engine_id": "decode-engine",
-                                          "num_tokens": 1016, "expires_in": 480.0}}})
-    events = [b"data: " + _dumps({
-        "id": "cmpl-d", "object": "chat.completion.chunk",
-        "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}]})
-        + b"\n\n" for i in range(stream_chunks)] + [b"data: [DONE]\n\n"]
-    view = {"key": "k", "engine_id": "decode-engine",
-            "params": {"remote_engine_id": "decode-engine", "remote_block_ids": [list(range(64))],
-                       "remote_host": "127.0.0.1", "remote_port": 5700,
-                       "kvturn": {"format": 1, "block_size": 16,
-                                  "block_hashes": ["ab" * 16] * 63}},
-            "num_tokens": 1016, "num_blocks": 64, "expires_in": 480.0,
-            "hold_remaining": 3000.0, "created_ago": 0.0}
-    decode_params = _loads(decode)["kv_transfer_params"]
-    text = "Hello " * 16
-    messages_decode = _dumps({
-        "id": "msg_d", "type": "message", "role": "assistant", "model": "m",
-        "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
-        "usage": {"input_tokens": 1000, "output_tokens": 16},
-        "kv_transfer_params": decode_params})
-    messages_events = [_event("message_start", {"type": "message_start", "message": {
-        "id": "msg_d", "type": "message", "role": "assistant", "content": [], "model": "m"}})]
-    messages_events += [_event("content_block_delta", {
-        "type": "content_block_delta", "index": 0,
-        "delta": {"type": "text_delta", "text": f"tok{i} "}}) for i in range(stream_chunks)]
-    messages_events += [_event("message_stop", {"type": "message_stop"})]
-    output = [{"type": "message", "id": "msg_d", "role": "assistant", "status": "completed",
-               "content": [{"type": "output_text", "text": text, "annotations": []}]}]
-    response = {"id": "resp_d", "object": "response", "status": "completed", "model": "m",
-                "output": output, "usage": {"input_tokens": 1000, "output_tokens": 16}}
-    responses_decode = _dumps({**response, "kv_transfer_params": decode_params})
-    responses_events = [_event("response.output_text.delta", {
-        "type": "response.output_text.delta", "delta": f"tok{i} "})
-        for i in range(stream_chunks)]
-    responses_events += [_event("response.completed", {"type": "response.completed",
-                                                       "response": response})]
-    return {"prefill": prefill, "decode": decode, "events": events,
-            "decode:/v1/messages": messages_decode, "events:/v1/messages": messages_events,
-            "decode:/v1/responses": responses_decode,
-            "events:/v1/responses": responses_events,
-            "retention": _dumps(view),
-            "pin": _dumps({**view, "pin_id": "pin-1", "pin_expires_in": 70.0}),
-            "unpin": b'{"pin_id":"pin-1","unpinned":true}',
-            "health": b'{"engine_id":"decode-engine","role":"decode"}'}
-
-
-def _event(name: str, payload: dict[str, Any]) -> bytes:
-    return f"event: {name}\ndata: ".encode() + _dumps(payload) + b"\n\n"
-
-
-def _fake_backends_app(roles: dict[int, str], stream_chunks: int) -> Any:
-    """A raw ASGI app: the role is the port the request came in on."""
-    replies = _fake_replies(stream_chunks)
-    json_headers = [(b"content-type", b"application/json")]
-    sse_headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        role = roles[scope["server"][1]]
-        path = scope["path"]
-        reply: bytes
-        if role == "control":
-            if path == "/health":
-                reply = replies["health"]
-            elif path.endswith("/pin"):
-                reply = replies["pin"]
-            elif path.startswith("/kvturn/v1/pins/"):
-                reply = replies["unpin"]
-            else:
-                reply = replies["retention"]
-        elif path == "/health":
-            reply = b""
-        elif role == "prefill":
-            reply = replies["prefill"]
-        elif b'"stream":true' in body:
-            await send({"type": "http.response.start", "status": 200, "headers": sse_headers})
-            for event in replies.get("events:" + path, replies["events"]):
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
-        else:
-            reply = replies.get("decode:" + path, replies["decode"])
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [*json_headers, (b"content-length", str(len(reply)).encode())]})
-        await send({"type": "http.response.body", "body": reply})
-
-    return app
-
-
-def serve_fake_backends(stream_chunks: int) -> None:
-    """Bind prefill, decode and control sockets, print their ports, serve forever."""
-    import uvicorn
-
-    socks = []
-    for _ in range(3):
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", 0))
-        s.listen(2048)  # connections queue from now on, even before uvicorn accepts
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    roles = dict(zip(ports, ("prefill", "decode", "control"), strict=True))
-    options: dict[str, Any] = {}
-    with contextlib.suppress(ImportError):
-        import httptools  # noqa: F401
-
-        options["http"] = "httptools"
-    config = uvicorn.Config(_fake_backends_app(roles, stream_chunks), lifespan="off",
-                            log_level="warning", access_log=False, **options)
-    server = uvicorn.Server(config)
-    print(json.dumps({"prefill": ports[0], "decode": ports[1],  # noqa: T201
-                      "control": ports[2]}), flush=True)
-    runner: Callable[[Awaitable[None]], None] = asyncio.run  # type: ignore[assignment]
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        runner = uvloop.run  # type: ignore[assignment]
-    runner(server.serve(sockets=socks))
-
-
-# The client: one keep-alive connection per simulated client, prebuilt requests.
-
-class _Conn:
-    def __init__(self, host: str, port: int) -> None:
-        self.host = host
-        self.port = port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def open(self) -> None:
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-
-    def request(self, path: str, body: bytes) -> bytes:
-        return (f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
-                f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
-                ).encode() + body
-
-    async def send(self, raw: bytes, *, first_byte: list[float] | None = None) -> bytes:
-        """Send a prebuilt request, return the whole body; ``first_byte`` gets the time the
-        first body byte arrived."""
-        assert self.reader is not None and self.writer is not None
-        reader = self.reader
-        self.writer.write(raw)
-        head = await reader.readuntil(b"\r\n\r\n")
-        status = int(head[9:12])
-        if status != 200:
-            raise RuntimeError(f"bench request answered {status}: {head[:200]!r}")
-        lower = head.lower()
-        if b"transfer-encoding: chunked" in lower:
-            parts: list[bytes] = []
-            while True:
-                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-                if size == 0:
-                    await reader.readuntil(b"\r\n")
-                    break
-                data = await reader.readexactly(size + 2)
-                if first_byte is not None and not parts:
-                    first_byte.append(time.perf_counter())
-                parts.append(data[:-2])
-            return b"".join(parts)
-        start = lower.index(b"content-length:") + 15
-        length = int(lower[start:lower.index(b"\r\n", start)])
-        body = await reader.readexactly(length)
-        if first_byte is not None:
-            first_byte.append(time.perf_counter())
-        return body
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
-@dataclass
-class _Endpoints:
-    router: int
-    prefill: int
-    decode: int
-
-
-class _Client:
-    """Issues one turn either through the router or directly to the two legs."""
-
-    def __init__(self, ports: _Endpoints, conversations: int, index: int,
-                 api: str = "chat") -> None:
-        self.router = _Conn("127.0.0.1", ports.router)
-        self.prefill = _Conn("127.0.0.1", ports.prefill)
-        self.decode = _Conn("127.0.0.1", ports.decode)
-        self.conversations = conversations
-        self.index = index
-        self.turn = 0
-        self.path, base, limit = _API_BODIES[api]
-        self._router_requests = {
-            stream: [self.router.request(self.path, _dumps(
-                {**base, "stream": stream, "conversation_id": f"bench-{index}-{c}"}))
-                for c in range(conversations)] for stream in (False, True)}
-        # What the router's prefill leg is, as a client calling the legs itself would send it.
-        prefill = {**base, "stream": False, limit: 1,
-                   "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                          "remote_engine_id": None, "remote_block_ids": None,
-                                          "remote_host": None, "remote_port": None}}
-        if api == "chat":
-            prefill["n"] = 1
-        if api == "responses":
-            prefill["store"] = False
-        self._prefill_request = self.prefill.request(self.path, _dumps(prefill))
-        self._base = base
-
-    async def open(self) -> None:
-        for conn in (self.router, self.prefill, self.decode):
-            await conn.open()
-
-    def close(self) -> None:
-        for conn in (self.router, self.prefill, self.decode):
-            conn.close()
-
-    async def via_router(self, stream: bool) -> tuple[float, float]:
-        """(seconds to first byte, seconds to the end)."""
-        raw = self._router_requests[stream][self.turn % self.conversations]
-        self.turn += 1
-        first: list[float] = []
-        t0 = time.perf_counter()
-        await self.router.send(raw, first_byte=first)
-        return first[0] - t0, time.perf_counter() - t0
-
-    async def direct(self, stream: bool) -> tuple[float, float]:
-        """The same turn as a client calling the legs itself would run it."""
-        first: list[float] = []
-        t0 = time.perf_counter()
-        reply = _loads(await self.prefill.send(self._prefill_request))
-        params = reply["kv_transfer_params"]
-        params.pop("kvturn", None)
-        body = _dumps({**self._base, "stream": stream, "kv_transfer_params": params})
-        await self.decode.send(self.decode.request(self.path, body),
-                               first_byte=first)
-        return first[0] - t0, time.perf_counter() - t0
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def _summary(direct: list[float], router: list[float]) -> dict[str, Any]:
     """Percentiles of each path; ``added_*`` are their differences, ``paired_added_*`` the
     percentiles of the per-pair differences (steadier on a busy machine)."""
     ms = 1000.0
-    d50, d99 = _pct(direct, 0.5) * ms, _pct(direct, 0.99) * ms
-    r50, r99 = _pct(router, 0.5) * ms, _pct(router, 0.99) * ms
+    d50, d99 = quantile(direct, 0.5) * ms, quantile(direct, 0.99) * ms
+    r50, r99 = quantile(router, 0.5) * ms, quantile(router, 0.99) * ms
     pairs = [r - d for r, d in zip(router, direct, strict=True)]
     return {"direct_p50_ms": round(d50, 3), "direct_p99_ms": round(d99, 3),
             "router_p50_ms": round(r50, 3), "router_p99_ms": round(r99, 3),
             "added_p50_ms": round(r50 - d50, 3), "added_p99_ms": round(r99 - d99, 3),
-            "paired_added_p50_ms": round(_pct(pairs, 0.5) * ms, 3),
-            "paired_added_p99_ms": round(_pct(pairs, 0.99) * ms, 3),
+            "paired_added_p50_ms": round(quantile(pairs, 0.5) * ms, 3),
+            "paired_added_p99_ms": round(quantile(pairs, 0.99) * ms, 3),
             "samples": len(router)}
 
 
-async def _latency(ports: _Endpoints, requests: int, warmup: int,
+async def _latency(ports: Endpoints, requests: int, warmup: int,
                    api: str = "chat") -> dict[str, Any]:
-    client = _Client(ports, conversations=16, index=0, api=api)
+    client = TurnClient(ports, conversations=16, index=0, api=api)
     await client.open()
     results: dict[str, Any] = {}
     try:
@@ -389,15 +88,15 @@ async def _latency(ports: _Endpoints, requests: int, warmup: int,
     return results
 
 
-async def _throughput(ports: _Endpoints, concurrency: int, duration: float, stream: bool,
+async def _throughput(ports: Endpoints, concurrency: int, duration: float, stream: bool,
                       via_router: bool) -> float:
-    clients = [_Client(ports, conversations=4, index=i) for i in range(concurrency)]
+    clients = [TurnClient(ports, conversations=4, index=i) for i in range(concurrency)]
     for c in clients:
         await c.open()
     done = 0
     stop = time.perf_counter() + duration
 
-    async def run(client: _Client) -> None:
+    async def run(client: TurnClient) -> None:
         nonlocal done
         call = client.via_router if via_router else client.direct
         while time.perf_counter() < stop:
@@ -464,7 +163,7 @@ def run_router_bench(settings: RouterBenchSettings) -> dict[str, Any]:
     """Start the fakes and the router, measure, stop them; returns the results."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     fakes = subprocess.Popen(
-        [sys.executable, "-c", "from kvturn_server.bench._router import serve_fake_backends; "
+        [sys.executable, "-c", "from kvturn_server.bench._router_fakes import serve_fake_backends; "
          f"serve_fake_backends({int(settings.stream_chunks)})"], stdout=subprocess.PIPE, env=env)
     router: subprocess.Popen[bytes] | None = None
     try:
@@ -483,7 +182,7 @@ def run_router_bench(settings: RouterBenchSettings) -> dict[str, Any]:
              # capture); a turn the decode continues alone is one leg and no control call.
              "--decode-continue-tokens", "0",
              "--log-level", "warning", *settings.router_args], env=env)
-        ports = _Endpoints(router_port, fake_ports["prefill"], fake_ports["decode"])
+        ports = Endpoints(router_port, fake_ports["prefill"], fake_ports["decode"])
         runner: Callable[[Any], Any] = asyncio.run
         with contextlib.suppress(ImportError):
             import uvloop
@@ -597,8 +296,7 @@ def cmd_bench_router(args: argparse.Namespace) -> int:
                                    router_args=tuple(args.router_arg or ()),
                                    apis=_apis_of(args.api))
     results = run_router_bench(settings)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(results, args.json)
     _print(results)
     print(f"wrote {args.json}")  # noqa: T201
     return 0
@@ -613,7 +311,7 @@ def add_router_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "latency the router adds to a turn (p50/p99, streaming and not) against "
                     "calling the two legs directly, and requests per second at N concurrent "
                     "clients. About a minute.")
-    p.add_argument("--json", type=Path, required=True, help="where to write the results")
+    add_output_args(p, plot=False)
     p.add_argument("--requests", type=int, default=d.requests,
                    help="latency samples per path and mode (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="default: %(default)s")

@@ -37,6 +37,7 @@ from openai._base_client import AsyncAPIClient, BaseClient, SyncAPIClient
 
 import kvturn
 from kvturn._base_client import KVTurnClientBase
+from kvturn_server.bench._stats import quantile
 
 TARGET_US = 50.0
 TURNS = 5
@@ -200,8 +201,7 @@ class _Samples:
 
     def result(self, mode: str, stream: bool) -> tuple[ModeResult, Spread]:
         paired = self.paired()
-        quartiles = (statistics.quantiles(paired, n=4) if len(paired) > 1
-                     else [float(paired[0])] * 3)
+        quartiles = [quantile(paired, q) for q in (0.25, 0.5, 0.75)]
         return (ModeResult(mode=mode, stream=stream, plain_us=_median_us(self.plain),
                            kvturn_us=_median_us(self.kvturn), overhead_us=_median_us(paired),
                            own_us=_median_us(self.own)),

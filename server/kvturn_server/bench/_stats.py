@@ -1,31 +1,41 @@
-"""The numbers both agent benchmarks (``kvturn bench agent`` and ``kvturn bench fleet``) report
-with: quantiles, a distribution's summary, ratios, and how a missing value prints."""
+"""The statistics every benchmark reports with (and ``kvturn simulate``): one quantile
+definition, a distribution's summary, ratios and their bootstrap intervals, the turn summary of
+both agent benchmarks, and how a missing value prints."""
 
 from __future__ import annotations
 
-import json
-import math
 import random
 import statistics
 from collections.abc import Iterable, Sequence
-from pathlib import Path
+from fractions import Fraction
 from typing import Any, Protocol
 
 MIB = 1024 * 1024
 
 
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """The ``q`` quantile (0..1) with linear interpolation between order statistics (numpy's
-    default); None for no values."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
+def quantile(values: Iterable[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``: the one definition every benchmark (and
+    ``kvturn simulate``) reports with. The stdlib's ``statistics.quantiles(method="inclusive")``:
+    linear interpolation between order statistics, numpy's default; ``q`` is taken as the
+    nearest fraction with a denominator up to 10 000 (0.99 is 99/100). Raises ValueError for
+    no values or ``q`` outside [0, 1]."""
+    data = [float(v) for v in values]
+    if not data:
+        raise ValueError("no values")
     if not 0 <= q <= 1:
         raise ValueError(f"q must be within [0, 1], got {q}")
-    pos = q * (len(ordered) - 1)
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    cut = Fraction(q).limit_denominator(10_000)
+    if len(data) == 1 or cut.numerator == 0:
+        return min(data)
+    if cut == 1:
+        return max(data)
+    return statistics.quantiles(data, n=cut.denominator, method="inclusive")[cut.numerator - 1]
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """``quantile``, but None for no values (a summary of nothing)."""
+    data = list(values)
+    return quantile(data, q) if data else None
 
 
 def rounded(value: float | None, digits: int = 3) -> float | None:
@@ -42,6 +52,54 @@ def distribution(values: Sequence[float]) -> dict[str, float | int | None]:
 def cdf_points(values: Sequence[float]) -> list[float | None]:
     """The 0th..100th percentiles: enough to draw a distribution without every value."""
     return [rounded(percentile(values, i / 100)) for i in range(101)]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def spread(values: Sequence[float | int | None]) -> dict[str, Any]:
+    """min, median and max of the measured values (None: not measured), and all of them."""
+    present = [v for v in values if v is not None]
+    return {"min": min(present) if present else None,
+            "median": rounded(statistics.median(present), 4) if present else None,
+            "max": max(present) if present else None, "per_repeat": list(values)}
+
+
+_DROP = object()
+
+
+def median_tree(values: Sequence[Any]) -> Any:
+    """The median over repeats of a summary, leaf by leaf: numbers become their median,
+    dicts are merged key by key (a key missing from a repeat counts 0 where the dict holds
+    only numbers, as a counter does, else it is left out), equal other values stay, differing
+    ones (lists of load averages, say) are dropped; None values are left out."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    if all(isinstance(v, dict) for v in present):
+        counter = all(_is_number(x) for v in present for x in v.values())
+        keys = list(dict.fromkeys(k for v in present for k in v))
+        merged = {}
+        for key in keys:
+            value = median_tree([v.get(key, 0 if counter else None) for v in present])
+            if value is not _DROP:
+                merged[key] = value
+        return merged
+    if all(_is_number(v) for v in present):
+        median = statistics.median(present)
+        return median if isinstance(median, int) else round(median, 4)
+    if all(v == present[0] for v in present):
+        return present[0]
+    return _DROP
+
+
+def at_path(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    """The value at ``path`` (keys, outermost first) of nested dicts; None where it is missing."""
+    value: Any = tree
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
 
 
 def ratio(a: float | int | None, b: float | int | None) -> float | None:
@@ -98,8 +156,3 @@ def bootstrap_ratio(a: Sequence[float], b: Sequence[float], q: float, *, rounds:
         if num is not None and den:
             ratios.append(num / den)
     return rounded(percentile(ratios, 0.025)), rounded(percentile(ratios, 0.975))
-
-
-def write_json(results: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")

@@ -33,6 +33,7 @@ from uuid import UUID
 from kvturn_server._plot import pyplot, save
 from kvturn_server.local._demo_messages import run_messages_agent
 from kvturn_server.local._metrics import PromptSources, prompt_sources
+from kvturn_server.local._progress import ProgressLine
 from kvturn_server.local._stack import Stack, StackConfig, read_running
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "langgraph_agent.py"
@@ -267,7 +268,6 @@ def write_plot(reports: list[TurnReport], path: Path, api: Api = "chat") -> bool
 
 def run_demo(cfg: StackConfig, turns: int = 6, tool_latency: float = 0.5,
              plot: Path | None = None, api: Api = "chat") -> int:
-    from kvturn_server.cli import ProgressLine
 
     load_agent()  # fail before minutes of start-up if the example is not there
     running = read_running(cfg.state_dir)

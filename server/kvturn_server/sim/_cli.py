@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvturn_server._cli_common import add_output_args, int_range, number_list, plot_path, write_json
 from kvturn_server.sim._config import (
     PROFILES,
     FleetSpec,
@@ -19,21 +19,7 @@ from kvturn_server.sim._config import (
 from kvturn_server.sim._report import compare, describe, plot, sweep, sweep_table, table
 from kvturn_server.sim._workload import WorkloadSpec, load_trace, synthetic
 
-
-def _pair(text: str) -> tuple[int, int]:
-    try:
-        low, high = (int(x) for x in text.split(","))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected MIN,MAX, got {text!r}") from exc
-    return low, high
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected numbers separated by commas: {text!r}") \
-            from exc
+_floats = number_list(float, empty=True)
 
 
 def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -56,16 +42,16 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--window", type=float, default=w.window_s,
                    help="seconds over which conversations start, uniformly (default: "
                         "%(default)s)")
-    g.add_argument("--turns", type=_pair, default=w.turns, metavar="MIN,MAX",
+    g.add_argument("--turns", type=int_range, default=w.turns, metavar="MIN,MAX",
                    help="turns per conversation (default: %(default)s)")
     g.add_argument("--system-tokens", type=int, default=w.system_tokens,
                    help="system prompt tokens (default: %(default)s)")
     g.add_argument("--own-system", action="store_true",
                    help="every conversation has its own system prompt (default: one shared "
                         "system prompt, as one agent product sends)")
-    g.add_argument("--message-tokens", type=_pair, default=w.message_tokens, metavar="MIN,MAX",
+    g.add_argument("--message-tokens", type=int_range, default=w.message_tokens, metavar="MIN,MAX",
                    help="tokens of each turn's new message (default: %(default)s)")
-    g.add_argument("--reply-tokens", type=_pair, default=w.reply_tokens, metavar="MIN,MAX",
+    g.add_argument("--reply-tokens", type=int_range, default=w.reply_tokens, metavar="MIN,MAX",
                    help="tokens of each reply (default: %(default)s)")
     g.add_argument("--gap-p50", type=float, default=w.gap_p50_s,
                    help="tool gap median, seconds (default: %(default)s)")
@@ -116,10 +102,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--ttft-slo", type=float, default=2.0,
                    help="TTFT a turn must meet to count in goodput, seconds (default: "
                         "%(default)s)")
-    g.add_argument("--json", type=Path, default=Path("simulate.json"),
-                   help="results (default: %(default)s)")
-    g.add_argument("--plot", type=Path, default=None,
-                   help="PNG path (default: the JSON path with .png)")
+    add_output_args(g, json_default=Path("simulate.json"))
     g.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_simulate)
     return p
@@ -171,10 +154,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "conversations": len(conversations), "turns": turns,
         "sweep_conversations": min(args.sweep_conversations, len(conversations))},
         "policies": results, "sweep": rows, "wall_s": wall}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
-    plot_path = args.plot or args.json.with_suffix(".png")
-    plotted = plot(plot_path, results, recorders, rows)
+    write_json(data, args.json, indent=1)
+    plot_file = plot_path(args.json, args.plot)
+    plotted = plot(plot_file, results, recorders, rows)
     out = sys.stdout
     out.write(table(results) + "\n")
     if rows:
@@ -182,5 +164,5 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     runs = f"{len(wanted)} polic{'y' if len(wanted) == 1 else 'ies'}" + (
         f" + {len(rows)} sweep runs" if rows else "")
     out.write(f"\n{len(conversations):,} conversations, {turns:,} turns, {runs} in {wall:.0f} s; "
-              f"JSON {args.json}{f', plot {plot_path}' if plotted else ''}\n")
+              f"JSON {args.json}{f', plot {plot_file}' if plotted else ''}\n")
     return 0

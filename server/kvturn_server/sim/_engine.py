@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
-from kvturn_server.bench._agent_workload import FRAMING_TOKENS
+from kvturn_server.bench.agent._workload import FRAMING_TOKENS
 from kvturn_server.connector._cost import CostModel, CostSettings
 from kvturn_server.connector._hashing import verified_prefix_blocks
 from kvturn_server.connector._reuse import decide_reuse

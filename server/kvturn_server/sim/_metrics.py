@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from kvturn_server.bench._stats import percentile
 from kvturn_server.sim._config import GIB, SimSettings
 from kvturn_server.sim._instances import SimDecode, SimPrefill
 from kvturn_server.sim._workload import Conversation
@@ -21,13 +21,6 @@ REUSED = ("hit", "partial")
 
 def gap_bucket(gap_s: float) -> str:
     return next(name for name, upper in GAP_BUCKETS if gap_s < upper)
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 class Recorder:

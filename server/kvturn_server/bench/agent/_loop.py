@@ -21,11 +21,12 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from kvturn_server.bench._agent_report import AgentOutcome
-from kvturn_server.bench._agent_workload import AgentScript, Message
 from kvturn_server.bench._stats import MIB, fmt, percentile
+from kvturn_server.bench.agent._records import AgentOutcome
+from kvturn_server.bench.agent._workload import AgentScript, Message
 
 if TYPE_CHECKING:
     import kvturn
@@ -35,19 +36,19 @@ CLIENT_KINDS = (PLAIN, IDS, KVTURN)
 HEADER_CONVERSATION_ID = "X-Conversation-ID"
 
 
+@dataclass
 class Live:
     """What the progress line reports, updated by the agents as they go."""
 
-    def __init__(self, agents: int, turns: int) -> None:
-        self.agents = agents
-        self.turns = turns
-        """All agents' turns together."""
-        self.done_agents = 0
-        self.done_turns = 0
-        self.failed_turns = 0
-        self.in_turn = 0
-        self.in_gap = 0
-        self.ttfts: list[float] = []
+    agents: int
+    turns: int
+    """All agents' turns together."""
+    done_agents: int = 0
+    done_turns: int = 0
+    failed_turns: int = 0
+    in_turn: int = 0
+    in_gap: int = 0
+    ttfts: list[float] = field(default_factory=list)
 
 
 class TurnFields(Protocol):

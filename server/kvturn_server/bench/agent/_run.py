@@ -30,78 +30,46 @@ the router's ``X-KVTurn-Reuse`` / ``X-KVTurn-Reused-Tokens`` and, where the rout
 tokens (``vllm:prompt_tokens_by_source_total{source="local_compute"}``) before and after.
 Sampled every ``sample_interval`` seconds in a background thread: the decode's retained bytes
 (control endpoint ``/kvturn/v1/stats``, ``retention.held_bytes``) and the prefill's computed
-prompt tokens. The summaries, the comparison and its verdict are in ``_agent_report``; the
-agent loop itself (shared with ``kvturn bench fleet``) in ``_agent_loop``: ``off`` runs its
+prompt tokens. The records are in ``_records``, the summaries, the comparison and its verdict
+in ``_summary``, the table in ``_report``, the plot in ``_plot``, the command line in ``_cli``;
+the agent loop itself (shared with ``kvturn bench fleet``) in ``_loop``: ``off`` runs its
 ``plain`` client, ``on`` its ``kvturn`` client.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvturn_server.bench import _agent_loop
-from kvturn_server.bench._agent_cli import (
-    add_output_args,
-    bench_client,
-    comma_choices,
-    token_range,
-    write_plot_and_say,
-)
-from kvturn_server.bench._agent_loop import KVTURN, PLAIN, Live, chunk_gaps_ms, progress
-from kvturn_server.bench._agent_report import (
-    AgentOutcome,
-    ModeRun,
-    Sample,
-    TurnRecord,
-    build_results,
-    compare,
-    summarize,
-    table,
-    write_plot,
-)
-from kvturn_server.bench._agent_workload import (
+from kvturn_server._cli_common import write_json
+from kvturn_server.bench._cli import bench_client, write_plot_and_say
+from kvturn_server.bench._host import describe_cpu, host_info
+from kvturn_server.bench._sampling import PeriodicSampler, loadavg, retained_bytes, wait_released
+from kvturn_server.bench.agent._loop import KVTURN, PLAIN, Live, chunk_gaps_ms, progress
+from kvturn_server.bench.agent._loop import run_agent as run_as_client
+from kvturn_server.bench.agent._plot import write_plot
+from kvturn_server.bench.agent._records import AgentOutcome, ModeRun, Sample, TurnRecord
+from kvturn_server.bench.agent._report import table
+from kvturn_server.bench.agent._summary import build_results
+from kvturn_server.bench.agent._workload import (
     DECODES,
-    FRAMING_TOKENS,
-    MIN_RETENTION_TTL_S,
-    MODES,
     PREFILLS,
-    PROFILE_TEXT,
-    PROFILES,
-    TRACE_KEEPALIVE_PER_TTL,
-    TRACE_RETENTION_TTL_S,
     AgentBenchSettings,
     AgentScript,
-    GapDistribution,
-    Message,
     build_scripts,
     mode_order,
 )
-from kvturn_server.bench._host import describe_cpu, host_info
-from kvturn_server.bench._sampling import PeriodicSampler, loadavg, retained_bytes, wait_released
-from kvturn_server.bench._stats import distribution, percentile, write_json
 from kvturn_server.local._metrics import PromptSources
+from kvturn_server.local._progress import ProgressLine
 
 if TYPE_CHECKING:
     import kvturn
     from kvturn_server.local._stack import StackConfig
 
-# Re-exported: the names other benchmarks import from here (bench fleet reuses the workload).
-__all__ = ["FRAMING_TOKENS", "MIN_RETENTION_TTL_S", "MODES", "TRACE_KEEPALIVE_PER_TTL",
-           "TRACE_RETENTION_TTL_S", "AgentBenchSettings", "AgentOutcome", "AgentScript",
-           "GapDistribution", "HttpProbe", "Message", "ModeRun", "Probe", "Sample", "Sampler",
-           "TurnRecord", "add_agent_bench_parser", "agent_stack_config", "build_results",
-           "build_scripts", "cmd_bench_agent", "compare", "distribution", "measure", "mode_order",
-           "percentile", "run_agent", "run_agent_bench", "run_mode", "settings_from_args",
-           "summarize", "table", "warm_up", "write_json", "write_plot"]
-
-
-# One agent: the shared loop (``_agent_loop``) as the mode's client kind.
+# One agent: the shared loop (``_loop``) as the mode's client kind.
 
 CLIENTS = {"off": PLAIN, "on": KVTURN}
 """Each mode's client: ``off`` sends no conversation id, ``on`` is a kvturn conversation."""
@@ -128,7 +96,7 @@ async def run_agent(script: AgentScript, client: kvturn.AsyncOpenAI, model: str,
             message_words=script.message_words[turn], gap_after_s=script.gap_after(turn),
             repeat=script.repeat, max_tokens=script.reply_tokens[turn])
 
-    return await _agent_loop.run_agent(
+    return await run_as_client(
         script, CLIENTS[script.mode], client, model, t0=t0, live=live, records=records,
         new_record=new_record, timed=_timed, keepalive_interval=settings.keepalive_interval,
         sleep=sleep, clock=clock)
@@ -314,7 +282,6 @@ def run_agent_bench(settings: AgentBenchSettings,
                     say: Callable[[str], None] = print) -> dict[str, Any]:
     """Start the stack, run the modes, stop the stack; print a table, write the JSON and the
     plot when their paths are set; return the results."""
-    from kvturn_server.cli import ProgressLine
     from kvturn_server.local._model import SIZES
     from kvturn_server.local._stack import Stack
 
@@ -357,116 +324,3 @@ def run_agent_bench(settings: AgentBenchSettings,
         write_json(results, settings.json_path)
         write_plot_and_say(results, settings.json_path, settings.plot_path, write_plot, say)
     return results
-
-
-# The command line.
-
-def settings_from_args(args: argparse.Namespace) -> AgentBenchSettings:
-    return AgentBenchSettings(
-        agents=args.agents, turns=args.turns, time_scale=args.time_scale, seed=args.seed,
-        json_path=args.json, plot_path=args.plot, size=args.size, state_dir=args.state_dir,
-        modes=args.modes, stagger_s=args.stagger, system_tokens=args.system_tokens,
-        message_tokens=args.message_tokens, max_tokens=args.max_tokens, profile=args.profile,
-        long_reply_tokens=args.long_reply_tokens, repeats=args.repeats,
-        gap_cap_s=args.max_gap if args.max_gap > 0 else None,
-        retention_ttl_s=args.retention_ttl, prefill_prefix_cache=args.prefill_prefix_cache,
-        kv_cache_gib=args.kv_cache_gib, router_args=tuple(args.router_arg or ()))
-
-
-def cmd_bench_agent(args: argparse.Namespace) -> int:
-    from kvturn_server.local._model import SIZES
-
-    try:
-        settings = settings_from_args(args)
-        settings.check_fits(SIZES[settings.size].max_positions)
-    except ValueError as error:
-        raise SystemExit(f"kvturn bench agent: {error}") from None
-    run_agent_bench(settings)
-    return 0
-
-
-def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``agent`` to ``kvturn bench``'s subcommands (sets ``func``)."""
-    from kvturn_server.local._model import SIZES
-
-    d = AgentBenchSettings()
-    p: argparse.ArgumentParser = bench_subparsers.add_parser(
-        "agent", help="concurrent tool-using agents: TTFT, inter-token latency, prompt tokens "
-                      "computed and retained memory, with and without kvturn conversations",
-        description="Start 1 prefill + 1 decode + router (the prefill's prefix cache on by "
-                    "default, as vLLM ships it), then run N concurrent agents of M turns each "
-                    "(growing conversations, tool gaps drawn from a log-normal fitted to "
-                    "production agent traces, scaled by --time-scale) in two modes: 'off' "
-                    "without conversation ids (plain P/D), 'on' as kvturn conversations that "
-                    "keep their lease during tool gaps; --repeats times, the order of the "
-                    "modes rotated each repeat (off,on / on,off / ...), the same scripts in "
-                    "every repeat with new words. Prints the configuration (prefix cache, "
-                    "instances, reply profile, host CPU and AMX), then per mode the medians "
-                    "over the repeats and their spread of TTFT p50/p90/p99 and turns 2+ p50, "
-                    "inter-token latency p50/p99 (and time per output token), prompt "
-                    "tokens computed by the prefill, by the decode and their sum, turns per "
-                    "second, the decode's retained memory "
-                    "and the router's per-turn reports; then the off/on ratios of every "
-                    "repeat and whether kvturn was never slower. Writes every turn and sample "
-                    "as JSON and a PNG plot. The default run (3 repeats) takes about 7 "
-                    "minutes on a 2-core machine; --profile long several times that.")
-    add_output_args(p)
-    p.add_argument("--agents", type=int, default=d.agents,
-                   help="concurrent agents (default: %(default)s)")
-    p.add_argument("--turns", type=int, default=d.turns,
-                   help="turns per agent (default: %(default)s)")
-    p.add_argument("--time-scale", type=float, default=d.time_scale,
-                   help="factor on the traces' tool gaps (p50 2 s, p90 24 s) and on the 480 s "
-                        "lease; 0.1 gives gaps of p50 0.2 s (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed,
-                   help="seed of the gaps and the generated text (default: %(default)s)")
-    p.add_argument("--size", choices=sorted(SIZES), default=d.size,
-                   help="model (default: %(default)s)")
-    p.add_argument("--state-dir", type=Path, default=d.state_dir,
-                   help="model, logs and state of the benchmark stack (default: %(default)s)")
-    p.add_argument("--modes", type=comma_choices(MODES, "modes"), default=d.modes, metavar="off,on",
-                   help="which modes to run, in this order in the first repeat; later repeats "
-                        "rotate it (default: off,on)")
-    p.add_argument("--repeats", type=int, default=d.repeats,
-                   help="how many times to run the modes, order rotated each time; the table "
-                        "reports medians and min-max over them (default: %(default)s)")
-    p.add_argument("--stagger", type=float, default=d.stagger_s,
-                   help="seconds between two agents' starts (default: %(default)s)")
-    p.add_argument("--system-tokens", type=int, default=d.system_tokens,
-                   help="system prompt length (default: %(default)s)")
-    p.add_argument("--message-tokens", type=token_range, default=d.message_tokens,
-                   metavar="MIN,MAX",
-                   help="size of each turn's new user/tool message (default: 100,300)")
-    p.add_argument("--profile", choices=PROFILES, default=d.profile,
-                   help="reply profile: " + "; ".join(f"{k}: {v}" for k, v in
-                                                      PROFILE_TEXT.items())
-                        + " (default: %(default)s). The local models never end a reply "
-                          "early (their LM head only picks words), so replies are as long as "
-                          "asked. Six long turns may not fit the tiny model's 8k context: "
-                          "add --turns 5")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
-                   help="every reply's length in the tool profile (default: %(default)s)")
-    p.add_argument("--long-reply-tokens", type=token_range, default=d.long_reply_tokens,
-                   metavar="MIN,MAX",
-                   help="the range each reply's length is drawn from in the long profile "
-                        "(default: 300,1000)")
-    p.add_argument("--max-gap", type=float, default=d.gap_cap_s,
-                   help="cap on a tool gap in trace seconds, before scaling; 0: none "
-                        "(default: %(default)s, the traces' p99)")
-    p.add_argument("--retention-ttl", type=float, default=None,
-                   help="the decode's lease in seconds (default: 480 x --time-scale, at least "
-                        f"{MIN_RETENTION_TTL_S:g}); the SDK renews every eighth of it during a "
-                        "tool gap")
-    p.add_argument("--prefill-prefix-cache", action=argparse.BooleanOptionalAction,
-                   default=d.prefill_prefix_cache,
-                   help="the prefill's own prefix cache: on by default, as vLLM ships it and "
-                        "users run it; --no-prefill-prefix-cache stands for a prefill pool "
-                        "where a conversation's next turn does not find its prefix locally")
-    p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib,
-                   help="KV cache per vLLM instance in GiB (default: %(default)s)")
-    p.add_argument("--router-arg", action="append", default=None, metavar="ARG",
-                   help="one more `kvturn router` argument (repeatable; both modes run on that "
-                        "router), e.g. --router-arg=--decode-continue-tokens=256")
-    p.set_defaults(func=cmd_bench_agent)
-    return p
-

@@ -1,0 +1,65 @@
+"""What the two agent benchmarks' commands (``kvturn bench agent``, ``kvturn bench fleet``)
+share: the options of their agents, the client they measure through, and the plot and line
+that follow the JSON. (What every measuring command shares is in ``kvturn_server._cli_common``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvturn_server._cli_common import add_output_args, plot_path, say_written
+
+if TYPE_CHECKING:
+    import kvturn
+    from kvturn_server.bench._fleet_plan import FleetBenchSettings
+    from kvturn_server.bench.agent._workload import AgentBenchSettings
+
+
+def add_agents_args(p: argparse.ArgumentParser, d: AgentBenchSettings | FleetBenchSettings,
+                    *, seeded: str, state: str) -> None:
+    """``--json``, ``--plot``, ``--agents``, ``--time-scale``, ``--seed``, ``--stagger``,
+    ``--size``, ``--state-dir`` and ``--retention-ttl``, their defaults from ``d``; ``seeded``:
+    what the seed draws, ``state``: what the state directory holds."""
+    from kvturn_server.local._model import SIZES
+
+    add_output_args(p)
+
+    p.add_argument("--agents", type=int, default=d.agents,
+                   help="concurrent agents (default: %(default)s)")
+    p.add_argument("--time-scale", type=float, default=d.time_scale,
+                   help="factor on the traces' tool gaps (p50 2 s, p90 24 s) and on the 480 s "
+                        "lease; 0.1 gives gaps of p50 0.2 s (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help=f"seed of {seeded} (default: %(default)s)")
+    p.add_argument("--stagger", type=float, default=d.stagger_s,
+                   help="seconds between two agents' starts (default: %(default)s)")
+    p.add_argument("--size", choices=sorted(SIZES), default=d.size,
+                   help="model (default: %(default)s)")
+    p.add_argument("--state-dir", type=Path, default=d.state_dir,
+                   help=f"{state} (default: %(default)s)")
+    p.add_argument("--retention-ttl", type=float, default=None,
+                   help="the decodes' lease in seconds (default: 480 x --time-scale, at least "
+                        "30); the SDK renews every eighth of it during a tool gap")
+
+
+def bench_client(url: str, timeout_s: float, max_retries: int) -> kvturn.AsyncOpenAI:
+    """The client the agents send through: the router at ``url``, one HTTP pool for all."""
+    import httpx2
+
+    import kvturn
+
+    http = httpx2.AsyncClient(timeout=timeout_s)
+    return kvturn.AsyncOpenAI(base_url=f"{url}/v1", api_key="kvturn-bench",
+                              max_retries=max_retries, timeout=timeout_s, http_client=http)
+
+
+def write_plot_and_say(results: dict[str, Any], json_path: Path, plot: Path | None,
+                       write_plot: Callable[[dict[str, Any], Path], bool],
+                       say: Callable[[str], None]) -> None:
+    """Draw the plot next to the JSON (already written) unless ``plot`` says where; say what
+    was written."""
+    path = plot_path(json_path, plot)
+    say_written(json_path, path, write_plot(results, path), say)

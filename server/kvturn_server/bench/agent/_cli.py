@@ -1,0 +1,110 @@
+"""``kvturn bench agent``'s command line: its parser and the settings it builds."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvturn_server._cli_common import comma_choices, int_range, settings_or_exit
+from kvturn_server.bench._cli import add_agents_args
+from kvturn_server.bench.agent._run import run_agent_bench
+from kvturn_server.bench.agent._workload import (
+    MODES,
+    PROFILE_TEXT,
+    PROFILES,
+    AgentBenchSettings,
+)
+
+
+def settings_from_args(args: argparse.Namespace) -> AgentBenchSettings:
+    return AgentBenchSettings(
+        agents=args.agents, turns=args.turns, time_scale=args.time_scale, seed=args.seed,
+        json_path=args.json, plot_path=args.plot, size=args.size, state_dir=args.state_dir,
+        modes=args.modes, stagger_s=args.stagger, system_tokens=args.system_tokens,
+        message_tokens=args.message_tokens, max_tokens=args.max_tokens, profile=args.profile,
+        long_reply_tokens=args.long_reply_tokens, repeats=args.repeats,
+        gap_cap_s=args.max_gap if args.max_gap > 0 else None,
+        retention_ttl_s=args.retention_ttl, prefill_prefix_cache=args.prefill_prefix_cache,
+        kv_cache_gib=args.kv_cache_gib, router_args=tuple(args.router_arg or ()))
+
+
+def cmd_bench_agent(args: argparse.Namespace) -> int:
+    from kvturn_server.local._model import SIZES
+
+    def checked() -> AgentBenchSettings:
+        settings = settings_from_args(args)
+        settings.check_fits(SIZES[settings.size].max_positions)
+        return settings
+
+    run_agent_bench(settings_or_exit("bench agent", checked))
+    return 0
+
+
+def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``agent`` to ``kvturn bench``'s subcommands (sets ``func``)."""
+
+    d = AgentBenchSettings()
+    p: argparse.ArgumentParser = bench_subparsers.add_parser(
+        "agent", help="concurrent tool-using agents: TTFT, inter-token latency, prompt tokens "
+                      "computed and retained memory, with and without kvturn conversations",
+        description="Start 1 prefill + 1 decode + router (the prefill's prefix cache on by "
+                    "default, as vLLM ships it), then run N concurrent agents of M turns each "
+                    "(growing conversations, tool gaps drawn from a log-normal fitted to "
+                    "production agent traces, scaled by --time-scale) in two modes: 'off' "
+                    "without conversation ids (plain P/D), 'on' as kvturn conversations that "
+                    "keep their lease during tool gaps; --repeats times, the order of the "
+                    "modes rotated each repeat (off,on / on,off / ...), the same scripts in "
+                    "every repeat with new words. Prints the configuration (prefix cache, "
+                    "instances, reply profile, host CPU and AMX), then per mode the medians "
+                    "over the repeats and their spread of TTFT p50/p90/p99 and turns 2+ p50, "
+                    "inter-token latency p50/p99 (and time per output token), prompt "
+                    "tokens computed by the prefill, by the decode and their sum, turns per "
+                    "second, the decode's retained memory "
+                    "and the router's per-turn reports; then the off/on ratios of every "
+                    "repeat and whether kvturn was never slower. Writes every turn and sample "
+                    "as JSON and a PNG plot. The default run (3 repeats) takes about 7 "
+                    "minutes on a 2-core machine; --profile long several times that.")
+    add_agents_args(p, d, seeded="the gaps and the generated text",
+                    state="model, logs and state of the benchmark stack")
+    p.add_argument("--turns", type=int, default=d.turns,
+                   help="turns per agent (default: %(default)s)")
+    p.add_argument("--modes", type=comma_choices(MODES, "modes"), default=d.modes, metavar="off,on",
+                   help="which modes to run, in this order in the first repeat; later repeats "
+                        "rotate it (default: off,on)")
+    p.add_argument("--repeats", type=int, default=d.repeats,
+                   help="how many times to run the modes, order rotated each time; the table "
+                        "reports medians and min-max over them (default: %(default)s)")
+    p.add_argument("--system-tokens", type=int, default=d.system_tokens,
+                   help="system prompt length (default: %(default)s)")
+    p.add_argument("--message-tokens", type=int_range, default=d.message_tokens,
+                   metavar="MIN,MAX",
+                   help="size of each turn's new user/tool message (default: 100,300)")
+    p.add_argument("--profile", choices=PROFILES, default=d.profile,
+                   help="reply profile: " + "; ".join(f"{k}: {v}" for k, v in
+                                                      PROFILE_TEXT.items())
+                        + " (default: %(default)s). The local models never end a reply "
+                          "early (their LM head only picks words), so replies are as long as "
+                          "asked. Six long turns may not fit the tiny model's 8k context: "
+                          "add --turns 5")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="every reply's length in the tool profile (default: %(default)s)")
+    p.add_argument("--long-reply-tokens", type=int_range, default=d.long_reply_tokens,
+                   metavar="MIN,MAX",
+                   help="the range each reply's length is drawn from in the long profile "
+                        "(default: 300,1000)")
+    p.add_argument("--max-gap", type=float, default=d.gap_cap_s,
+                   help="cap on a tool gap in trace seconds, before scaling; 0: none "
+                        "(default: %(default)s, the traces' p99)")
+    p.add_argument("--prefill-prefix-cache", action=argparse.BooleanOptionalAction,
+                   default=d.prefill_prefix_cache,
+                   help="the prefill's own prefix cache: on by default, as vLLM ships it and "
+                        "users run it; --no-prefill-prefix-cache stands for a prefill pool "
+                        "where a conversation's next turn does not find its prefix locally")
+    p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib,
+                   help="KV cache per vLLM instance in GiB (default: %(default)s)")
+    p.add_argument("--router-arg", action="append", default=None, metavar="ARG",
+                   help="one more `kvturn router` argument (repeatable; both modes run on that "
+                        "router), e.g. --router-arg=--decode-continue-tokens=256")
+    p.set_defaults(func=cmd_bench_agent)
+    return p
+

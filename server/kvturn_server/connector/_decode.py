@@ -138,9 +138,6 @@ class DecodeSide:
                     stats.record(key, value)
         return None if stats.is_empty() else stats
 
-    def control_stats(self) -> dict[str, Any]:
-        return {}
-
     # Local hits.
 
     def _note_local_hit(self, request: Any, num_computed_tokens: int, params: Any) -> None:

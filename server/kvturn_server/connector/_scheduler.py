@@ -31,7 +31,6 @@ from kvturn_server.connector._config import ConnectorConfig, ConnectorConfigErro
 from kvturn_server.connector._control import ControlServer
 from kvturn_server.connector._decode import DecodeSide, make_keeper
 from kvturn_server.connector._extra_keys import engine_seed
-from kvturn_server.connector._hashing import DEFAULT_SEED
 from kvturn_server.connector._keeper import RetentionKeeper
 from kvturn_server.connector._params import ReadCoordinates
 from kvturn_server.connector._prefill import PrefillSide, ReadRules, make_calibration
@@ -43,9 +42,8 @@ log = logging.getLogger("kvturn.connector")
 class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
     """Verifies reads on prefills; retains, makes room and serves control on decodes."""
 
-    hash_seed: bytes = DEFAULT_SEED
+    hash_seed: bytes
     """Start of every verification chain (``engine_seed``: the model's identity)."""
-
     side: PrefillSide | DecodeSide
     control: ControlServer | None
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kvturn_server.connector._keeper import RetentionKeeper
+from kvturn_server.connector._params import ReadCoordinates
 from kvturn_server.connector._retention import Retention
 
 BS = 4
@@ -101,22 +101,22 @@ class FakeClock:
             self.now += seconds
 
 
-def publish(retention: Retention, deadline: float) -> dict[str, Any]:
-    """A stand-in for the scheduler's publisher: enough to see what was published."""
-    return {"remote_block_ids": [list(retention.readable_block_ids)],
-            "remote_request_id": "kvturn-read/" + retention.request_id,
-            "remote_blocks_expiry_time": deadline}
+def coordinates(engine_id: str = "decode-engine",
+                control_url: str | None = "http://127.0.0.1:8201") -> ReadCoordinates:
+    """Where a prefill would read the fake decode (what the scheduler passes to the keeper)."""
+    return ReadCoordinates(engine_id=engine_id, block_size=BS, host="10.0.0.7", port=5600,
+                           tp_size=1, dcp_size=1, pp_size=1, transfer_mode="pull",
+                           control_url=control_url)
 
 
 def make_keeper(pool: FakeBlockPool | None, clock: Callable[[], float], *,
                 budget: float = 1.0, ttl: float = 60.0, max_hold: float = 600.0,
                 max_pin: float = 30.0, block_bytes: int = 1024,
                 engine_id: str = "decode-engine") -> RetentionKeeper:
-    keeper = RetentionKeeper(engine_id=engine_id, block_size=BS, block_bytes=block_bytes,
-                             budget=budget, ttl=ttl, max_hold=max_hold, max_pin=max_pin,
-                             publish=publish, clock=clock)
+    keeper = RetentionKeeper(block_bytes=block_bytes, budget=budget, ttl=ttl,
+                             max_hold=max_hold, max_pin=max_pin, clock=clock)
     if pool is not None:
-        keeper.bind(pool)
+        keeper.bind(pool, coordinates(engine_id))
     return keeper
 
 

@@ -18,14 +18,15 @@ import pytest
 
 from kvturn_server.connector._hashing import block_hashes
 from kvturn_server.connector._keeper import Gone, RetentionKeeper
+from kvturn_server.connector._params import read_params
 from kvturn_server.connector._retention import GoneReason
 from tests.server.keeper_fakes import (
     BS,
     FakeBlockPool,
     FakeClock,
+    coordinates,
     finish,
     make_keeper,
-    publish,
     tokens,
 )
 
@@ -205,7 +206,7 @@ def test_describe_gives_the_retentions_view(clock: FakeClock, pool: FakeBlockPoo
     view = keeper.describe("tenant/conv:1")
     assert view == {
         "key": "tenant/conv:1", "engine_id": "decode-engine",
-        "params": publish(kept, kept.expires_at),
+        "params": read_params(coordinates(), kept, kept.expires_at),
         "num_tokens": 12, "num_blocks": 3,
         "expires_in": 50.0, "hold_remaining": 590.0, "created_ago": 10.0,
     }

@@ -6,7 +6,7 @@ a request it no longer knows; the decode's worker drops (and counts) those of re
 
 from __future__ import annotations
 
-from kvturn_server.connector._scheduler import READ_PREFIX
+from kvturn_server.connector._params import READ_PREFIX
 from kvturn_server.connector._worker import READ_NOTIF_PREFIX, _drop_retention_reads
 
 

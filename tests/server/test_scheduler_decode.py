@@ -1,7 +1,7 @@
 """The decode side of the scheduler: retain finished turns, publish them, make room for live ones.
 
 The scheduler is built with ``__new__`` and the attributes these paths read; its keeper is the
-real one (built by ``_make_keeper``) over :class:`~tests.server.keeper_fakes.FakeBlockPool`.
+real one (built by ``make_keeper``) over :class:`~tests.server.keeper_fakes.FakeBlockPool`.
 vLLM's own decode-side ``request_finished`` runs for real (with retention it returns at once);
 its other hooks are stubbed where they would need a whole engine.
 """
@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
@@ -21,18 +21,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 from vllm.v1.request import RequestStatus
 
 from kvturn_server.connector._config import ConnectorConfig
-from kvturn_server.connector._hashing import block_hashes
+from kvturn_server.connector._decode import DecodeSide, make_keeper
+from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
 from kvturn_server.connector._keeper import RetentionKeeper
+from kvturn_server.connector._params import FORMAT, KVTURN_FIELD, READ_PREFIX, read_params
+from kvturn_server.connector._prefill import PrefillSide, ReadRules, ReuseRecord
 from kvturn_server.connector._reuse import ReuseReason
-from kvturn_server.connector._scheduler import (
-    FORMAT,
-    KVTURN_FIELD,
-    READ_PREFIX,
-    KVTurnPullScheduler,
-    ReuseRecord,
-)
-from kvturn_server.connector._stats import KVTurnStats
-from tests.server.keeper_fakes import BS, FakeBlockPool, tokens
+from kvturn_server.connector._scheduler import KVTurnPullScheduler
+from tests.server.keeper_fakes import BS, FakeBlockPool, coordinates, tokens
 
 KEY = "3f2a9c0d1e4b5a67/conv:42"
 CONTROL_URL = "http://127.0.0.1:8201"
@@ -43,39 +39,40 @@ def kv_cache_config(groups: int = 1, num_blocks: int = 33) -> Any:
                            kv_cache_tensors=[SimpleNamespace(size=num_blocks * 2048)] * 2)
 
 
-def base_scheduler(**config: Any) -> KVTurnPullScheduler:
+def rules(enabled: bool = False) -> ReadRules:
+    # kvturn keeps vLLM's bidirectional reads off on decodes.
+    return ReadRules(engine_id="decode-engine", block_size=BS, hash_seed=DEFAULT_SEED,
+                     threshold=0, enabled=enabled)
+
+
+def base_scheduler(keeper: RetentionKeeper | None = None, **config: Any) -> KVTurnPullScheduler:
+    """The adapter over a decode side, with the vLLM state its NIXL hooks read."""
     sched = KVTurnPullScheduler.__new__(KVTurnPullScheduler)
     sched.block_size = BS
     sched.engine_id = "decode-engine"
-    sched.kvturn_config = ConnectorConfig(**config)
-    sched.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
-        decode_context_parallel_size=1, pipeline_parallel_size=1))
-    sched.side_channel_host = "10.0.0.7"
-    sched.side_channel_port = 5600
-    sched.transfer_tp_size = 1
-    sched.control = cast(Any, SimpleNamespace(url=CONTROL_URL))
-    sched.is_bidirectional_kv_xfer_enabled = False  # kvturn keeps it off on decodes
+    sched.kvturn_config = cfg = ConnectorConfig(**config)
+    sched.is_bidirectional_kv_xfer_enabled = False
     sched.kv_recompute_threshold = 0
     sched._heartbeat_req_engine = {}
     sched._heartbeat_by_engine = {}
-    sched._reuse = {}
-    sched._local_hits = {}
     sched.is_decode = True
-    sched.calibration = None
-    sched._stats = KVTurnStats()
-    sched._gauges = (0, 0, 0)
-    sched.keeper = None
-    sched._housekeeper = None
-    sched._progress_thread = sched.kvturn_config.progress_thread(decode=True)
+    sched.control = None
+    sched.side = DecodeSide(keeper, coordinates(control_url=CONTROL_URL), PrefillSide(rules()),
+                            progress_thread=cfg.progress_thread(decode=True))
     return sched
 
 
 def decode_scheduler(pool: FakeBlockPool | None, **config: Any) -> KVTurnPullScheduler:
-    sched = base_scheduler(**config)
-    sched.keeper = sched._make_keeper(kv_cache_config())
+    keeper = make_keeper(ConnectorConfig(**config), kv_cache_config(), DEFAULT_SEED)
+    sched = base_scheduler(keeper, **config)
     if pool is not None:
         sched.bind_block_pool(pool)
     return sched
+
+
+def side(sched: KVTurnPullScheduler) -> DecodeSide:
+    assert isinstance(sched.side, DecodeSide)
+    return sched.side
 
 
 @dataclass
@@ -140,30 +137,31 @@ def sched(pool: FakeBlockPool) -> KVTurnPullScheduler:
 
 
 def test_the_keeper_gets_the_blocks_size_in_bytes_and_the_configured_leases() -> None:
-    sched = base_scheduler(retention_budget=0.25, decoder_kv_blocks_ttl=30.0,
-                           retention_max_hold=90.0, retention_max_pin=7.0)
-    keeper = sched._make_keeper(kv_cache_config(num_blocks=33))
+    config = ConnectorConfig(retention_budget=0.25, decoder_kv_blocks_ttl=30.0,
+                             retention_max_hold=90.0, retention_max_pin=7.0)
+    keeper = make_keeper(config, kv_cache_config(num_blocks=33), DEFAULT_SEED)
     assert isinstance(keeper, RetentionKeeper)
     assert keeper.block_bytes == 2 * 2048
     assert keeper.budget == 0.25
     assert (keeper._ttl, keeper._max_hold, keeper._max_pin) == (30.0, 90.0, 7.0)
-    keeper.bind(FakeBlockPool(33))
+    keeper.bind(FakeBlockPool(33), coordinates())
     assert keeper.stats()["budget_blocks"] == 8
 
 
 def test_no_keeper_with_a_zero_budget_or_several_kv_cache_groups(
         caplog: pytest.LogCaptureFixture) -> None:
-    assert base_scheduler(retention_budget=0.0)._make_keeper(kv_cache_config()) is None
+    zero = ConnectorConfig(retention_budget=0.0)
+    assert make_keeper(zero, kv_cache_config(), DEFAULT_SEED) is None
     with caplog.at_level(logging.WARNING, logger="kvturn.connector"):
-        assert base_scheduler()._make_keeper(kv_cache_config(groups=2)) is None
+        assert make_keeper(ConnectorConfig(), kv_cache_config(groups=2), DEFAULT_SEED) is None
     assert "2 KV-cache groups" in caplog.text
 
 
 def test_binding_without_an_engine_on_the_stack_starts_no_housekeeper(
         pool: FakeBlockPool) -> None:
-    sched = decode_scheduler(pool)
-    assert sched.keeper is not None and sched.keeper.bound
-    assert sched._housekeeper is None
+    decode = side(decode_scheduler(pool))
+    assert decode.keeper is not None and decode.keeper.bound
+    assert decode._housekeeper is None
 
 
 # Retaining a finished turn.
@@ -257,13 +255,14 @@ def test_a_turn_without_a_conversation_is_left_to_vllm(
 # What a prefill needs to read a retention.
 
 
-def test_publish_gives_exactly_the_fields_a_prefill_leg_needs(
+def test_read_params_give_exactly_the_fields_a_prefill_leg_needs(
         sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
-    assert sched.keeper is not None
+    decode = side(sched)
+    assert decode.keeper is not None
     ids = pool.allocate(3)
-    retention = sched.keeper.retain(KEY, "req-7", ids, tokens(12), 11)  # 2 full blocks
+    retention = decode.keeper.retain(KEY, "req-7", ids, tokens(12), 11)  # 2 full blocks
     assert retention is not None
-    assert sched._publish(retention, 1234.5) == {
+    assert read_params(decode.at, retention, 1234.5) == {
         "do_remote_prefill": False,
         "do_remote_decode": True,
         "remote_block_ids": [ids[:2]],
@@ -290,17 +289,16 @@ def test_publish_gives_exactly_the_fields_a_prefill_leg_needs(
 def test_published_params_read_back_on_a_prefill_as_verified_blocks(
         sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
     ids, _ = finish(sched, pool, n_blocks=4, computed=15)
-    assert sched.keeper is not None
-    view = sched.keeper.pin(KEY, 10)  # what the router does before the prefill leg
+    assert side(sched).keeper is not None
+    view = side(sched).keeper.pin(KEY, 10)  # what the router does before the prefill leg
     assert isinstance(view, dict)
     params = view["params"]
     assert params["remote_blocks_expiry_time"] == pytest.approx(time.perf_counter() + 10,
                                                                 abs=5)
-    prefill = base_scheduler()
-    prefill.is_bidirectional_kv_xfer_enabled = True
+    prefill = PrefillSide(rules(enabled=True))
     prompt = [*tokens(16), 555, 556, 557]  # the next turn extends the retained sequence
-    prefill._plan_reuse(FakeRequest("p-1", [], 0, params, prompt_token_ids=prompt), 0, params)
-    assert prefill._reuse["p-1"] == ReuseRecord(ReuseReason.PARTIAL, 12, 0)
+    prefill.plan(FakeRequest("p-1", [], 0, params, prompt_token_ids=prompt), 0, params)
+    assert prefill.records["p-1"] == ReuseRecord(ReuseReason.PARTIAL, 12, 0)
     assert params["remote_block_ids"] == [ids[:3]]
 
 
@@ -318,8 +316,8 @@ def test_a_waiting_request_makes_room_before_vllm_allocates(
     assert pool.get_num_free_blocks() == 5
     waiting = FakeRequest("w", tokens(30), 0, None)  # 8 blocks, and 1 to grow into
     assert sched.get_num_new_matched_tokens(waiting, 0) == (0, False)
-    assert sched.keeper is not None
-    assert sched.keeper.stats()["retentions"] == 2
+    assert side(sched).keeper is not None
+    assert side(sched).keeper.stats()["retentions"] == 2
     assert pool.get_num_free_blocks() >= 9
 
 
@@ -336,8 +334,8 @@ def test_with_nixl_progress_thread_a_pin_never_keeps_the_engine_stepping(
         sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
     # The default on a decode: the progress thread serves reads while the engine idles.
     finish(sched, pool)
-    assert sched.keeper is not None
-    view = sched.keeper.pin(KEY, 10)
+    assert side(sched).keeper is not None
+    view = side(sched).keeper.pin(KEY, 10)
     assert isinstance(view, dict)
     assert sched.has_pending_push_work() is False
 
@@ -346,12 +344,12 @@ def test_without_a_progress_thread_the_engine_steps_exactly_while_a_retention_is
         pool: FakeBlockPool) -> None:
     sched = decode_scheduler(pool, nixl_progress_thread=False)
     finish(sched, pool)
-    assert sched.keeper is not None
+    assert side(sched).keeper is not None
     assert sched.has_pending_push_work() is False
-    view = sched.keeper.pin(KEY, 10)
+    view = side(sched).keeper.pin(KEY, 10)
     assert isinstance(view, dict)
     assert sched.has_pending_push_work() is True
-    sched.keeper.unpin(view["pin_id"])
+    side(sched).keeper.unpin(view["pin_id"])
     assert sched.has_pending_push_work() is False
     assert base_scheduler().has_pending_push_work() is False
 
@@ -362,8 +360,8 @@ def test_each_step_frees_what_control_requests_released(
     monkeypatch.setattr(NixlPullConnectorScheduler, "build_connector_meta",
                         lambda self, scheduler_output: "meta")
     ids, _ = finish(sched, pool)
-    assert sched.keeper is not None
-    sched.keeper.release(KEY)
+    assert side(sched).keeper is not None
+    side(sched).keeper.release(KEY)
     assert pool.refs(ids[:3]) == [1, 1, 1]
     assert sched.build_connector_meta(object()) == "meta"
     assert pool.refs() == [0] * pool.usable
@@ -379,9 +377,9 @@ def test_take_stats_reports_events_and_gauges_only_when_they_change(
     assert stats.data["kvturn_retained_blocks"] == [3]
     assert stats.data["kvturn_retained_bytes"] == [3 * 4096]
     assert sched.take_stats() is None  # nothing changed since
-    assert sched.keeper is not None
-    sched.keeper.release(KEY)
-    sched.keeper.service()
+    assert side(sched).keeper is not None
+    side(sched).keeper.release(KEY)
+    side(sched).keeper.service()
     stats = sched.take_stats()
     assert stats is not None
     assert stats.data["kvturn_retention_events"] == ["released"]
@@ -431,7 +429,7 @@ def test_a_decode_leg_without_remote_prefill_reports_its_local_hit(
     out = run_own_prompt(sched, pool, prompt_len, [local])
     assert out[KVTURN_FIELD]["reuse"] == {"reason": reason, "reused_tokens": local,
                                           "local_tokens": local}
-    assert sched._local_hits == {}
+    assert side(sched)._local_hits == {}
 
 
 def test_only_the_first_ask_counts(sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
@@ -459,7 +457,7 @@ def test_a_leg_that_loads_its_prompt_from_a_prefill_reports_no_local_hit(
     sched.get_num_new_matched_tokens(request, 8)
     params.update(do_remote_prefill=False, _remote_blocks_processed=True)  # vLLM, on alloc
     sched.get_num_new_matched_tokens(request, 12)  # asked again (preempted)
-    assert sched._local_hits == {}
+    assert side(sched)._local_hits == {}
     _, out = finish(sched, pool, request_id="pd", params=params)
     assert "reuse" not in out[KVTURN_FIELD]
 
@@ -469,13 +467,13 @@ def test_a_request_without_a_conversation_records_nothing(
     assert run_own_prompt(sched, pool, 13, [8], params=own_prompt_leg(None)) is None
     plain = FakeRequest("plain", tokens(13), 12, None)
     sched.get_num_new_matched_tokens(plain, 8)
-    assert sched._local_hits == {}
+    assert side(sched)._local_hits == {}
 
 
-def test_a_prefill_records_no_local_hit_for_its_own_legs() -> None:
-    prefill = base_scheduler()
-    prefill.is_decode = False
-    prefill.is_bidirectional_kv_xfer_enabled = True
+def test_a_prefill_reports_no_local_hit_for_its_own_legs() -> None:
+    prefill = PrefillSide(rules(enabled=True))
     request = FakeRequest("p", [], 0, own_prompt_leg(), prompt_token_ids=tokens(13))
-    prefill.get_num_new_matched_tokens(request, 8)
-    assert prefill._local_hits == {}
+    prefill.before_match(request, 8)
+    assert prefill.finished(request, None) == {
+        KVTURN_FIELD: {"conversation": KEY, "retained": False, "engine_id": "decode-engine"}}
+    assert prefill.records == {}

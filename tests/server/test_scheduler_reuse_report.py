@@ -23,16 +23,18 @@ from vllm.v1.outputs import KVConnectorOutput
 from kvturn_server.connector._calibration import Calibration
 from kvturn_server.connector._config import ConnectorConfig
 from kvturn_server.connector._cost import COMPUTE_WARMUP, READ_WARMUP, CostModel, CostSettings
-from kvturn_server.connector._hashing import block_hashes
-from kvturn_server.connector._reuse import ReuseReason
-from kvturn_server.connector._scheduler import (
+from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
+from kvturn_server.connector._params import FORMAT, KVTURN_FIELD
+from kvturn_server.connector._prefill import (
     COST_GAUGE_INTERVAL,
-    FORMAT,
-    KVTURN_FIELD,
-    KVTurnPullScheduler,
+    PrefillSide,
+    ReadRules,
     ReuseRecord,
     _chunks,
+    make_calibration,
 )
+from kvturn_server.connector._reuse import ReuseReason
+from kvturn_server.connector._scheduler import KVTurnPullScheduler
 from kvturn_server.connector._stats import KVTurnStats
 
 BS = 4
@@ -53,22 +55,25 @@ class FakeRequest:
 
 
 def scheduler(threshold: int = 0, enabled: bool = True) -> KVTurnPullScheduler:
+    """The adapter over a prefill side (no cost model), with the vLLM state its hooks read."""
     sched = KVTurnPullScheduler.__new__(KVTurnPullScheduler)
     sched.block_size = BS
     sched.kv_recompute_threshold = threshold
     sched.is_bidirectional_kv_xfer_enabled = enabled
-    sched._reuse = {}
-    sched._local_hits = {}
     sched.is_decode = False
-    sched.calibration = None
-    sched._cost_gauges_at = -COST_GAUGE_INTERVAL
-    sched._stats = KVTurnStats()
-    sched._gauges = (0, 0, 0)
-    sched.keeper = None
+    sched.control = None
+    sched.side = PrefillSide(ReadRules(engine_id="prefill-engine", block_size=BS,
+                                       hash_seed=DEFAULT_SEED, threshold=threshold,
+                                       enabled=enabled))
     # What vLLM's update_connector_output reads (heartbeats of reads in flight).
     sched._heartbeat_req_engine = {}
     sched._heartbeat_by_engine = {}
     return sched
+
+
+def side(sched: KVTurnPullScheduler) -> PrefillSide:
+    assert isinstance(sched.side, PrefillSide)
+    return sched.side
 
 
 def null_template() -> dict[str, Any]:
@@ -92,7 +97,7 @@ def retention_params(retained: list[int] = RETAINED) -> dict[str, Any]:
 def plan(sched: KVTurnPullScheduler, prompt: list[int], local: int,
          params: dict[str, Any], request_id: str = "req-1") -> FakeRequest:
     request = FakeRequest(prompt, params, request_id)
-    sched._plan_reuse(request, local, params)
+    side(sched).plan(request, local, params)
     return request
 
 
@@ -102,8 +107,8 @@ def plan(sched: KVTurnPullScheduler, prompt: list[int], local: int,
 def test_the_null_template_is_recorded_as_a_miss_with_the_local_hit() -> None:
     sched = scheduler()
     plan(sched, [*RETAINED, 1], 8, null_template())
-    assert sched._reuse == {"req-1": ReuseRecord(ReuseReason.MISS, 0, 8)}
-    assert sched._reuse["req-1"].report() == {"reason": "miss", "reused_tokens": 0,
+    assert side(sched).records == {"req-1": ReuseRecord(ReuseReason.MISS, 0, 8)}
+    assert side(sched).records["req-1"].report() == {"reason": "miss", "reused_tokens": 0,
                                               "local_tokens": 8}
 
 
@@ -111,7 +116,7 @@ def test_a_verified_retention_is_recorded_with_its_decision() -> None:
     sched = scheduler()
     params = retention_params()
     plan(sched, [*RETAINED, 7, 8], 4, params)
-    record = sched._reuse["req-1"]
+    record = side(sched).records["req-1"]
     assert record == ReuseRecord(ReuseReason.HIT, 12, 4)
     assert params["remote_block_ids"] == [[41, 42, 43]]
     assert params[KVTURN_FIELD]["decision"] == "hit"
@@ -126,14 +131,14 @@ def test_each_decision_is_recorded_as_decided(prompt: list[int], threshold: int,
                                               reason: ReuseReason, reused: int) -> None:
     sched = scheduler(threshold)
     plan(sched, prompt, 0, retention_params())
-    assert sched._reuse["req-1"] == ReuseRecord(reason, reused, 0)
+    assert side(sched).records["req-1"] == ReuseRecord(reason, reused, 0)
 
 
 def test_reuse_turned_off_is_recorded_as_disabled() -> None:
     sched = scheduler(enabled=False)
     params = retention_params()
     plan(sched, [*RETAINED, 1], 0, params)
-    assert sched._reuse["req-1"].reason is ReuseReason.DISABLED
+    assert side(sched).records["req-1"].reason is ReuseReason.DISABLED
     assert params["remote_block_ids"] == [[]]
 
 
@@ -142,7 +147,7 @@ def test_a_retention_without_hashes_reads_nothing_and_is_unverified() -> None:
     params = retention_params()
     del params[KVTURN_FIELD]
     plan(sched, [*RETAINED, 1], 0, params)
-    assert sched._reuse["req-1"] == ReuseRecord(ReuseReason.UNVERIFIED, 0, 0)
+    assert side(sched).records["req-1"] == ReuseRecord(ReuseReason.UNVERIFIED, 0, 0)
     assert (params["remote_block_ids"], params["remote_num_tokens"]) == ([[]], 0)
 
 
@@ -150,14 +155,14 @@ def test_after_the_one_transfer_is_used_up_nothing_loads_and_the_first_record_st
     sched = scheduler()
     params = retention_params()
     plan(sched, [*RETAINED, 1], 0, params)
-    first = sched._reuse["req-1"]
+    first = side(sched).records["req-1"]
     # vLLM marks the request's one transfer as done once it allocated blocks for it.
     params["_remote_blocks_processed"] = True
     params["do_remote_prefill"] = False
     plan(sched, [*RETAINED, 1], 0, params)  # retry after a failed read, or re-admission
     assert params["remote_block_ids"] == [[]]
     assert params["remote_num_tokens"] == 0
-    assert sched._reuse["req-1"] is first
+    assert side(sched).records["req-1"] is first
     assert first == ReuseRecord(ReuseReason.HIT, 16, 0)
 
 
@@ -166,9 +171,9 @@ def test_planning_again_before_the_transfer_gives_the_same_record() -> None:
     params = retention_params()
     plan(sched, [*RETAINED, 7], 4, params)
     first_params = copy.deepcopy(params)
-    first = sched._reuse["req-1"]
+    first = side(sched).records["req-1"]
     plan(sched, [*RETAINED, 7], 4, params)
-    assert sched._reuse["req-1"] == first
+    assert side(sched).records["req-1"] == first
     assert params == first_params
 
 
@@ -179,14 +184,14 @@ def test_a_failed_read_turns_the_report_into_stale_with_nothing_reused() -> None
     sched = scheduler()
     plan(sched, [*RETAINED, 1], 0, retention_params())
     sched.update_connector_output(KVConnectorOutput(failed_recving={"req-1"}))
-    record = sched._reuse["req-1"]
+    record = side(sched).records["req-1"]
     assert record.read_failed
     assert record.report() == {"reason": "stale", "reused_tokens": 0, "local_tokens": 0,
                                "read_failed": True}
-    sched._record_outcome(record)
-    assert sched._stats.data["kvturn_reuse"] == ["stale"]
-    assert sched._stats.data["kvturn_reused_tokens"] == [0]
-    assert sched._stats.data["kvturn_fallbacks"] == ["read-failed"]
+    side(sched).record_outcome(record)
+    assert side(sched)._stats.data["kvturn_reuse"] == ["stale"]
+    assert side(sched)._stats.data["kvturn_reused_tokens"] == [0]
+    assert side(sched)._stats.data["kvturn_fallbacks"] == ["read-failed"]
 
 
 def test_a_failed_read_of_a_request_that_read_nothing_from_a_decode_changes_nothing() -> None:
@@ -194,9 +199,9 @@ def test_a_failed_read_of_a_request_that_read_nothing_from_a_decode_changes_noth
     plan(sched, [*RETAINED, 1], 0, null_template(), request_id="miss")
     plan(sched, [*RETAINED, 1], 0, retention_params(), request_id="hit")
     sched.update_connector_output(KVConnectorOutput(failed_recving={"miss", "unknown"}))
-    assert not sched._reuse["miss"].read_failed
-    assert not sched._reuse["hit"].read_failed
-    assert "unknown" not in sched._reuse
+    assert not side(sched).records["miss"].read_failed
+    assert not side(sched).records["hit"].read_failed
+    assert "unknown" not in side(sched).records
 
 
 def test_finished_reads_still_reach_vllms_bookkeeping() -> None:
@@ -221,18 +226,18 @@ def test_finished_reads_still_reach_vllms_bookkeeping() -> None:
 ])
 def test_record_outcome_counts_a_fallback_only_when_a_retention_was_not_used(
         reason: ReuseReason, fallback: str | None) -> None:
-    sched = scheduler()
-    sched._record_outcome(ReuseRecord(reason, 8 if reason is ReuseReason.HIT else 0, 4))
-    assert sched._stats.data["kvturn_reuse"] == [reason.value]
-    assert sched._stats.data["kvturn_reused_tokens"] == [8 if reason is ReuseReason.HIT else 0]
-    assert sched._stats.data["kvturn_fallbacks"] == ([] if fallback is None else [fallback])
+    prefill = side(scheduler())
+    prefill.record_outcome(ReuseRecord(reason, 8 if reason is ReuseReason.HIT else 0, 4))
+    assert prefill._stats.data["kvturn_reuse"] == [reason.value]
+    assert prefill._stats.data["kvturn_reused_tokens"] == [8 if reason is ReuseReason.HIT else 0]
+    assert prefill._stats.data["kvturn_fallbacks"] == ([] if fallback is None else [fallback])
 
 
 def test_a_failed_read_is_the_fallback_whatever_the_decision_was() -> None:
     sched = scheduler()
-    sched._record_outcome(ReuseRecord(ReuseReason.PARTIAL, 8, 0, read_failed=True))
-    assert sched._stats.data["kvturn_fallbacks"] == ["read-failed"]
-    assert sched._stats.data["kvturn_reuse"] == ["stale"]
+    side(sched).record_outcome(ReuseRecord(ReuseReason.PARTIAL, 8, 0, read_failed=True))
+    assert side(sched)._stats.data["kvturn_fallbacks"] == ["read-failed"]
+    assert side(sched)._stats.data["kvturn_reuse"] == ["stale"]
 
 
 @pytest.fixture
@@ -258,9 +263,9 @@ def test_request_finished_puts_the_report_in_the_prefills_response(
     assert out["remote_engine_id"] == "prefill-engine"
     assert out[KVTURN_FIELD] == {"reuse": {"reason": "hit", "reused_tokens": 12,
                                            "local_tokens": 4}}
-    assert sched._reuse == {}
-    assert sched._stats.data["kvturn_reuse"] == ["hit"]
-    assert sched._stats.data["kvturn_reused_tokens"] == [12]
+    assert side(sched).records == {}
+    assert side(sched)._stats.data["kvturn_reuse"] == ["hit"]
+    assert side(sched)._stats.data["kvturn_reused_tokens"] == [12]
 
 
 def test_request_finished_after_a_failed_read_reports_stale(
@@ -272,7 +277,7 @@ def test_request_finished_after_a_failed_read_reports_stale(
     assert out is not None
     assert out[KVTURN_FIELD]["reuse"] == {"reason": "stale", "reused_tokens": 0,
                                           "local_tokens": 4, "read_failed": True}
-    assert sched._stats.data["kvturn_fallbacks"] == ["read-failed"]
+    assert side(sched)._stats.data["kvturn_fallbacks"] == ["read-failed"]
 
 
 def test_request_finished_without_vllm_params_still_counts_the_outcome(
@@ -281,8 +286,8 @@ def test_request_finished_without_vllm_params_still_counts_the_outcome(
     sched = scheduler()
     request = plan(sched, [*RETAINED, 1], 0, null_template())
     assert sched.request_finished(request, ([1],)) == (True, None)
-    assert sched._stats.data["kvturn_reuse"] == ["miss"]
-    assert sched._reuse == {}
+    assert side(sched)._stats.data["kvturn_reuse"] == ["miss"]
+    assert side(sched).records == {}
 
 
 # Stats handed to vLLM every step.
@@ -291,7 +296,7 @@ def test_request_finished_without_vllm_params_still_counts_the_outcome(
 def test_take_stats_is_none_until_something_happened_then_hands_over_once() -> None:
     sched = scheduler()
     assert sched.take_stats() is None
-    sched._record_outcome(ReuseRecord(ReuseReason.MISS, 0, 0))
+    side(sched).record_outcome(ReuseRecord(ReuseReason.MISS, 0, 0))
     stats = sched.take_stats()
     assert stats is not None
     assert stats.data["kvturn_reuse"] == ["miss"]
@@ -323,7 +328,7 @@ def costed(clock: Clock | None = None, threshold: int = 0,
                               "compute_attention_tokens": 10**9}
     values.update(settings)
     model = CostModel(CostSettings(**values), bytes_per_token=BLOCK_BYTES / BS)
-    sched.calibration = Calibration(model, clock=clock or Clock())
+    side(sched).calibration = Calibration(model, clock=clock or Clock())
     return sched
 
 
@@ -331,14 +336,14 @@ def test_a_range_worth_reading_is_read_and_the_report_says_why() -> None:
     sched = costed(read_fixed_ms=2.0)
     params = retention_params()
     plan(sched, [*RETAINED, 7, 8], 4, params)  # 12 tokens: read 5 ms, compute 12 ms
-    record = sched._reuse["req-1"]
+    record = side(sched).records["req-1"]
     assert (record.reason, record.reused_tokens) == (ReuseReason.HIT, 12)
     assert params["remote_block_ids"] == [[41, 42, 43]]
     assert record.report() == {
         "reason": "hit", "reused_tokens": 12, "local_tokens": 4,
         "cost": {"tokens": 12, "read_ms": 5.0, "compute_ms": 12.0, "source": "configured"}}
-    sched._record_outcome(record)
-    assert sched._stats.data["kvturn_fallbacks"] == []
+    side(sched).record_outcome(record)
+    assert side(sched)._stats.data["kvturn_fallbacks"] == []
 
 
 def test_a_range_cheaper_to_compute_is_reported_below_threshold_with_its_costs() -> None:
@@ -348,15 +353,15 @@ def test_a_range_cheaper_to_compute_is_reported_below_threshold_with_its_costs()
     assert params["remote_block_ids"] == [[]]
     assert params["remote_num_tokens"] == 0
     assert params[KVTURN_FIELD]["decision"] == "below-threshold"
-    record = sched._reuse["req-1"]
+    record = side(sched).records["req-1"]
     assert record.cheaper_to_compute
     assert record.report() == {
         "reason": "below-threshold", "reused_tokens": 0, "local_tokens": 4,
         "cost": {"tokens": 12, "read_ms": 23.0, "compute_ms": 12.0, "source": "configured"}}
-    assert sched.calibration is not None and sched.calibration._reads == {}
-    sched._record_outcome(record)
-    assert sched._stats.data["kvturn_reuse"] == ["below-threshold"]
-    assert sched._stats.data["kvturn_fallbacks"] == ["cheaper-to-compute"]
+    assert side(sched).calibration is not None and side(sched).calibration._reads == {}
+    side(sched).record_outcome(record)
+    assert side(sched)._stats.data["kvturn_reuse"] == ["below-threshold"]
+    assert side(sched)._stats.data["kvturn_fallbacks"] == ["cheaper-to-compute"]
 
 
 @pytest.mark.parametrize(("fixed_ms", "loaded"), [(20.0, (0, False)), (2.0, (12, True))])
@@ -374,24 +379,24 @@ def test_vllm_loads_exactly_what_the_cost_model_accepted(
 def test_below_the_recompute_threshold_no_cost_is_reported() -> None:
     sched = costed(threshold=64, read_fixed_ms=0.0)
     plan(sched, [*RETAINED, 1], 0, retention_params())
-    record = sched._reuse["req-1"]
+    record = side(sched).records["req-1"]
     assert record == ReuseRecord(ReuseReason.BELOW_THRESHOLD, 0, 0)
     assert "cost" not in record.report()
-    sched._record_outcome(record)
-    assert sched._stats.data["kvturn_fallbacks"] == ["below-threshold"]
+    side(sched).record_outcome(record)
+    assert side(sched)._stats.data["kvturn_fallbacks"] == ["below-threshold"]
 
 
 def test_with_the_cost_model_off_reports_carry_no_cost() -> None:
     sched = scheduler()  # calibration None: what reuse_cost_model "off" builds
     plan(sched, [*RETAINED, 7, 8], 4, retention_params())
-    assert "cost" not in sched._reuse["req-1"].report()
+    assert "cost" not in side(sched).records["req-1"].report()
 
 
 def test_an_uncalibrated_model_reports_default_as_its_source() -> None:
     sched = scheduler()
-    sched.calibration = Calibration(CostModel(CostSettings(), bytes_per_token=1000.0))
+    side(sched).calibration = Calibration(CostModel(CostSettings(), bytes_per_token=1000.0))
     plan(sched, [*RETAINED, 7, 8], 4, retention_params())
-    cost = sched._reuse["req-1"].report()["cost"]
+    cost = side(sched).records["req-1"].report()["cost"]
     assert cost["source"] == "default" and cost["tokens"] == 12
 
 
@@ -399,7 +404,7 @@ def test_a_failed_read_keeps_its_cost_in_the_report() -> None:
     sched = costed(read_fixed_ms=2.0)
     plan(sched, [*RETAINED, 7, 8], 4, retention_params())
     sched.update_connector_output(KVConnectorOutput(failed_recving={"req-1"}))
-    report = sched._reuse["req-1"].report()
+    report = side(sched).records["req-1"].report()
     assert report["read_failed"] is True and report["reason"] == "stale"
     assert report["cost"]["tokens"] == 12
 
@@ -439,12 +444,12 @@ def test_chunks_are_read_from_the_scheduler_output() -> None:
 def test_steps_calibrate_the_compute_rate(vllm_meta: None) -> None:
     clock = Clock()
     sched = costed(clock, compute_tokens_per_s=None)
-    assert sched.calibration is not None
+    assert side(sched).calibration is not None
     for _ in range(COMPUTE_WARMUP):
         assert sched.build_connector_meta(scheduler_output(a=(300, 0), b=(100, 500))) == "meta"
         clock.now += 0.2  # 400 tokens in 0.2 s
         sched.update_connector_output(KVConnectorOutput())
-    rate = sched.calibration.model.snapshot()["compute_tokens_per_s"]
+    rate = side(sched).calibration.model.snapshot()["compute_tokens_per_s"]
     assert rate["source"] == "calibrated"
     assert rate["value"] == pytest.approx(2000.0, rel=1e-6)
 
@@ -452,7 +457,7 @@ def test_steps_calibrate_the_compute_rate(vllm_meta: None) -> None:
 def test_reads_and_nixl_transfers_calibrate_the_read_cost(vllm_meta: None) -> None:
     clock = Clock()
     sched = costed(clock, read_fixed_ms=None, read_gbps=None)
-    assert sched.calibration is not None
+    assert side(sched).calibration is not None
     for i in range(READ_WARMUP + 1):  # the first read from the decode pays the handshake
         req = f"req-{i}"
         plan(sched, [*RETAINED, 7, 8], 4, retention_params(), request_id=req)
@@ -462,7 +467,7 @@ def test_reads_and_nixl_transfers_calibrate_the_read_cost(vllm_meta: None) -> No
                                               totalBytes=3 * BLOCK_BYTES, descCount=3))
         sched.update_connector_output(KVConnectorOutput(finished_recving={req},
                                                         kv_connector_stats=stats))
-    snap = sched.calibration.model.snapshot()
+    snap = side(sched).calibration.model.snapshot()
     assert snap["read_gbps"]["value"] == pytest.approx(2.0)  # 3 MB in 1.5 ms
     assert snap["read_gbps"]["source"] == "calibrated"
     # 4 ms waited; 1.5 ms of it is the transfer at the bandwidth in use (default at first).
@@ -470,7 +475,7 @@ def test_reads_and_nixl_transfers_calibrate_the_read_cost(vllm_meta: None) -> No
     assert snap["read_fixed_ms"]["source"] == "calibrated"
     assert 2.0 < snap["read_fixed_ms"]["value"] < 4.0
     plan(sched, [*RETAINED, 7, 8], 4, retention_params(), request_id="next")
-    cost = sched._reuse["next"].report()["cost"]
+    cost = side(sched).records["next"].report()["cost"]
     assert cost["source"] == "configured"  # the read side calibrated, compute configured
 
 
@@ -478,14 +483,14 @@ def test_a_calibrated_read_cost_turns_the_decision(vllm_meta: None) -> None:
     """Reads turn out slow: the next short range is computed instead."""
     clock = Clock()
     sched = costed(clock, read_fixed_ms=None)
-    assert sched.calibration is not None
+    assert side(sched).calibration is not None
     for i in range(READ_WARMUP + 1):
         plan(sched, [*RETAINED, 7, 8], 4, retention_params(), request_id=f"r{i}")
-        assert sched._reuse[f"r{i}"].reused_tokens == 12
+        assert side(sched).records[f"r{i}"].reused_tokens == 12
         clock.now += 0.050  # each read kept its request waiting 50 ms
         sched.update_connector_output(KVConnectorOutput(finished_recving={f"r{i}"}))
     plan(sched, [*RETAINED, 7, 8], 4, retention_params(), request_id="next")
-    record = sched._reuse["next"]
+    record = side(sched).records["next"]
     assert record.cheaper_to_compute
     assert record.report()["cost"]["read_ms"] > 40
 
@@ -493,14 +498,14 @@ def test_a_calibrated_read_cost_turns_the_decision(vllm_meta: None) -> None:
 def test_a_finished_request_stops_its_read_timing(vllm_finish: dict[str, Any]) -> None:
     sched = costed(read_fixed_ms=2.0)
     request = plan(sched, [*RETAINED, 7, 8], 4, retention_params())
-    assert sched.calibration is not None and "req-1" in sched.calibration._reads
+    assert side(sched).calibration is not None and "req-1" in side(sched).calibration._reads
     sched.request_finished(request, ([1, 2, 3, 4, 5],))
-    assert sched.calibration._reads == {}
+    assert side(sched).calibration._reads == {}
 
 
 def test_control_stats_show_the_cost_model_on_a_prefill_only() -> None:
-    assert scheduler()._control_stats() == {}
-    stats = costed()._control_stats()
+    assert side(scheduler()).control_stats() == {}
+    stats = side(costed()).control_stats()
     assert stats["cost_model"]["read_fixed_ms"] == {"value": 1.0, "source": "configured",
                                                     "calibrated": None, "samples": 0}
 
@@ -513,7 +518,7 @@ def test_cost_gauges_are_sampled_at_most_once_an_interval() -> None:
     assert stats.data["kvturn_cost_read_bytes_per_second"] == [pytest.approx(1e9)]
     assert stats.data["kvturn_cost_compute_tokens_per_second"] == [pytest.approx(1000.0)]
     assert sched.take_stats() is None  # within COST_GAUGE_INTERVAL of the last sample
-    sched._cost_gauges_at -= COST_GAUGE_INTERVAL
+    side(sched)._cost_gauges_at -= COST_GAUGE_INTERVAL
     assert sched.take_stats() is not None
 
 
@@ -529,25 +534,20 @@ def configs(hidden_size: int = 896) -> tuple[Any, Any]:
 
 
 def test_the_cost_model_gets_this_instances_kv_bytes_per_token_and_hidden_size() -> None:
-    sched = scheduler()
-    sched.kvturn_config = ConnectorConfig()
-    calibration = sched._make_calibration(*configs())
+    calibration = make_calibration(ConnectorConfig(), *configs(), BS)
     assert calibration is not None
     assert calibration.model.bytes_per_token == 2 * 4096 / BS
     assert calibration.model.attention_tokens == 6 * 896
 
 
 def test_reuse_cost_model_off_builds_no_cost_model() -> None:
-    sched = scheduler()
-    sched.kvturn_config = ConnectorConfig(reuse_cost_model="off")
-    assert sched._make_calibration(*configs()) is None
+    off = ConnectorConfig(reuse_cost_model="off")
+    assert make_calibration(off, *configs(), BS) is None
 
 
 def test_an_empty_kv_cache_falls_back_to_the_threshold(caplog: pytest.LogCaptureFixture) -> None:
-    sched = scheduler()
-    sched.kvturn_config = ConnectorConfig()
     vllm_config, _ = configs()
     empty = SimpleNamespace(num_blocks=0, kv_cache_tensors=[])
     with caplog.at_level(logging.WARNING, logger="kvturn.connector"):
-        assert sched._make_calibration(vllm_config, empty) is None
+        assert make_calibration(ConnectorConfig(), vllm_config, empty, BS) is None
     assert "recompute threshold alone decides" in caplog.text

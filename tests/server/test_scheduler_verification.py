@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from kvturn_server.connector._hashing import block_hashes
-from kvturn_server.connector._scheduler import FORMAT, KVTURN_FIELD, KVTurnPullScheduler
+from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
+from kvturn_server.connector._params import FORMAT, KVTURN_FIELD
+from kvturn_server.connector._prefill import PrefillSide, ReadRules
 
 BS = 4
 
@@ -26,14 +27,10 @@ class FakeRequest:
     prompt_embeds: Any = None
 
 
-def scheduler(threshold: int = 0) -> KVTurnPullScheduler:
-    # Only the verification step is under test; vLLM's constructor needs a whole engine config.
-    sched = KVTurnPullScheduler.__new__(KVTurnPullScheduler)
-    sched.block_size = BS
-    sched.kv_recompute_threshold = threshold
-    sched.is_bidirectional_kv_xfer_enabled = True
-    sched.calibration = None  # the threshold alone decides here (cost model: elsewhere)
-    return sched
+def prefill(threshold: int = 0) -> PrefillSide:
+    # No calibration: the threshold alone decides here (cost model: elsewhere).
+    return PrefillSide(ReadRules(engine_id="prefill-engine", block_size=BS,
+                                 hash_seed=DEFAULT_SEED, threshold=threshold, enabled=True))
 
 
 def decode_params(retained_tokens: list[int], block_ids: list[int]) -> dict[str, Any]:
@@ -52,7 +49,7 @@ D_BLOCKS = [40, 41, 42, 43, 44]
 
 def restrict(prompt: list[int], local: int, params: dict[str, Any],
              threshold: int = 0) -> dict[str, Any]:
-    scheduler(threshold)._restrict_to_verified_blocks(FakeRequest(prompt, params), local, params)
+    prefill(threshold)._restrict_to_verified_blocks(FakeRequest(prompt, params), local, params)
     return params
 
 

@@ -3,7 +3,7 @@
 Both sides run with vLLM's own ``Request`` objects: the decode retains a finished turn through
 the scheduler's real ``request_finished`` (keeper over a fake block pool, as in
 test_scheduler_decode.py), the router's pin hands its params over, and a prefill plans its read
-with ``_plan_reuse``. Image placeholder tokens are the same ids for every image, so only the
+with ``PrefillSide.plan``. Image placeholder tokens are the same ids for every image, so only the
 multimodal hash can tell two image turns apart; an adapter or a salt changes no token at all.
 """
 
@@ -19,12 +19,15 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
+from kvturn_server.connector._config import ConnectorConfig
+from kvturn_server.connector._decode import DecodeSide, make_keeper
 from kvturn_server.connector._extra_keys import UncoverableInput, block_extras, engine_seed
 from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
+from kvturn_server.connector._params import KVTURN_FIELD
+from kvturn_server.connector._prefill import PrefillSide, ReadRules, ReuseRecord
 from kvturn_server.connector._reuse import ReuseReason
-from kvturn_server.connector._scheduler import KVTURN_FIELD, KVTurnPullScheduler, ReuseRecord
 from tests.server.keeper_fakes import BS, FakeBlockPool, tokens
-from tests.server.test_scheduler_decode import KEY, base_scheduler, decode_leg, decode_scheduler
+from tests.server.test_scheduler_decode import KEY, decode_leg, decode_scheduler
 
 IMAGE_TOKEN = 9  # the placeholder id of every image
 ADAPTER_A = LoRARequest("adapter-a", 1, "/adapters/a")
@@ -69,22 +72,30 @@ class Turn:
     def retained(self) -> bool:
         return bool(self.out and self.out[KVTURN_FIELD].get("retained"))
 
+    @property
+    def keeper(self) -> Any:
+        assert isinstance(self.decode.side, DecodeSide)
+        assert self.decode.side.keeper is not None
+        return self.decode.side.keeper
+
     def next_prompt_reads(self, prompt: list[int], **inputs: Any) -> ReuseRecord:
         """What a prefill leg of ``prompt`` reads from this retention."""
-        assert self.decode.keeper is not None
-        view = self.decode.keeper.pin(KEY, 10)  # the router pins before the prefill leg
+        view = self.keeper.pin(KEY, 10)  # the router pins before the prefill leg
         assert isinstance(view, dict)
         params = view["params"]
-        prefill = base_scheduler()
-        prefill.is_decode = False
-        prefill.is_bidirectional_kv_xfer_enabled = True
+        prefill = prefill_side()
         request = vllm_request("p-1", prompt, max_tokens=1, **inputs)
         request.kv_transfer_params = params
-        prefill._plan_reuse(request, 0, params)
-        record = prefill._reuse["p-1"]
+        prefill.plan(request, 0, params)
+        record = prefill.records["p-1"]
         if not record.reused_tokens:
             assert params["remote_block_ids"] == [[]] and params["remote_num_tokens"] == 0
         return record
+
+
+def prefill_side(seed: bytes = DEFAULT_SEED) -> PrefillSide:
+    return PrefillSide(ReadRules(engine_id="prefill-engine", block_size=BS, hash_seed=seed,
+                                 threshold=0, enabled=True))
 
 
 REPLY = tokens(6, start=500)
@@ -205,8 +216,7 @@ def test_a_turn_whose_inputs_cannot_be_covered_is_not_retained(
     assert turn.out is not None
     assert turn.out[KVTURN_FIELD] == {"conversation": KEY, "retained": False,
                                       "engine_id": turn.decode.engine_id}
-    assert turn.decode.keeper is not None
-    assert not isinstance(turn.decode.keeper.describe(KEY), dict)
+    assert not isinstance(turn.keeper.describe(KEY), dict)
     assert "multimodal inputs cannot be covered" in caplog.text
 
 
@@ -283,25 +293,20 @@ def test_a_prefill_of_another_model_verifies_nothing() -> None:
 
 
 def test_the_decodes_keeper_chains_from_the_schedulers_seed() -> None:
-    decode = base_scheduler()
-    decode.hash_seed = engine_seed(fake_vllm_config())
-    keeper = decode._make_keeper(SimpleNamespace(
+    seed = engine_seed(fake_vllm_config())
+    keeper = make_keeper(ConnectorConfig(), SimpleNamespace(
         kv_cache_groups=[object()], num_blocks=33,
-        kv_cache_tensors=[SimpleNamespace(size=33 * 2048)]))
-    assert keeper is not None and keeper.hash_seed == decode.hash_seed
+        kv_cache_tensors=[SimpleNamespace(size=33 * 2048)]), seed)
+    assert keeper is not None and keeper.hash_seed == seed
 
 
 def _with_seed(turn: Turn, seed: bytes) -> ReuseRecord:
     """What a prefill whose chain starts from ``seed`` reads of ``turn``'s retention."""
-    assert turn.decode.keeper is not None
-    view = turn.decode.keeper.pin(KEY, 10)
+    view = turn.keeper.pin(KEY, 10)
     assert isinstance(view, dict)
     params = view["params"]
-    prefill: KVTurnPullScheduler = base_scheduler()
-    prefill.is_decode = False
-    prefill.is_bidirectional_kv_xfer_enabled = True
-    prefill.hash_seed = seed
+    prefill = prefill_side(seed)
     request = vllm_request("p-1", [*tokens(16), *REPLY, 7], max_tokens=1)
     request.kv_transfer_params = params
-    prefill._plan_reuse(request, 0, params)
-    return prefill._reuse["p-1"]
+    prefill.plan(request, 0, params)
+    return prefill.records["p-1"]

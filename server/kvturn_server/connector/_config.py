@@ -85,10 +85,7 @@ class ConnectorConfig:
             raise ConnectorConfigError(
                 f"kv_connector_extra_config.retention_max_hold ({self.retention_max_hold:g} s) "
                 f"must be at least decoder_kv_blocks_ttl ({self.decoder_kv_blocks_ttl:g} s)")
-        if self.reuse_cost_model not in COST_MODELS:
-            raise ConnectorConfigError(
-                f"kv_connector_extra_config.reuse_cost_model must be one of "
-                f"{', '.join(map(repr, COST_MODELS))}, got {self.reuse_cost_model!r}")
+        _choice("reuse_cost_model", self.reuse_cost_model)
         if self.reuse_cost_model == "off":
             pinned = [f.name for f in fields(CostSettings) if getattr(self, f.name) is not None]
             if pinned:
@@ -117,115 +114,79 @@ class ConnectorConfig:
         return cls(**values)
 
 
-def _seconds(name: str, raw: Any) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, int | float) or not raw > 0:
-        raise ConnectorConfigError(
-            f"kv_connector_extra_config.{name} must be a positive number of seconds, "
-            f"got {raw!r}")
-    return float(raw)
+Parser = Callable[[str, Any], Any]
+"""Validates one key's raw JSON value (given the key's name, for the message)."""
+
+
+def _invalid(name: str, what: str, raw: Any) -> ConnectorConfigError:
+    return ConnectorConfigError(f"kv_connector_extra_config.{name} must be {what}, got {raw!r}")
+
+
+def _number(what: str, ok: Callable[[Any], bool], *, whole: bool = False,
+            optional: bool = False) -> Parser:
+    """A parser of a number that ``ok`` accepts: a float, or an int with ``whole``; with
+    ``optional`` also null (None: the default, or calibrated)."""
+    kinds = int if whole else int | float
+
+    def parse(name: str, raw: Any) -> Any:
+        if optional and raw is None:
+            return None
+        # bool is an int subclass; true as a port or a TTL is a typo, not a 1.
+        if isinstance(raw, bool) or not isinstance(raw, kinds) or not ok(raw):
+            raise _invalid(name, what, raw)
+        return raw if whole else float(raw)
+
+    return parse
+
+
+_seconds = _number("a positive number of seconds", lambda v: v > 0)
+_delay = _number("a number of milliseconds above 0 and at most 1000", lambda v: 0 < v <= 1000)
+_fraction = _number("a fraction from 0 to 1", lambda v: 0 <= v <= 1)
+_port = _number("a TCP port (1-65535)", lambda v: 0 < v < 65536, whole=True, optional=True)
+_rate = _number("a positive number, or null to calibrate it", lambda v: 0 < v < math.inf,
+                optional=True)
+_milliseconds = _number("a number of milliseconds >= 0, or null to calibrate it",
+                        lambda v: 0 <= v < math.inf, optional=True)
+_tokens = _number("a positive whole number of tokens, or null for the model's default",
+                  lambda v: v >= 1, whole=True, optional=True)
 
 
 def _flag(name: str, raw: Any) -> bool:
     if not isinstance(raw, bool):
-        raise ConnectorConfigError(
-            f"kv_connector_extra_config.{name} must be true or false, got {raw!r}")
+        raise _invalid(name, "true or false", raw)
     return raw
 
 
 def _optional_flag(name: str, raw: Any) -> bool | None:
     if raw is not None and not isinstance(raw, bool):
-        raise ConnectorConfigError(
-            f"kv_connector_extra_config.{name} must be true, false or null (the role's "
-            f"default), got {raw!r}")
+        raise _invalid(name, "true, false or null (the role's default)", raw)
     return raw
-
-
-def _delay(name: str, raw: Any) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0 < raw <= 1000:
-        raise ConnectorConfigError(
-            f"kv_connector_extra_config.{name} must be a number of milliseconds above 0 and "
-            f"at most 1000, got {raw!r}")
-    return float(raw)
 
 
 def _host(name: str, raw: Any) -> str:
     if not isinstance(raw, str) or not raw:
-        raise ConnectorConfigError(
-            f"kv_connector_extra_config.{name} must be a host address, got {raw!r}")
+        raise _invalid(name, "a host address", raw)
     if raw != "localhost":
         try:
             ipaddress.ip_address(raw)
         except ValueError as exc:
-            raise ConnectorConfigError(
-                f"kv_connector_extra_config.{name} must be an IP address or localhost, "
-                f"got {raw!r}") from exc
+            raise _invalid(name, "an IP address or localhost", raw) from exc
     return raw
 
 
 def _path(name: str, raw: Any) -> str | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, str) or not raw:
-        raise ConnectorConfigError(
-            f"kv_connector_extra_config.{name} must be a file path, got {raw!r}")
-    return raw
-
-
-def _port(name: str, raw: Any) -> int | None:
-    if raw is None:
-        return None
-    if isinstance(raw, bool) or not isinstance(raw, int) or not 0 < raw < 65536:
-        raise ConnectorConfigError(
-            f"kv_connector_extra_config.{name} must be a TCP port (1-65535), got {raw!r}")
+    if raw is not None and (not isinstance(raw, str) or not raw):
+        raise _invalid(name, "a file path", raw)
     return raw
 
 
 def _choice(name: str, raw: Any) -> str:
     if raw not in COST_MODELS:
-        raise ConnectorConfigError(
-            f"kv_connector_extra_config.{name} must be one of "
-            f"{', '.join(map(repr, COST_MODELS))}, got {raw!r}")
+        raise _invalid(name, f"one of {', '.join(map(repr, COST_MODELS))}", raw)
     return str(raw)
 
 
-def _rate(name: str, raw: Any) -> float | None:
-    if raw is None:
-        return None
-    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0 < raw < math.inf:
-        raise ConnectorConfigError(
-            f"kv_connector_extra_config.{name} must be a positive number, or null to "
-            f"calibrate it, got {raw!r}")
-    return float(raw)
-
-
-def _milliseconds(name: str, raw: Any) -> float | None:
-    if raw is None:
-        return None
-    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0 <= raw < math.inf:
-        raise ConnectorConfigError(
-            f"kv_connector_extra_config.{name} must be a number of milliseconds >= 0, or null "
-            f"to calibrate it, got {raw!r}")
-    return float(raw)
-
-
-def _tokens(name: str, raw: Any) -> int | None:
-    if raw is None:
-        return None
-    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
-        raise ConnectorConfigError(
-            f"kv_connector_extra_config.{name} must be a positive whole number of tokens, or "
-            f"null for the model's default, got {raw!r}")
-    return raw
-
-
-def _fraction(name: str, raw: Any) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0 <= raw <= 1:
-        raise ConnectorConfigError(
-            f"kv_connector_extra_config.{name} must be a fraction from 0 to 1, got {raw!r}")
-    return float(raw)
-
-
-_PARSERS: dict[str, Callable[[str, Any], Any]] = {
+_PARSERS: dict[str, Parser] = {
     "kv_read_timeout": _seconds,
     "nixl_progress_thread": _optional_flag,
     "nixl_progress_delay_ms": _delay,

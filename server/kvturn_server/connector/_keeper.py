@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
+from kvturn_server.connector._params import ReadCoordinates, read_params
 from kvturn_server.connector._retention import GoneReason, Retention, RetentionTable
 
 RETENTION_EVENTS = ("created", "renewed", "released", "expired", "evicted", "replaced",
@@ -46,11 +47,6 @@ class BlockPool(Protocol):
     def get_num_free_blocks(self) -> int: ...
 
 
-Publisher = Callable[[Retention, float], dict[str, Any]]
-"""Builds the ``kv_transfer_params`` a prefill needs to read a retention, given the deadline
-(on this process's ``perf_counter``) to publish as ``remote_blocks_expiry_time``."""
-
-
 @dataclass(frozen=True)
 class Gone:
     """A control answer for a key with no live retention."""
@@ -65,27 +61,22 @@ class RetentionKeeper:
     def __init__(
         self,
         *,
-        engine_id: str,
-        block_size: int,
         block_bytes: int,
         budget: float,
         ttl: float,
         max_hold: float,
         max_pin: float,
-        publish: Publisher,
         clock: Callable[[], float] = time.perf_counter,
         hash_seed: bytes = DEFAULT_SEED,
     ) -> None:
-        self.engine_id = engine_id
         self.hash_seed = hash_seed
-        self.block_size = block_size
         self.block_bytes = block_bytes
         self.budget = budget
         self._ttl, self._max_hold, self._max_pin = ttl, max_hold, max_pin
-        self._publish = publish
         self._clock = clock
         self._lock = threading.Lock()
         self._pool: BlockPool | None = None
+        self._at: ReadCoordinates | None = None
         self._table: RetentionTable | None = None
         self._to_free: list[Retention] = []
         self._wake: Callable[[], object] = lambda: None
@@ -94,11 +85,13 @@ class RetentionKeeper:
 
     # Set-up (engine thread, at start).
 
-    def bind(self, pool: BlockPool) -> None:
-        """Attach the engine's block pool; the budget is a fraction of its usable blocks."""
+    def bind(self, pool: BlockPool, at: ReadCoordinates) -> None:
+        """Attach the engine's block pool (the budget is a fraction of its usable blocks) and
+        the coordinates a prefill reads this decode at: every view of a retention carries the
+        params built from them (:func:`~kvturn_server.connector._params.read_params`)."""
         usable = max(pool.num_gpu_blocks - 1, 0)  # block 0 is vLLM's null block
         with self._lock:
-            self._pool = pool
+            self._pool, self._at = pool, at
             self._table = RetentionTable(
                 budget_blocks=int(usable * self.budget), ttl=self._ttl,
                 max_hold=self._max_hold, max_pin=self._max_pin, clock=self._clock)
@@ -123,26 +116,26 @@ class RetentionKeeper:
         ``num_computed_tokens`` rather than the sequence length. ``extras`` are the blocks'
         extra hash inputs (``_extra_keys.block_extras``), at least one per kept block.
         """
-        table, pool = self._table, self._pool
-        if table is None or pool is None or table.budget_blocks == 0:
+        table, pool, at = self._table, self._pool, self._at
+        if table is None or pool is None or at is None or table.budget_blocks == 0:
             return None
+        bs = at.block_size
         # The token ids bound it too: with async scheduling a step in flight has been counted
         # as computed before its input token is known here.
-        full = min(num_computed_tokens, len(token_ids)) // self.block_size
+        full = min(num_computed_tokens, len(token_ids)) // bs
         full = min(full, len(block_ids))
         if full == 0:
             return None
         ids = tuple(int(b) for b in block_ids[:full])
         if any(not 0 < b < pool.num_gpu_blocks for b in ids):
             raise ValueError(f"request {request_id}: block ids outside the pool: {ids}")
-        hashes = block_hashes(list(token_ids[:full * self.block_size]), self.block_size,
-                              self.hash_seed, extras)
+        hashes = block_hashes(list(token_ids[:full * bs]), bs, self.hash_seed, extras)
         held = Retention(key, request_id, ids, (), 0, 0.0, 0.0, 0.0, 0.0)
         pool.touch([pool.blocks[b] for b in ids])
         try:
             with self._lock:
                 before = self._snapshot(table)
-                freed = table.retain(key, request_id, ids, hashes, full * self.block_size)
+                freed = table.retain(key, request_id, ids, hashes, full * bs)
                 kept = table.get(key)
                 self._count(table, before)
         except BaseException:
@@ -216,7 +209,7 @@ class RetentionKeeper:
 
     def describe(self, key: str) -> dict[str, Any] | Gone:
         with self._lock:
-            table = self._require()
+            table, _ = self._require()
             retention = table.get(key)
             if retention is None:
                 return Gone(key, table.gone_reason(key))
@@ -224,7 +217,7 @@ class RetentionKeeper:
 
     def pin(self, key: str, ttl: float) -> dict[str, Any] | Gone:
         with self._lock:
-            table = self._require()
+            table, _ = self._require()
             before = self._snapshot(table)
             pinned = table.pin(key, ttl)
             self._count(table, before)
@@ -240,7 +233,7 @@ class RetentionKeeper:
 
     def unpin(self, pin_id: str) -> bool:
         with self._lock:
-            existed, freed = self._require().unpin(pin_id)
+            existed, freed = self._require()[0].unpin(pin_id)
             self._to_free.extend(freed)
         if freed:
             self._wake()
@@ -248,7 +241,7 @@ class RetentionKeeper:
 
     def keepalive(self, key: str) -> dict[str, Any] | Gone:
         with self._lock:
-            table = self._require()
+            table, _ = self._require()
             before = self._snapshot(table)
             retention = table.keepalive(key)
             self._count(table, before)
@@ -258,7 +251,7 @@ class RetentionKeeper:
 
     def release(self, key: str) -> bool | Gone:
         with self._lock:
-            table = self._require()
+            table, _ = self._require()
             before = self._snapshot(table)
             existed, freed = table.release(key)
             self._count(table, before)
@@ -271,9 +264,9 @@ class RetentionKeeper:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            table = self._require()
+            table, at = self._require()
             return {
-                "engine_id": self.engine_id,
+                "engine_id": at.engine_id,
                 "retentions": len(table),
                 "retained_blocks": table.retained_blocks,
                 "held_blocks": table.held_blocks,
@@ -298,17 +291,18 @@ class RetentionKeeper:
 
     # Internals.
 
-    def _require(self) -> RetentionTable:
-        if self._table is None:
+    def _require(self) -> tuple[RetentionTable, ReadCoordinates]:
+        if self._table is None or self._at is None:
             raise RuntimeError("the retention keeper is not bound to a block pool yet")
-        return self._table
+        return self._table, self._at
 
     def _view(self, retention: Retention, deadline: float) -> dict[str, Any]:
         now = self._clock()
+        _, at = self._require()
         return {
             "key": retention.key,
-            "engine_id": self.engine_id,
-            "params": self._publish(retention, deadline),
+            "engine_id": at.engine_id,
+            "params": read_params(at, retention, deadline),
             "num_tokens": retention.num_tokens,
             "num_blocks": retention.num_blocks,
             "expires_in": round(retention.expires_at - now, 3),

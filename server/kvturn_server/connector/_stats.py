@@ -38,6 +38,19 @@ KVTURN_KEYS = ("kvturn_retention_events", "kvturn_retentions", "kvturn_retained_
                "kvturn_retained_bytes", "kvturn_reuse", "kvturn_reused_tokens",
                "kvturn_fallbacks", "kvturn_read_timeouts", "kvturn_reads_served", *COST_GAUGES)
 _NIXL_KEYS = frozenset(NixlKVConnectorStats().data)
+_GAUGES = {
+    "kvturn:retentions": "Retentions this decode holds.",
+    "kvturn:retained_blocks": "KV blocks held by retentions (including draining ones).",
+    "kvturn:retained_bytes": "Bytes of KV cache held by retentions.",
+    "kvturn:cost_read_fixed_seconds":
+        "Prefill cost model: expected fixed cost of one read of retained KV, whatever its size "
+        "(in use: calibrated, configured or default).",
+    "kvturn:cost_read_bytes_per_second": "Prefill cost model: read bandwidth per worker.",
+    "kvturn:cost_compute_tokens_per_second":
+        "Prefill cost model: prompt tokens computed per second at context 0.",
+}
+"""The gauges' Prometheus names and help texts; each samples the stats key ``kvturn_…`` of the
+same name (the last sample of a step wins)."""
 
 
 class KVTurnStats(NixlKVConnectorStats):  # type: ignore[misc]
@@ -89,33 +102,10 @@ class KVTurnPromMetrics(NixlPromMetrics):  # type: ignore[misc]
             name="kvturn:reads_served", labelnames=labelnames,
             documentation="Completed reads of this decode's retentions by a prefill.")
         self._gauges = {
-            "kvturn_retentions": gauge(
-                name="kvturn:retentions", labelnames=labelnames, multiprocess_mode="mostrecent",
-                documentation="Retentions this decode holds."),
-            "kvturn_retained_blocks": gauge(
-                name="kvturn:retained_blocks", labelnames=labelnames,
-                multiprocess_mode="mostrecent",
-                documentation="KV blocks held by retentions (including draining ones)."),
-            "kvturn_retained_bytes": gauge(
-                name="kvturn:retained_bytes", labelnames=labelnames,
-                multiprocess_mode="mostrecent",
-                documentation="Bytes of KV cache held by retentions."),
-            "kvturn_cost_read_fixed_seconds": gauge(
-                name="kvturn:cost_read_fixed_seconds", labelnames=labelnames,
-                multiprocess_mode="mostrecent",
-                documentation="Prefill cost model: expected fixed cost of one read of retained "
-                              "KV, whatever its size (in use: calibrated, configured or "
-                              "default)."),
-            "kvturn_cost_read_bytes_per_second": gauge(
-                name="kvturn:cost_read_bytes_per_second", labelnames=labelnames,
-                multiprocess_mode="mostrecent",
-                documentation="Prefill cost model: read bandwidth per worker."),
-            "kvturn_cost_compute_tokens_per_second": gauge(
-                name="kvturn:cost_compute_tokens_per_second", labelnames=labelnames,
-                multiprocess_mode="mostrecent",
-                documentation="Prefill cost model: prompt tokens computed per second at "
-                              "context 0."),
-        }
+            name.replace(":", "_", 1): gauge(name=name, labelnames=labelnames,
+                                             multiprocess_mode="mostrecent",
+                                             documentation=documentation)
+            for name, documentation in _GAUGES.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         if transfer_stats_data.keys() >= _NIXL_KEYS:

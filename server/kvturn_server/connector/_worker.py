@@ -15,7 +15,7 @@ from kvturn_server.connector._config import ConnectorConfig
 from kvturn_server.connector._stats import KVTurnStats
 
 READ_NOTIF_PREFIX = b"kvturn-read/"
-"""Completion notifications of prefills that read a retention (see ``_scheduler.READ_PREFIX``).
+"""Completion notifications of prefills that read a retention (see ``_params.READ_PREFIX``).
 vLLM would treat them as "this request's blocks may be freed now" for a request it no longer
 knows; a retention outlives its request and is freed by its lease instead."""
 

@@ -2,22 +2,19 @@
 
 This is where the decision to reuse is made and where every fault degrades:
 
-- **Pin** the conversation's retention on the decode that holds it. No record, a record naming
-  an unknown or restarted decode, a ``404 Gone`` or an unreachable control endpoint all mean
-  "nothing to reuse this turn" (reported in ``X-KVTurn-Reuse``); stale handles are dropped and
-  counted. Only params pinned for this turn ever reach a prefill.
-- **Prefill leg** on the least loaded prefill; a failure (transport, timeout, 5xx, 408/429, an
-  answer without transfer params) is retried once on another prefill; if that fails too, the
-  decode computes the prompt itself. A 4xx is the client's mistake and is returned as is.
+- **Pin** the conversation's retention on the decode that holds it (``_pin.py``); any
+  failure means "nothing to reuse this turn" (reported in ``X-KVTurn-Reuse``).
+- **Prefill leg** on the prefill ``_placement.py`` chooses; a failure (transport, timeout,
+  5xx, 408/429, an answer without transfer params) is retried once on another prefill; if
+  that fails too, the decode computes the prompt itself. A 4xx is the client's mistake and is
+  returned as is. Each attempt of a leg is one call of ``_attempts.py``.
 - **Unpin** once the prefill answered, off the request path. After a prefill timeout the pin is
   left to expire (that prefill may still be reading) and a retry takes a new one.
-- **Decode leg** on the holder (affinity) when healthy, else the least loaded decode. A failure
+- **Decode leg** on the holder (affinity) when healthy, else the least loaded decode; or, when
+  the part the holder lacks is short, on the holder alone with no prefill leg. A failure
   before the first byte is retried once on another decode; streams are relayed unbuffered
   (``_stream.py``); a stream that breaks ends with an error event.
-- **Capture**: non-streaming, from the reply's ``kv_transfer_params.kvturn``; streaming, by
-  asking the decode's control endpoint once the stream ended. The store then says
-  ``key -> (decode, engine_id, num_tokens, expires_at)``; when a conversation moved to another
-  decode, its retention on the old one is released.
+- **Capture** what the decode retained and record it (``_capture.py``).
 """
 
 from __future__ import annotations
@@ -32,9 +29,17 @@ from starlette.responses import Response
 
 from kvturn_server.router import _json
 from kvturn_server.router._apis import CHAT, Api
-from kvturn_server.router._backend import BackendError, Reply, UpstreamStream
+from kvturn_server.router._attempts import (
+    DECODE_GONE,
+    PREFILL_GONE,
+    RETRYABLE,
+    Attempts,
+    Failed,
+    OpenedStream,
+)
+from kvturn_server.router._backend import Reply
 from kvturn_server.router._capture import Capture
-from kvturn_server.router._control import ControlError, Gone, Retention
+from kvturn_server.router._control import Retention
 from kvturn_server.router._errors import error_response, retry_headers
 from kvturn_server.router._history import Transcript
 from kvturn_server.router._identity import Identity
@@ -45,6 +50,7 @@ from kvturn_server.router._legs import (
     without_transfer_params,
 )
 from kvturn_server.router._log import event
+from kvturn_server.router._pin import Pins
 from kvturn_server.router._placement import (
     choose_decode,
     choose_prefill,
@@ -55,36 +61,11 @@ from kvturn_server.router._placement import (
 )
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._services import TurnContext, TurnServices
-from kvturn_server.router._state import Placement, StoreError
+from kvturn_server.router._state import Placement
 from kvturn_server.router._stream import RelayResponse, StreamEnd
-from kvturn_server.router._tracing import LegSpan, incoming_trace
+from kvturn_server.router._tracing import incoming_trace
 
 log = logging.getLogger("kvturn.router")
-
-# Gone codes -> X-KVTurn-Reuse. "expired": the lease ran out. "stale": the handle pointed at
-# blocks the decode no longer has (evicted, or forgotten: a restart). "miss": the retention was
-# deliberately ended (released, or replaced by a newer turn this router did not record).
-_GONE_REASON = {"expired": "expired", "released": "miss", "replaced": "miss"}
-
-# Statuses of a leg that another backend might answer better.
-_RETRYABLE = frozenset({408, 429})
-# Statuses that count against a backend's health (others are about the request).
-_UNHEALTHY = frozenset({502, 503, 504})
-# Decode failures before any answer that say the server may be gone.
-_GONE_KINDS = frozenset({"connect", "broken"})
-
-
-class _Failed:
-    """A leg that failed: ``kind`` is a BackendError kind or ``status``; ``reply`` the
-    backend's answer when it gave one."""
-
-    __slots__ = ("kind", "message", "reply")
-
-    def __init__(self, kind: str, message: str, reply: Reply | None = None) -> None:
-        self.kind = kind
-        self.message = message
-        self.reply = reply
-
 
 class ReplyHook(Protocol):
     """What an API that keeps state of its own (Responses) does with a turn's answer, before
@@ -99,38 +80,11 @@ class ReplyHook(Protocol):
 class Turn:
     """The state of one completion request while it runs."""
 
-    __slots__ = (
-        "api",
-        "begun",
-        "body",
-        "continued",
-        "ctx",
-        "decode_backend",
-        "endpoint",
-        "holder",
-        "hook",
-        "identity",
-        "key",
-        "no_reuse",
-        "path",
-        "pin",
-        "pin_skipped",
-        "placement",
-        "prefill_backend",
-        "prefill_choice",
-        "prefill_tokens",
-        "reason",
-        "request_id",
-        "retention_sent",
-        "reused_tokens",
-        "route",
-        "started",
-        "stream",
-        "svc",
-        "trace",
-        "transcript",
-        "upstream_headers",
-    )
+    __slots__ = ("api", "attempts", "begun", "body", "continued", "ctx", "decode_backend",
+                 "endpoint", "holder", "hook", "identity", "key", "no_reuse", "path", "pin",
+                 "pin_skipped", "pins", "placement", "prefill_backend", "prefill_choice",
+                 "prefill_tokens", "reason", "request_id", "retention_sent", "reused_tokens",
+                 "route", "started", "stream", "svc", "trace", "transcript")
 
     def __init__(self, services: TurnServices, *, request_id: str, path: str,
                  body: dict[str, Any], identity: Identity | None, no_reuse: bool,
@@ -145,6 +99,7 @@ class Turn:
         self.identity = identity
         self.key = identity.key if identity is not None else None
         self.ctx = TurnContext(services, request_id=request_id, key=self.key)
+        self.pins = Pins(self.ctx)
         self.no_reuse = no_reuse
         self.started = started
         # The store's version of this turn's record: when the turn began, on the router's
@@ -152,7 +107,7 @@ class Turn:
         # history; a capture that retried or a slow describe must not outrank it.
         self.begun = services.clock()
         self.stream = body.get("stream") is True
-        self.upstream_headers = {"x-request-id": request_id}
+        self.attempts = Attempts(self.ctx, path=path, headers={"x-request-id": request_id})
         # Spans per leg and the traceparent each leg carries (``_tracing.py``); the client's
         # trace context, when it sent one, is set by the endpoint.
         self.trace = services.tracing.turn({}, request_id)
@@ -238,7 +193,7 @@ class Turn:
                             else self._decode_on(holder, data))
         finally:
             self._end_continuation()
-        if isinstance(result, _Failed):
+        if isinstance(result, Failed):
             # Nothing reached the client: the prefill path may still serve it.
             self.route = "prefill"
             self.reason = "miss"
@@ -272,108 +227,34 @@ class Turn:
     # Step 1: where the conversation is, and a pin on its retention.
 
     async def _locate(self) -> None:
-        assert self.key is not None
-        svc = self.svc
-        try:
-            placement = await svc.store.get(self.key)
-        except StoreError as exc:
-            self.ctx.state_error("get", exc)
-            return
-        if placement is None:
-            return
-        holder = svc.decodes.by_url(placement.decode)
-        if holder is None:
-            # Recorded by a router configured with other decodes (or before a change).
-            self.reason = "stale"
-            self._drop(placement, "unknown_decode")
-            return
-        self.placement = placement
-        self.holder = holder
+        found = await self.pins.locate()
+        if isinstance(found, str):
+            self.reason = found
+        elif found is not None:
+            self.placement, self.holder = found
 
     async def _take_pin(self) -> None:
         """Pin the placement's retention; on any failure set ``reason`` and leave no pin."""
-        placement, holder, key = self.placement, self.holder, self.key
-        assert placement is not None and holder is not None and key is not None
-        if not holder.control_trusted or holder.control_url is None:
-            self.reason = "stale"
-            event(log, logging.DEBUG, "pin_skipped", request_id=self.request_id,
-                  conversation=key, decode=holder.url, why=holder.distrust_reason())
-            return
-        if holder.engine_id is not None and placement.engine_id is not None \
-                and holder.engine_id != placement.engine_id:
-            self.reason = "stale"
-            self._drop(placement, "engine_changed")
-            return
-        svc = self.svc
-        t0 = time.perf_counter()
-        span = self.trace.leg("pin", holder.url)
-        try:
-            result = await svc.control.pin(holder.control_url, key, svc.config.effective_pin_ttl)
-        except ControlError as exc:
-            span.end(exc.kind)
-            self.ctx.leg("pin", time.perf_counter() - t0)
-            self.ctx.control_failed(holder, "pin", exc)
-            self.reason = "stale"
-            return
-        span.end()
-        self.ctx.leg("pin", time.perf_counter() - t0)
-        holder.control_ok = True
-        if isinstance(result, Gone):
-            self.reason = _GONE_REASON.get(result.code, "stale")
-            self._drop(placement, result.code if result.code in (
-                "expired", "released", "evicted", "replaced", "no_retention") else "gone")
-            return
-        if result.engine_id is not None:
-            holder.control_engine_id = result.engine_id
-        if placement.engine_id is not None and result.engine_id is not None \
-                and result.engine_id != placement.engine_id:
-            self.reason = "stale"
-            self._drop(placement, "engine_changed")
-            self._unpin(result)
-            return
-        if not holder.control_trusted:
-            # The control endpoint names another engine than the decode's HTTP side: its
-            # blocks are not the ones behind the server that would answer this turn.
-            self.reason = "stale"
-            self.ctx.engines_differ(holder)
-            self._unpin(result)
-            return
-        self.pin = result
-
-    def _drop(self, placement: Placement, why: str) -> None:
-        """Forget a stale handle (only the one this turn read) and count it."""
-        assert self.key is not None
-        self.svc.metrics.stale(why)
-        event(log, logging.DEBUG, "stale_handle", request_id=self.request_id,
-              conversation=self.key, reason=why, decode=placement.decode)
-        self.svc.spawn(self.ctx.delete_placement(placement))
-
-    def _unpin(self, pin: Retention | None) -> None:
-        holder = self.holder
-        if pin is None or pin.pin_id is None or holder is None or holder.control_url is None:
-            return
-        self.svc.spawn(self._unpin_now(holder, holder.control_url, pin.pin_id))
-
-    async def _unpin_now(self, holder: Backend, control_url: str, pin_id: str) -> None:
-        try:
-            await self.svc.control.unpin(control_url, pin_id)
-        except ControlError as exc:
-            # The pin expires by itself (pin_ttl); nothing else depends on this call.
-            self.ctx.control_failed(holder, "unpin", exc)
+        assert self.placement is not None and self.holder is not None
+        result = await self.pins.take(self.placement, self.holder, self.trace)
+        if isinstance(result, str):
+            self.reason = result
+        else:
+            self.pin = result
 
     # Step 2: the prefill leg (and step 3, unpin).
 
     async def _prefill(self, first: Backend | None) -> dict[str, Any] | Response | None:
         svc = self.svc
         if first is None:
-            self._unpin(self.pin)
+            self.pins.unpin(self.holder, self.pin)
             self._prefill_gave_up(self.pin, "no prefill backend is healthy")
             return None
         pin = self.pin
         data = self._prefill_data()
         result = await self._prefill_on(first, data)
-        if not isinstance(result, _Failed):
-            self._unpin(pin)
+        if not isinstance(result, Failed):
+            self.pins.unpin(self.holder, pin)
             return self._prefill_answer(first, result, pin)
         second, choice = choose_prefill(svc.prefills, svc.config.prefill_policy, self.placement,
                                         slack=svc.config.prefill_affinity_slack, exclude=first)
@@ -382,7 +263,7 @@ class Turn:
         timed_out = result.kind == "timeout"
         if second is None:
             if not timed_out:
-                self._unpin(pin)
+                self.pins.unpin(self.holder, pin)
             self._prefill_gave_up(pin, f"the only prefill failed ({result.kind})")
             return None
         svc.metrics.retry("prefill")
@@ -401,9 +282,9 @@ class Turn:
             pin = self.pin
             data = self._prefill_data()
         result = await self._prefill_on(second, data)
-        if not (isinstance(result, _Failed) and result.kind == "timeout"):
-            self._unpin(pin)
-        if isinstance(result, _Failed):
+        if not (isinstance(result, Failed) and result.kind == "timeout"):
+            self.pins.unpin(self.holder, pin)
+        if isinstance(result, Failed):
             self._prefill_gave_up(pin, f"both prefill attempts failed ({result.kind})")
             return None
         return self._prefill_answer(second, result, pin)
@@ -427,58 +308,40 @@ class Turn:
             self.reason = "stale"
 
     async def _prefill_on(self, backend: Backend,
-                          data: bytes) -> dict[str, Any] | Response | _Failed:
-        """One prefill attempt: its transfer params, a client error to return, or _Failed."""
+                          data: bytes) -> dict[str, Any] | Response | Failed:
+        """One prefill attempt: its transfer params, a client error to return, or Failed."""
         svc = self.svc
-        t0 = time.perf_counter()
-        span = self.trace.leg("prefill", backend.url)
+        reply = await self.attempts.call(svc.prefills, backend, "prefill", data,
+                                         timeout=svc.config.prefill_timeout, trace=self.trace,
+                                         t0=time.perf_counter(), gone=PREFILL_GONE)
+        if isinstance(reply, Failed) or reply.status != 200:
+            return self._not_ok(svc.prefills, backend, "prefill", reply)
         try:
-            with backend.lease():
-                reply = await svc.client.call("POST", backend.url + self.path, data,
-                                            timeout=svc.config.prefill_timeout,
-                                            headers=self._leg_headers(span))
-        except BackendError as exc:
-            span.end(exc.kind)
-            return self._leg_failed(svc.prefills, backend, "prefill", exc.kind, str(exc))
-        finally:
-            self.ctx.leg("prefill", time.perf_counter() - t0)
-        span.end(None if reply.status == 200 else f"status {reply.status}")
-        status = reply.status
-        if status == 200:
-            try:
-                payload = reply.json()
-            except ValueError:
-                return self._leg_failed(svc.prefills, backend, "prefill", "bad_reply",
+            payload = reply.json()
+        except ValueError:
+            return self.attempts.failed(svc.prefills, backend, "prefill", "bad_reply",
                                         "answer is not JSON")
-            params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
-            if not isinstance(params, dict):
-                return self._leg_failed(svc.prefills, backend, "prefill", "bad_reply",
+        params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
+        if not isinstance(params, dict):
+            return self.attempts.failed(svc.prefills, backend, "prefill", "bad_reply",
                                         "answer without kv_transfer_params")
-            svc.prefills.leg_succeeded(backend)
-            self.prefill_tokens = self.api.prompt_tokens(payload)
-            return params
-        if 400 <= status < 500 and status not in _RETRYABLE:
-            # The request itself is wrong (unknown model, bad parameter): a decode would refuse
-            # it the same way, so the client gets the answer now.
-            svc.metrics.request(self.endpoint, "client_error")
-            self._log_done(status, "client_error")
-            return self._passthrough(reply)
-        return self._leg_failed(svc.prefills, backend, "prefill", "status",
-                                f"answered {status}", reply)
+        svc.prefills.leg_succeeded(backend)
+        self.prefill_tokens = self.api.prompt_tokens(payload)
+        return params
 
-    def _leg_failed(self, pool: Pool, backend: Backend, leg: str, kind: str, message: str,
-                    reply: Reply | None = None, *, gone: bool | None = None) -> _Failed:
-        """``gone``: the failure says the server may be gone (default: a refused connection);
-        its control endpoint is then distrusted until a health check passes."""
-        svc = self.svc
-        svc.metrics.failure(backend.role, backend.url, kind if reply is None
-                          else f"status_{reply.status}")
-        if reply is None or reply.status in _UNHEALTHY:
-            pool.leg_failed(backend, f"{leg}: {message}",
-                            refused=kind == "connect" if gone is None else gone)
-        event(log, logging.WARNING, f"{leg}_attempt_failed", request_id=self.request_id,
-              conversation=self.key, backend=backend.url, kind=kind, error=message)
-        return _Failed(kind, message, reply)
+    def _not_ok(self, pool: Pool, backend: Backend, leg: str,
+                reply: Reply | Failed) -> Response | Failed:
+        """A leg that did not answer 200: a 4xx is the request's own fault (unknown model, bad
+        parameter: any backend would refuse it the same way), so the client gets it now;
+        others are failures to retry."""
+        if isinstance(reply, Failed):
+            return reply
+        if 400 <= reply.status < 500 and reply.status not in RETRYABLE:
+            self.svc.metrics.request(self.endpoint, "client_error")
+            self._log_done(reply.status, "client_error")
+            return self._passthrough(reply)
+        return self.attempts.failed(pool, backend, leg, "status", f"answered {reply.status}",
+                                    reply)
 
     def _settle_reuse(self, params: dict[str, Any] | None) -> None:
         """X-KVTurn-Reuse: the prefill's own report when it was given a retention to read,
@@ -534,7 +397,7 @@ class Turn:
         for attempt in (0, 1):
             result = await (self._open_stream(backend, data) if self.stream
                             else self._decode_on(backend, data))
-            if not isinstance(result, _Failed):
+            if not isinstance(result, Failed):
                 self._count_turn()
                 return result
             other = svc.decodes.pick(exclude=backend)
@@ -546,7 +409,7 @@ class Turn:
             backend = other
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _decode_gave_up(self, failed: _Failed) -> Response:
+    def _decode_gave_up(self, failed: Failed) -> Response:
         svc = self.svc
         holder = self.holder
         if holder is not None and holder.http_down:
@@ -557,7 +420,7 @@ class Turn:
             self.reason = "stale"
             self.reused_tokens = 0
             if self.placement is not None:
-                self._drop(self.placement, "decode_failed")
+                self.pins.drop(self.placement, "decode_failed")
         self._count_turn()
         svc.metrics.request(self.endpoint, "backend_error")
         self._log_done(failed.reply.status if failed.reply else 0, "backend_error")
@@ -576,35 +439,14 @@ class Turn:
                               code="backend_unavailable", retry_after=svc.config.retry_after,
                               headers=self.response_headers())
 
-    def _decode_status(self, backend: Backend, reply: Reply) -> Response | _Failed:
-        """A non-200 decode answer: 4xx returned as is, others a failure to retry."""
-        if 400 <= reply.status < 500 and reply.status not in _RETRYABLE:
-            self.svc.metrics.request(self.endpoint, "client_error")
-            self._log_done(reply.status, "client_error")
-            return self._passthrough(reply)
-        return self._leg_failed(self.svc.decodes, backend, "decode", "status",
-                                f"answered {reply.status}", reply)
-
-    async def _decode_on(self, backend: Backend, data: bytes) -> Response | _Failed:
+    async def _decode_on(self, backend: Backend, data: bytes) -> Response | Failed:
         svc = self.svc
         t0 = time.perf_counter()
-        span = self.trace.leg("decode", backend.url)
-        try:
-            with backend.lease():
-                reply = await svc.client.call("POST", backend.url + self.path, data,
-                                            timeout=svc.config.decode_timeout,
-                                            headers=self._leg_headers(span))
-        except BackendError as exc:
-            span.end(exc.kind)
-            # Broken before any answer, too: a kept-alive connection to a killed server reads
-            # as a reset, not as a refused connect.
-            return self._leg_failed(svc.decodes, backend, "decode", exc.kind, str(exc),
-                                    gone=exc.kind in _GONE_KINDS)
-        finally:
-            self.ctx.leg("decode", time.perf_counter() - t0)
-        span.end(None if reply.status == 200 else f"status {reply.status}")
-        if reply.status != 200:
-            return self._decode_status(backend, reply)
+        reply = await self.attempts.call(svc.decodes, backend, "decode", data,
+                                         timeout=svc.config.decode_timeout, trace=self.trace,
+                                         t0=t0, gone=DECODE_GONE)
+        if isinstance(reply, Failed) or reply.status != 200:
+            return self._not_ok(svc.decodes, backend, "decode", reply)
         svc.decodes.leg_succeeded(backend)
         self.decode_backend = backend
         content = reply.body
@@ -634,34 +476,13 @@ class Turn:
         return Response(content, status_code=200, headers=self.response_headers(),
                         media_type=reply.content_type)
 
-    async def _open_stream(self, backend: Backend, data: bytes) -> Response | _Failed:
+    async def _open_stream(self, backend: Backend, data: bytes) -> Response | Failed:
         svc = self.svc
         t0 = time.perf_counter()
-        backend.in_flight += 1
-        upstream: UpstreamStream | None = None
-        span = self.trace.leg("decode", backend.url)
-        try:
-            upstream = await svc.client.open_stream(backend.url + self.path, data,
-                                                  timeout=svc.config.decode_timeout,
-                                                  headers=self._leg_headers(span))
-            if upstream.status != 200:
-                body = await upstream.read_all()
-                await upstream.aclose()
-                backend.in_flight -= 1
-                span.end(f"status {upstream.status}")
-                reply = Reply(upstream.status, upstream.content_type, body)
-                return self._decode_status(backend, reply)
-            first = await upstream.next_chunk()
-            if first is None:
-                raise BackendError("broken", f"{backend.url}: stream ended before any data")
-        except BackendError as exc:
-            if upstream is not None:
-                await upstream.aclose()
-            backend.in_flight -= 1
-            span.end(exc.kind)
-            self.ctx.leg("decode", time.perf_counter() - t0)
-            return self._leg_failed(svc.decodes, backend, "decode", exc.kind, str(exc),
-                                    gone=exc.kind in _GONE_KINDS)
+        opened = await self.attempts.open_stream(backend, data, trace=self.trace, t0=t0)
+        if not isinstance(opened, OpenedStream):
+            return self._not_ok(svc.decodes, backend, "decode", opened)
+        upstream, first, span = opened.upstream, opened.first, opened.span
         now = time.perf_counter()
         self.ctx.leg("decode", now - t0)
         svc.metrics.ttft.observe(now - self.started)
@@ -684,7 +505,8 @@ class Turn:
             backend.in_flight -= 1
             span.end(None if end.error is None else end.error.kind)
             if end.error is not None:
-                self._leg_failed(svc.decodes, backend, "decode", end.error.kind, str(end.error))
+                self.attempts.failed(svc.decodes, backend, "decode", end.error.kind,
+                                     str(end.error))
             svc.metrics.request(self.endpoint, end.outcome)
             self._log_done(200, end.outcome)
             await capture()  # a stream that did not complete: the decode may still hold KV
@@ -708,10 +530,6 @@ class Turn:
                        transcript=self.transcript)
 
     # Shared bits.
-
-    def _leg_headers(self, span: LegSpan) -> dict[str, str]:
-        return {**self.upstream_headers, **span.headers} if span.headers \
-            else self.upstream_headers
 
     def _log_done(self, status: int, outcome: str) -> None:
         if log.isEnabledFor(logging.DEBUG):

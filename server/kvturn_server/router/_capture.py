@@ -56,12 +56,6 @@ class Capture:
         self.prefill_tokens = prefill_tokens
         self.transcript = transcript
 
-    @property
-    def key(self) -> str:
-        key = self.ctx.key
-        assert key is not None
-        return key
-
     async def from_reply(self, backend: Backend, payload: dict[str, Any],
                          decode_started: float) -> ReuseReport | None:
         """Capture from a non-streaming reply; returns what the decode's own prefix cache
@@ -103,7 +97,7 @@ class Capture:
         retained" is asked again too (for others it is final at once: a turn too short to
         fill a block, or the conversation's first turn on this decode).
         """
-        ctx, services, key = self.ctx, self.ctx.services, self.key
+        ctx, services, key = self.ctx, self.ctx.services, self.ctx.conversation
         if backend.control_url is None or not backend.control_trusted:
             services.metrics.capture("failed")
             return
@@ -144,7 +138,7 @@ class Capture:
     def remember_affinity(self, backend: Backend) -> None:
         """Stock P/D (``kv_reuse`` off): nothing is retained, but the conversation's next turn
         goes to the same prefill and decode (session affinity)."""
-        services, key = self.ctx.services, self.key
+        services, key = self.ctx.services, self.ctx.conversation
         placement = self._placement_for(backend, backend.engine_id, 0,
                                         services.config.retention_ttl, readable=None,
                                         block_size=0)
@@ -181,7 +175,7 @@ class Capture:
     async def _record(self, backend: Backend, engine_id: str | None, num_tokens: int,
                       expires_in: float, *, readable: int | None = None,
                       block_size: int = 0) -> None:
-        services, key = self.ctx.services, self.key
+        services, key = self.ctx.services, self.ctx.conversation
         if engine_id is not None and engine_id != backend.engine_id:
             # The decode itself just named its engine: fresher than the last health check,
             # which may not have seen a restart yet (the next pin would call this handle stale).
@@ -215,7 +209,7 @@ class Capture:
         """A concurrent turn of this conversation (on this router or another) recorded a
         newer retention: this one is not kept. Freed on its decode unless the newer one is
         on the same decode (which then holds only the newer one, under the same key)."""
-        services, key = self.ctx.services, self.key
+        services, key = self.ctx.services, self.ctx.conversation
 
         async def free() -> None:
             try:
@@ -230,7 +224,7 @@ class Capture:
 
     def _release_on(self, decode_url: str) -> None:
         """The conversation moved: free its previous retention on the old decode."""
-        services, key = self.ctx.services, self.key
+        services, key = self.ctx.services, self.ctx.conversation
         old = services.decodes.by_url(decode_url)
         if old is None or old.control_url is None or not old.healthy:
             return

@@ -36,18 +36,12 @@ class Pins:
     def __init__(self, ctx: TurnContext) -> None:
         self.ctx = ctx
 
-    @property
-    def key(self) -> str:
-        key = self.ctx.key
-        assert key is not None
-        return key
-
     async def locate(self) -> tuple[Placement, Backend] | str | None:
         """The conversation's record and the decode holding it; a reuse reason when the
         record is stale; None when there is none (or the store failed)."""
         ctx = self.ctx
         try:
-            placement = await ctx.services.store.get(self.key)
+            placement = await ctx.services.store.get(self.ctx.conversation)
         except StoreError as exc:
             ctx.state_error("get", exc)
             return None
@@ -63,7 +57,7 @@ class Pins:
     async def take(self, placement: Placement, holder: Backend,
                    trace: TurnTrace) -> Retention | str:
         """Pin the placement's retention on ``holder``; on any failure the reuse reason."""
-        ctx, key = self.ctx, self.key
+        ctx, key = self.ctx, self.ctx.conversation
         if not holder.control_trusted or holder.control_url is None:
             event(log, logging.DEBUG, "pin_skipped", request_id=ctx.request_id,
                   conversation=key, decode=holder.url, why=holder.distrust_reason())
@@ -109,7 +103,7 @@ class Pins:
         ctx = self.ctx
         ctx.services.metrics.stale(why)
         event(log, logging.DEBUG, "stale_handle", request_id=ctx.request_id,
-              conversation=self.key, reason=why, decode=placement.decode)
+              conversation=self.ctx.conversation, reason=why, decode=placement.decode)
         ctx.services.spawn(ctx.delete_placement(placement))
 
     def unpin(self, holder: Backend | None, pin: Retention | None) -> None:

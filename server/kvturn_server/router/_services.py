@@ -46,7 +46,7 @@ class TurnServices:
     clock: Callable[[], float]
     sleep: Callable[[float], Awaitable[None]]
     spawn: Callable[[Coroutine[Any, Any, Any]], None]
-    check_control: Callable[[Backend], Awaitable[None]]
+    check_control: Callable[[Backend], Coroutine[Any, Any, None]]
 
 
 def control_call_failed(backend: Backend, call: str, exc: ControlError, *,
@@ -68,6 +68,12 @@ class TurnContext:
         self.key = key
         # Each leg's latency (the last one of a retried leg), for the per-request debug line.
         self.legs_ms: dict[str, float] = {}
+
+    @property
+    def conversation(self) -> str:
+        """The key, for the steps only a keyed turn takes (pin, capture)."""
+        assert self.key is not None
+        return self.key
 
     def leg(self, leg: str, seconds: float) -> None:
         self.services.metrics.leg(leg, seconds)

@@ -26,26 +26,26 @@ from redis.exceptions import RedisError
 
 from kvturn_server.router._state import Placement, StoreError
 
-# Forget members ``ms``: their values (under prefix ``vp``) and their places in both sets.
+# Forget member ``m``: its value (``key``) and its places in both sets; ``forget_all`` the
+# members ``ms`` whose values are under prefix ``vp``.
 _FORGET = """
-local function forget(ms, vp, lru, exp)
-  for _, m in ipairs(ms) do
-    redis.call('DEL', vp .. m)
-    redis.call('ZREM', lru, m)
-    redis.call('ZREM', exp, m)
-  end
+local function forget(key, m, lru, exp)
+  redis.call('DEL', key)
+  redis.call('ZREM', lru, m)
+  redis.call('ZREM', exp, m)
+end
+local function forget_all(ms, vp, lru, exp)
+  for _, m in ipairs(ms) do forget(vp .. m, m, lru, exp) end
   return #ms
 end
 """
 
 # KEYS: value, lru, exp, seq.  ARGV: member, now.
-_GET = """
+_GET = _FORGET + """
 local v = redis.call('GET', KEYS[1])
 local dl = redis.call('ZSCORE', KEYS[3], ARGV[1])
 if (not v) or (dl and tonumber(dl) <= tonumber(ARGV[2])) then
-  redis.call('DEL', KEYS[1])
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('ZREM', KEYS[3], ARGV[1])
+  forget(KEYS[1], ARGV[1], KEYS[2], KEYS[3])
   return false
 end
 redis.call('ZADD', KEYS[2], redis.call('INCR', KEYS[4]), ARGV[1])
@@ -68,22 +68,19 @@ redis.call('ZADD', KEYS[2], redis.call('INCR', KEYS[4]), ARGV[1])
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
 local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[5])
 if over <= 0 then return 0 end
-return forget(redis.call('ZRANGE', KEYS[2], 0, over - 1), ARGV[6], KEYS[2], KEYS[3])
+return forget_all(redis.call('ZRANGE', KEYS[2], 0, over - 1), ARGV[6], KEYS[2], KEYS[3])
 """
 
 # KEYS: value, lru, exp.  ARGV: member, turn ('' = any), now.
-_DELETE = """
+_DELETE = _FORGET + """
 local v = redis.call('GET', KEYS[1])
 if not v then
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('ZREM', KEYS[3], ARGV[1])
+  forget(KEYS[1], ARGV[1], KEYS[2], KEYS[3])
   return 0
 end
 if ARGV[2] ~= '' and cjson.decode(v)['turn'] ~= ARGV[2] then return 0 end
 local dl = redis.call('ZSCORE', KEYS[3], ARGV[1])
-redis.call('DEL', KEYS[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
+forget(KEYS[1], ARGV[1], KEYS[2], KEYS[3])
 if dl and tonumber(dl) <= tonumber(ARGV[3]) then return 0 end
 return 1
 """
@@ -91,7 +88,7 @@ return 1
 # KEYS: lru, exp.  ARGV: now, value prefix, batch.
 _PURGE = _FORGET + """
 local dead = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, ARGV[3])
-return forget(dead, ARGV[2], KEYS[1], KEYS[2])
+return forget_all(dead, ARGV[2], KEYS[1], KEYS[2])
 """
 
 

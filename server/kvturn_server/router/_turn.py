@@ -44,8 +44,8 @@ from kvturn_server.router._errors import error_response, retry_headers
 from kvturn_server.router._history import Transcript
 from kvturn_server.router._identity import Identity
 from kvturn_server.router._legs import (
-    ReuseReport,
     decode_body,
+    local_coverage,
     reuse_report,
     without_transfer_params,
 )
@@ -66,6 +66,7 @@ from kvturn_server.router._stream import RelayResponse, StreamEnd
 from kvturn_server.router._tracing import incoming_trace
 
 log = logging.getLogger("kvturn.router")
+
 
 class ReplyHook(Protocol):
     """What an API that keeps state of its own (Responses) does with a turn's answer, before
@@ -357,21 +358,9 @@ class Turn:
             else:
                 self.reason = "miss"
         elif params is not None and self.pin_skipped:
-            self.reason = self._local_coverage(reuse_report(params))
-
-    def _local_coverage(self, report: ReuseReport | None) -> str:
-        """The reuse value of a turn whose prefill held everything the retention offered:
-        ``hit`` when its own cache covered every full block of the prompt (all but the last
-        token, which is always computed), ``partial`` when some, ``miss`` when none."""
-        local = report.local_tokens if report is not None else 0
-        placement = self.placement
-        block = placement.block_size if placement is not None else 0
-        if local <= 0:
-            return "miss"
-        if block > 0 and self.prefill_tokens > 0 \
-                and local >= (self.prefill_tokens - 1) // block * block:
-            return "hit"
-        return "partial"
+            placement = self.placement
+            self.reason = local_coverage(reuse_report(params), self.prefill_tokens,
+                                         placement.block_size if placement else 0)
 
     def _count_turn(self) -> None:
         self.svc.metrics.reuse(self.reason, self.reused_tokens)
@@ -424,20 +413,17 @@ class Turn:
         self._count_turn()
         svc.metrics.request(self.endpoint, "backend_error")
         self._log_done(failed.reply.status if failed.reply else 0, "backend_error")
-        headers = self.response_headers()
-        headers.update(retry_headers(svc.config.retry_after))
         if failed.reply is not None:
+            headers = self.response_headers()
+            headers.update(retry_headers(svc.config.retry_after))
             return Response(failed.reply.body, status_code=failed.reply.status,
                             headers=headers, media_type=failed.reply.content_type)
-        if failed.kind == "timeout":
-            return error_response(504, "the decode backend timed out before answering",
-                                  type_="server_error", code="backend_timeout",
-                                  retry_after=svc.config.retry_after,
-                                  headers=self.response_headers())
-        return error_response(502, f"the decode backend failed before answering "
-                                   f"({failed.kind})", type_="server_error",
-                              code="backend_unavailable", retry_after=svc.config.retry_after,
-                              headers=self.response_headers())
+        timeout = failed.kind == "timeout"
+        return error_response(
+            504 if timeout else 502, "the decode backend timed out before answering" if timeout
+            else f"the decode backend failed before answering ({failed.kind})",
+            type_="server_error", code="backend_timeout" if timeout else "backend_unavailable",
+            retry_after=svc.config.retry_after, headers=self.response_headers())
 
     async def _decode_on(self, backend: Backend, data: bytes) -> Response | Failed:
         svc = self.svc

@@ -14,7 +14,7 @@ import pytest
 
 from kvturn_server._control_secret import ENV, ENV_FILE, HEADER
 from kvturn_server.router import RouterConfig, RouterConfigError, add_router_args
-from kvturn_server.router._config import router_config_from_args
+from kvturn_server.router._flags import router_config_from_args
 from tests.fakes.backends import Cluster
 from tests.server.conftest import MakeHarness
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvturn_server.router import RouterConfig, RouterConfigError, add_router_args
-from kvturn_server.router._config import env_name, router_config_from_args
+from kvturn_server.router._flags import env_name, router_config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from kvturn_server.router import MemoryStore, Placement, StoreError
-from kvturn_server.router._state import SUPERSEDED, ConversationStore, open_store
+from kvturn_server.router._state import SUPERSEDED, ConversationStore
 from kvturn_server.router._state_redis import RedisStore
+from kvturn_server.router._wiring import open_store
 from tests.fakes.backends import AsgiCall, Cluster, ManualClock
 from tests.server.conftest import MakeHarness
 

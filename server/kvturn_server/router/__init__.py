@@ -11,21 +11,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvturn_server.router._app import Router, RouterApp, create_app, serve
-    from kvturn_server.router._config import (
-        DecodeSpec,
-        RouterConfig,
-        RouterConfigError,
-        add_router_args,
-        router_config_from_args,
-    )
+    from kvturn_server.router._app import RouterApp, create_app, serve
+    from kvturn_server.router._config import DecodeSpec, RouterConfig, RouterConfigError
+    from kvturn_server.router._flags import add_router_args, router_config_from_args
     from kvturn_server.router._state import MemoryStore, Placement, StoreError
     from kvturn_server.router._transport import PooledTransport
+    from kvturn_server.router._wiring import Router
 
 _WHERE = {
-    "Router": "_app", "RouterApp": "_app", "create_app": "_app", "serve": "_app",
+    "Router": "_wiring", "RouterApp": "_app", "create_app": "_app", "serve": "_app",
     "DecodeSpec": "_config", "RouterConfig": "_config", "RouterConfigError": "_config",
-    "add_router_args": "_config", "router_config_from_args": "_config",
+    "add_router_args": "_flags", "router_config_from_args": "_flags",
     "MemoryStore": "_state", "Placement": "_state", "StoreError": "_state",
     "PooledTransport": "_transport",
 }

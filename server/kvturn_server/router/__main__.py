@@ -6,11 +6,8 @@ import argparse
 import sys
 
 from kvturn_server.router._app import serve
-from kvturn_server.router._config import (
-    RouterConfigError,
-    add_router_args,
-    router_config_from_args,
-)
+from kvturn_server.router._config import RouterConfigError
+from kvturn_server.router._flags import add_router_args, router_config_from_args
 
 
 def main(argv: list[str] | None = None) -> int:

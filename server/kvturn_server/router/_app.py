@@ -1,21 +1,22 @@
-"""The router: wiring (pools, backend client, control client, state, metrics) and its HTTP app.
+"""The router's HTTP app: which endpoint serves which path, and ``serve``.
 
 Endpoints (docs/http-api.md, section A): ``POST /v1/chat/completions``, ``POST
 /v1/completions``, ``POST /v1/messages`` (``_turn.py``), ``POST /v1/responses``
-(``_responses.py``), ``GET /v1/models``, ``GET /health``, ``GET /ready``, ``GET /metrics``,
+(``_responses.py``), ``POST /v1/messages/count_tokens`` and ``GET /v1/models``
+(``_endpoints.py``), ``GET /health``, ``GET /ready``, ``GET /metrics`` (here),
 ``POST /kvturn/v1/conversations/{id}/keepalive`` and ``DELETE /kvturn/v1/conversations/{id}``
-(``_conversations.py``).
+(``_conversations.py``). What they share (pools, clients, stores) is the ``Router``
+(``_wiring.py``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import math
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx2
@@ -28,244 +29,58 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvturn_server.router import _json
-from kvturn_server.router._backend import BackendClient, BackendError
-from kvturn_server.router._config import DNS_PREFIX, RouterConfig, RouterConfigError
-from kvturn_server.router._control import ControlClient
+from kvturn_server.router._config import RouterConfig, RouterConfigError
 from kvturn_server.router._conversations import conversation_endpoint
-from kvturn_server.router._discovery import Discovery, targets
 from kvturn_server.router._endpoints import (
     TURN_PATHS,
     count_tokens,
     failure_response,
+    models,
     turn_endpoint,
 )
 from kvturn_server.router._errors import error_response
 from kvturn_server.router._log import event, setup_logging
-from kvturn_server.router._metrics import RouterMetrics
-from kvturn_server.router._pool import Backend, HealthChecker, Pool
 from kvturn_server.router._protocol import h11_protocol, httptools_protocol
-from kvturn_server.router._state import ConversationStore, StoreError, open_store
-from kvturn_server.router._state_responses import ResponseStore, open_response_store
-from kvturn_server.router._tracing import Tracing, make_tracing
-from kvturn_server.router._transport import PooledTransport
+from kvturn_server.router._state import ConversationStore, StoreError
+from kvturn_server.router._wiring import Router
 
 log = logging.getLogger("kvturn.router")
 
 
-class Router:
-    """Everything one router process holds. ``start`` before serving, ``aclose`` after.
+async def health(router: Router, request: Request) -> Response:
+    prefill = len(router.prefills.healthy)
+    decode = len(router.decodes.healthy)
+    body = {"status": "ok" if prefill and decode else "degraded",
+            "prefill": {"healthy": prefill, "total": len(router.prefills.members)},
+            "decode": {"healthy": decode, "total": len(router.decodes.members)},
+            "state": router.store.kind}
+    return Response(_json.dumps(body), media_type="application/json")
 
-    Args:
-        config: the settings.
-        transport: the httpx2 transport for every backend call (default: the pooled one, or
-            httpx2's own with ``http_client = "httpx"``); tests pass a ``MockTransport``.
-        store: the conversation store (default: opened from ``config.state`` at start).
-        clock: wall-clock seconds for leases and the store (tests inject a fake).
-    """
 
-    def __init__(self, config: RouterConfig, *, transport: httpx2.AsyncBaseTransport | None = None,
-                 store: ConversationStore | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.config = config
-        self.clock = clock
-        self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
-        if transport is None:
-            if config.http_client == "pooled":
-                transport = PooledTransport(connect_timeout=config.connect_timeout)
-            else:
-                transport = httpx2.AsyncHTTPTransport(limits=httpx2.Limits(
-                    max_connections=None, max_keepalive_connections=512))
-        self.client = BackendClient(transport, connect_timeout=config.connect_timeout,
-                                    api_key=config.backend_api_key)
-        self.control = ControlClient(self.client, timeout=config.control_timeout,
-                                     secret=config.control_secret)
-        found = targets(config.prefill, config.decode)
-        self.prefills = Pool("prefill", [Backend("prefill", url) for url in config.prefill
-                                         if not url.startswith(DNS_PREFIX)],
-                             eject_after=config.eject_after, readmit_after=config.readmit_after,
-                             discovered=any(t.role == "prefill" for t in found))
-        self.decodes = Pool("decode", [Backend("decode", d.url, d.control)
-                                       for d in config.decode if not d.discovered],
-                            eject_after=config.eject_after, readmit_after=config.readmit_after,
-                            discovered=any(t.role == "decode" for t in found))
-        # dns+ backends (``_discovery.py``): resolved at start, then every interval.
-        self.discovery = Discovery(found, {"prefill": self.prefills, "decode": self.decodes},
-                                   interval=config.discovery_interval,
-                                   timeout=config.connect_timeout,
-                                   on_change=self._members_changed)
-        self.metrics = RouterMetrics([self.prefills, self.decodes])
-        self.health = HealthChecker(self.client, self.control, [self.prefills, self.decodes],
-                                    interval=config.health_interval,
-                                    timeout=config.health_timeout,
-                                    on_engine_change=self._engine_changed, also=self._purge)
-        self.tracing: Tracing = make_tracing(config.otel)
-        self._store = store
-        self._responses: ResponseStore | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.started = False
-        # Set on SIGTERM (``_drain.py``): /ready answers 503, requests are still served.
-        self.draining = False
+async def ready(router: Router, request: Request) -> Response:
+    """Readiness (for a load balancer's probe): 200 with at least one healthy prefill and
+    decode, 503 otherwise and while draining; the body says why."""
+    why = router.not_ready_reason()
+    body: dict[str, Any] = {
+        "status": "ready" if why is None else "not_ready",
+        "prefill": {"healthy": len(router.prefills.healthy),
+                    "total": len(router.prefills.members)},
+        "decode": {"healthy": len(router.decodes.healthy),
+                   "total": len(router.decodes.members)},
+        "draining": router.draining}
+    if why is not None:
+        body["why"] = why
+    return Response(_json.dumps(body), status_code=200 if why is None else 503,
+                    media_type="application/json")
 
-    @property
-    def store(self) -> ConversationStore:
-        if self._store is None:
-            raise RuntimeError("Router.start() was not called")
-        return self._store
 
-    @property
-    def responses(self) -> ResponseStore:
-        """Stored Responses (``_responses.py``), in the same memory or Redis as ``store``."""
-        if self._responses is None:
-            c = self.config
-            self._responses = open_response_store(
-                c.state, max_entries=c.max_responses, max_bytes=c.responses_max_bytes,
-                prefix=c.state_prefix, timeout=c.control_timeout, clock=self.clock)
-        return self._responses
-
-    async def start(self, *, health_checks: bool = True) -> None:
-        """Open the store and start health checks (tests may drive checks themselves)."""
-        if self.started:
-            return
-        c = self.config
-        if self._store is None:
-            self._store = await open_store(c.state, max_entries=c.max_conversations,
-                                           remember_expired=c.remember_expired,
-                                           prefix=c.state_prefix, timeout=c.control_timeout,
-                                           clock=self.clock)
-        if self.discovery.targets:
-            await self.discovery.refresh()
-            self.discovery.start()
-        if health_checks:
-            self.health.start()
-        self.started = True
-        event(log, logging.INFO, "router_started", prefill=len(c.prefill),
-              decode=len(c.decode), state=self.store.kind)
-
-    async def aclose(self) -> None:
-        """Stop health checks, let background calls (unpins, releases) finish, close."""
-        await self.discovery.stop()
-        await self.health.stop()
-        with contextlib.suppress(TimeoutError):
-            await self.wait_idle(self.config.drain_timeout)
-        for task in list(self._tasks):
-            task.cancel()
-        await self.client.aclose()
-        self.tracing.shutdown()
-        if self._store is not None:
-            await self._store.aclose()
-        if self._responses is not None:
-            await self._responses.aclose()
-            self._responses = None
-        self.started = False
-
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """Run ``coro`` off the request path; shutdown waits for it."""
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("background task failed", exc_info=task.exception())
-
-    async def wait_idle(self, timeout: float = 10.0) -> None:
-        """Wait until no background call is pending (tests use this instead of sleeping)."""
-        async with asyncio.timeout(timeout):
-            while self._tasks:
-                await asyncio.gather(*list(self._tasks), return_exceptions=True)
-
-    def _members_changed(self) -> None:
-        self.health.poke()  # check the newcomers now rather than an interval from now
-
-    def _engine_changed(self, backend: Backend, old: str | None, new: str) -> None:
-        if old is not None:
-            # Handles to the old engine's retentions are now stale; each is dropped (and
-            # counted) when its conversation next comes by.
-            event(log, logging.WARNING, "decode_restarted", backend=backend.url,
-                  old_engine_id=old, engine_id=new)
-
-    async def _purge(self) -> None:
-        try:
-            await self.store.purge()
-            self.metrics.conversations.set(await self.store.size())
-        except StoreError as exc:
-            self.metrics.state_errors.inc()
-            event(log, logging.WARNING, "state_store_failed", op="purge", error=str(exc))
-
-    # Endpoints other than completions and conversations.
-
-    async def models(self, request: Request) -> Response:
-        exclude: Backend | None = None
-        for _ in range(2):
-            decode = self.decodes.pick(exclude=exclude)
-            if decode is None:
-                break
-            try:
-                reply = await self.client.call("GET", decode.url + "/v1/models",
-                                               timeout=self.config.decode_timeout)
-            except BackendError as exc:
-                self.decodes.leg_failed(decode, f"models: {exc}")
-                exclude = decode
-                continue
-            return Response(reply.body, status_code=reply.status,
-                            media_type=reply.content_type)
-        return error_response(503, "no decode backend answered", type_="server_error",
-                              code="backend_unavailable", retry_after=self.config.retry_after)
-
-    async def health_endpoint(self, request: Request) -> Response:
-        prefill = len(self.prefills.healthy)
-        decode = len(self.decodes.healthy)
-        body = {"status": "ok" if prefill and decode else "degraded",
-                "prefill": {"healthy": prefill, "total": len(self.prefills.members)},
-                "decode": {"healthy": decode, "total": len(self.decodes.members)},
-                "state": self.store.kind}
-        return Response(_json.dumps(body), media_type="application/json")
-
-    def begin_drain(self, why: str) -> None:
-        """Leave the load balancers' rotation: /ready answers 503 from now on."""
-        if not self.draining:
-            self.draining = True
-            event(log, logging.INFO, "router_draining", why=why,
-                  grace_s=self.config.drain_grace, drain_timeout_s=self.config.drain_timeout)
-
-    def not_ready_reason(self) -> str | None:
-        """Why this router should get no traffic now, or None when it should."""
-        if self.draining:
-            return "draining: the router is shutting down"
-        if not self.started:
-            return "starting"
-        if self.health.running and self.health.rounds == 0:
-            return "the first health checks of the backends have not finished"
-        for pool in (self.prefills, self.decodes):
-            if not pool.healthy:
-                return (f"no healthy {pool.role} backend ({len(pool.members)} known, all "
-                        f"ejected)" if pool.members else f"no {pool.role} backend known yet")
-        return None
-
-    async def ready_endpoint(self, request: Request) -> Response:
-        """Readiness (for a load balancer's probe): 200 with at least one healthy prefill and
-        decode, 503 otherwise and while draining; the body says why."""
-        why = self.not_ready_reason()
-        body: dict[str, Any] = {
-            "status": "ready" if why is None else "not_ready",
-            "prefill": {"healthy": len(self.prefills.healthy),
-                        "total": len(self.prefills.members)},
-            "decode": {"healthy": len(self.decodes.healthy),
-                       "total": len(self.decodes.members)},
-            "draining": self.draining}
-        if why is not None:
-            body["why"] = why
-        return Response(_json.dumps(body), status_code=200 if why is None else 503,
-                        media_type="application/json")
-
-    async def metrics_endpoint(self, request: Request) -> Response:
-        try:
-            self.metrics.conversations.set(await self.store.size())
-        except StoreError:
-            self.metrics.state_errors.inc()
-        return Response(generate_latest(self.metrics.registry),
-                        headers={"content-type": CONTENT_TYPE_LATEST})
+async def metrics(router: Router, request: Request) -> Response:
+    try:
+        router.metrics.conversations.set(await router.store.size())
+    except StoreError:
+        router.metrics.state_errors.inc()
+    return Response(generate_latest(router.metrics.registry),
+                    headers={"content-type": CONTENT_TYPE_LATEST})
 
 
 class RouterApp:
@@ -302,9 +117,6 @@ def create_app(config: RouterConfig, transport: httpx2.AsyncBaseTransport | None
     """The router as an ASGI app (``app.state.router``); its lifespan starts and stops it."""
     router = Router(config, transport=transport, store=store, clock=clock)
 
-    async def conversations(request: Request) -> Response:
-        return await conversation_endpoint(router, request)
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await router.start()
@@ -320,12 +132,14 @@ def create_app(config: RouterConfig, transport: httpx2.AsyncBaseTransport | None
                               type_="not_found_error" if exc.status_code == 404
                               else "invalid_request_error", code="no_route")
 
-    async def completions(request: Request) -> Response:  # reached only by odd paths/methods
-        return await turn_endpoint(router, request)
+    def bound(endpoint: Callable[[Router, Request], Awaitable[Response]]
+              ) -> Callable[[Request], Awaitable[Response]]:
+        async def serve_with_router(request: Request) -> Response:
+            return await endpoint(router, request)
+        return serve_with_router
 
-    async def messages_count_tokens(request: Request) -> Response:
-        return await count_tokens(router, request)
-
+    # The turn paths reach Starlette only with odd paths or methods (``RouterApp``).
+    completions = bound(turn_endpoint)
     app = Starlette(
         exception_handlers={HTTPException: http_error},
         routes=[
@@ -333,12 +147,12 @@ def create_app(config: RouterConfig, transport: httpx2.AsyncBaseTransport | None
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/messages", completions, methods=["POST"]),
             Route("/v1/responses", completions, methods=["POST"]),
-            Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
-            Route("/v1/models", router.models, methods=["GET"]),
-            Route("/health", router.health_endpoint, methods=["GET"]),
-            Route("/ready", router.ready_endpoint, methods=["GET"]),
-            Route("/metrics", router.metrics_endpoint, methods=["GET"]),
-            Route("/kvturn/v1/conversations/{rest:path}", conversations,
+            Route("/v1/messages/count_tokens", bound(count_tokens), methods=["POST"]),
+            Route("/v1/models", bound(models), methods=["GET"]),
+            Route("/health", bound(health), methods=["GET"]),
+            Route("/ready", bound(ready), methods=["GET"]),
+            Route("/metrics", bound(metrics), methods=["GET"]),
+            Route("/kvturn/v1/conversations/{rest:path}", bound(conversation_endpoint),
                   methods=["POST", "DELETE"]),
         ],
         lifespan=lifespan,

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import httpx2
 
 from kvturn_server.router import _json
-from kvturn_server.router._transport import PooledTransport, UpstreamReply
-
-_Send = Callable[..., Awaitable[UpstreamReply]]
+from kvturn_server.router._transport import Headers, PooledTransport, Send, UpstreamReply
 
 
 class BackendError(Exception):
@@ -145,27 +143,22 @@ class BackendClient:
                  api_key: str | None = None) -> None:
         self.transport = transport
         self.connect_timeout = connect_timeout
-        self._send: _Send = (transport.send if isinstance(transport, PooledTransport)
-                             else _HttpxAdapter(transport).send)
-        static = b""
-        if api_key:
-            static += b"authorization: Bearer " + api_key.encode("latin-1") + b"\r\n"
-        self._static = static
-        self._json = static + b"content-type: application/json\r\n"
+        self._send: Send = (transport.send if isinstance(transport, PooledTransport)
+                            else _HttpxAdapter(transport).send)
+        self._static: Headers = [("authorization", f"Bearer {api_key}")] if api_key else []
+        self._json: Headers = [*self._static, ("content-type", "application/json")]
 
-    def _headers(self, body: bytes | None, headers: Mapping[str, str] | None) -> bytes:
-        lines = self._json if body is not None else self._static
-        if headers:
-            lines += b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
-        return lines
+    def _headers(self, body: bytes | None, headers: Mapping[str, str] | None) -> Headers:
+        base = self._json if body is not None else self._static
+        return [*base, *headers.items()] if headers else base
 
     async def call(self, method: str, url: str, body: bytes | None = None, *, timeout: float,
                    headers: Mapping[str, str] | None = None) -> Reply:
         """Send a request and read its whole reply within ``timeout`` seconds."""
-        lines = self._headers(body, headers)
+        sent = self._headers(body, headers)
         try:
             async with asyncio.timeout(timeout):
-                reply = await self._send(method, url, body or b"", lines,
+                reply = await self._send(method, url, body or b"", sent,
                                          connect_timeout=min(self.connect_timeout, timeout))
                 try:
                     data = await reply.read()
@@ -182,10 +175,10 @@ class BackendClient:
                           headers: Mapping[str, str] | None = None) -> UpstreamStream:
         """POST ``body`` and return once the reply's head arrived (within ``timeout``); the
         caller reads the body and must close it."""
-        lines = self._headers(body, headers)
+        sent = self._headers(body, headers)
         try:
             async with asyncio.timeout(timeout):
-                reply = await self._send("POST", url, body, lines,
+                reply = await self._send("POST", url, body, sent,
                                          connect_timeout=min(self.connect_timeout, timeout))
         except TimeoutError as exc:
             raise BackendError("timeout", f"POST {url}: no reply within {timeout} s") from exc
@@ -203,13 +196,11 @@ class _HttpxAdapter:
     def __init__(self, transport: httpx2.AsyncBaseTransport) -> None:
         self.transport = transport
 
-    async def send(self, method: str, url: str, body: bytes = b"", headers: bytes = b"", *,
+    async def send(self, method: str, url: str, body: bytes = b"", headers: Headers = (), *,
                    connect_timeout: float | None = None) -> UpstreamReply:
-        pairs = [tuple(line.split(": ", 1)) for line in
-                 headers.decode("latin-1").split("\r\n") if line]
         timeout = connect_timeout or 5.0
         request = httpx2.Request(method, url, content=body if body else None,
-                                 headers=pairs,  # type: ignore[arg-type]
+                                 headers=list(headers),
                                  extensions={"timeout": {"connect": timeout, "read": None,
                                                          "write": None, "pool": None}})
         response = await self.transport.handle_async_request(request)

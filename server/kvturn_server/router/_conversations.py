@@ -20,11 +20,12 @@ from kvturn_server.router._control import ControlError, Gone
 from kvturn_server.router._errors import ApiError
 from kvturn_server.router._identity import conversation_key, credential_of, validate_id
 from kvturn_server.router._log import event
+from kvturn_server.router._services import control_call_failed
 from kvturn_server.router._state import Placement, StoreError
 from kvturn_server.router._turn import request_id_of
 
 if TYPE_CHECKING:
-    from kvturn_server.router._app import Router
+    from kvturn_server.router._wiring import Router
 
 log = logging.getLogger("kvturn.router")
 
@@ -111,9 +112,7 @@ async def _keepalive(router: Router, conversation_id: str, key: str,
     try:
         result = await router.control.keepalive(decode.control_url, key)
     except ControlError as exc:
-        event(log, logging.WARNING, "control_call_failed", request_id=request_id,
-              conversation=key, backend=decode.url, call="keepalive", kind=exc.kind,
-              error=str(exc))
+        control_call_failed(decode, "keepalive", exc, request_id=request_id, conversation=key)
         raise _unavailable(router, "the decode holding this conversation did not answer") \
             from exc
     if isinstance(result, Gone):
@@ -145,9 +144,8 @@ async def _release(router: Router, conversation_id: str, key: str,
             try:
                 result = await router.control.release(decode.control_url, key)
             except ControlError as exc:
-                event(log, logging.WARNING, "control_call_failed", request_id=request_id,
-                      conversation=key, backend=decode.url, call="release", kind=exc.kind,
-                      error=str(exc))
+                control_call_failed(decode, "release", exc, request_id=request_id,
+                                    conversation=key)
                 raise _unavailable(router, "the decode holding this conversation did not "
                                            "answer; retry to release it") from exc
             released = result is True

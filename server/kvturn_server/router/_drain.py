@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 if TYPE_CHECKING:
-    from kvturn_server.router._app import Router
+    from kvturn_server.router._wiring import Router
 
 
 class DrainingServer(uvicorn.Server):

@@ -156,6 +156,19 @@ def reuse_report(prefill_params: dict[str, Any]) -> ReuseReport | None:
                        _count(reuse.get("local_tokens")), declined)
 
 
+def local_coverage(report: ReuseReport | None, prompt_tokens: int, block_size: int) -> str:
+    """The reuse value of a turn whose prefill held everything the retention offered:
+    ``hit`` when its own cache covered every full block of the prompt (all but the last
+    token, which is always computed), ``partial`` when some, ``miss`` when none."""
+    local = report.local_tokens if report is not None else 0
+    if local <= 0:
+        return "miss"
+    if block_size > 0 and prompt_tokens > 0 \
+            and local >= (prompt_tokens - 1) // block_size * block_size:
+        return "hit"
+    return "partial"
+
+
 def readable_tokens(params: dict[str, Any]) -> tuple[int | None, int]:
     """Of a retention's params (as the decode publishes them), the tokens in its readable full
     blocks and the block size; ``(None, 0)`` when they do not say."""

@@ -53,7 +53,7 @@ from kvturn_server.router._stream import RelayResponse
 from kvturn_server.router._turn import Turn, request_id_of, traced
 
 if TYPE_CHECKING:
-    from kvturn_server.router._app import Router
+    from kvturn_server.router._wiring import Router
 
 log = logging.getLogger("kvturn.router")
 
@@ -276,7 +276,7 @@ async def responses_endpoint(router: Router, request: Request) -> Response:
         if isinstance(exc, BodyError) and exc.close:
             extra["connection"] = "close"
         return exc.response(extra)
-    turn = Turn(router, request_id=request_id, path=request.scope["path"], body=leg,
+    turn = Turn(router.services, request_id=request_id, path=request.scope["path"], body=leg,
                 identity=identity, no_reuse="x-kvturn-no-reuse" in headers, started=started,
                 api=RESPONSES, hook=state)
     traced(turn, headers)

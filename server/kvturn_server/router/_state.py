@@ -207,19 +207,3 @@ class MemoryStore:
 
     async def aclose(self) -> None:
         return None
-
-
-async def open_store(url: str, *, max_entries: int, remember_expired: float,
-                     prefix: str = "kvturn:", timeout: float = 2.0,
-                     clock: Callable[[], float] = time.time) -> ConversationStore:
-    """``memory`` or a Redis URL -> a ready store (Redis is pinged: a wrong URL fails here)."""
-    if url == "memory":
-        return MemoryStore(max_entries=max_entries, remember_expired=remember_expired,
-                           clock=clock)
-    from kvturn_server.router._state_redis import RedisStore
-
-    store = RedisStore(url, max_entries=max_entries, remember_expired=remember_expired,
-                       prefix=prefix, timeout=timeout, clock=clock)
-    await store.ping()
-    return store
-

@@ -26,14 +26,26 @@ from redis.exceptions import RedisError
 
 from kvturn_server.router._state import Placement, StoreError
 
+# Forget member ``m``: its value (``key``) and its places in both sets; ``forget_all`` the
+# members ``ms`` whose values are under prefix ``vp``.
+_FORGET = """
+local function forget(key, m, lru, exp)
+  redis.call('DEL', key)
+  redis.call('ZREM', lru, m)
+  redis.call('ZREM', exp, m)
+end
+local function forget_all(ms, vp, lru, exp)
+  for _, m in ipairs(ms) do forget(vp .. m, m, lru, exp) end
+  return #ms
+end
+"""
+
 # KEYS: value, lru, exp, seq.  ARGV: member, now.
-_GET = """
+_GET = _FORGET + """
 local v = redis.call('GET', KEYS[1])
 local dl = redis.call('ZSCORE', KEYS[3], ARGV[1])
 if (not v) or (dl and tonumber(dl) <= tonumber(ARGV[2])) then
-  redis.call('DEL', KEYS[1])
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('ZREM', KEYS[3], ARGV[1])
+  forget(KEYS[1], ARGV[1], KEYS[2], KEYS[3])
   return false
 end
 redis.call('ZADD', KEYS[2], redis.call('INCR', KEYS[4]), ARGV[1])
@@ -42,7 +54,7 @@ return v
 
 # KEYS: value, lru, exp, seq.  ARGV: member, value, deadline, ttl_ms, cap, value prefix,
 # version, now. -1: the live entry is newer (compare-and-set on the version).
-_PUT = """
+_PUT = _FORGET + """
 local old = redis.call('GET', KEYS[1])
 local dl = redis.call('ZSCORE', KEYS[3], ARGV[1])
 if old and ((not dl) or tonumber(dl) > tonumber(ARGV[8])) then
@@ -56,41 +68,27 @@ redis.call('ZADD', KEYS[2], redis.call('INCR', KEYS[4]), ARGV[1])
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
 local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[5])
 if over <= 0 then return 0 end
-local victims = redis.call('ZRANGE', KEYS[2], 0, over - 1)
-for _, m in ipairs(victims) do
-  redis.call('DEL', ARGV[6] .. m)
-  redis.call('ZREM', KEYS[2], m)
-  redis.call('ZREM', KEYS[3], m)
-end
-return #victims
+return forget_all(redis.call('ZRANGE', KEYS[2], 0, over - 1), ARGV[6], KEYS[2], KEYS[3])
 """
 
 # KEYS: value, lru, exp.  ARGV: member, turn ('' = any), now.
-_DELETE = """
+_DELETE = _FORGET + """
 local v = redis.call('GET', KEYS[1])
 if not v then
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('ZREM', KEYS[3], ARGV[1])
+  forget(KEYS[1], ARGV[1], KEYS[2], KEYS[3])
   return 0
 end
 if ARGV[2] ~= '' and cjson.decode(v)['turn'] ~= ARGV[2] then return 0 end
 local dl = redis.call('ZSCORE', KEYS[3], ARGV[1])
-redis.call('DEL', KEYS[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
+forget(KEYS[1], ARGV[1], KEYS[2], KEYS[3])
 if dl and tonumber(dl) <= tonumber(ARGV[3]) then return 0 end
 return 1
 """
 
 # KEYS: lru, exp.  ARGV: now, value prefix, batch.
-_PURGE = """
+_PURGE = _FORGET + """
 local dead = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, ARGV[3])
-for _, m in ipairs(dead) do
-  redis.call('DEL', ARGV[2] .. m)
-  redis.call('ZREM', KEYS[1], m)
-  redis.call('ZREM', KEYS[2], m)
-end
-return #dead
+return forget_all(dead, ARGV[2], KEYS[1], KEYS[2])
 """
 
 
@@ -163,10 +161,15 @@ class RedisStore:
         await self._redis.aclose()
 
     async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        try:
-            return await script(keys=keys, args=args)
-        except RedisError as exc:
-            raise StoreError(f"Redis state store: {type(exc).__name__}: {exc}") from exc
+        return await run_script(script, keys, args, store="state store")
+
+
+async def run_script(script: Any, keys: list[str], args: list[Any], *, store: str) -> Any:
+    """Run a registered Lua script; a Redis fault comes out as a StoreError naming ``store``."""
+    try:
+        return await script(keys=keys, args=args)
+    except RedisError as exc:
+        raise StoreError(f"Redis {store}: {type(exc).__name__}: {exc}") from exc
 
 
 def _safe(url: str) -> str:

@@ -24,8 +24,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from kvturn_server.router._state import StoreError
-
 
 class ResponseStore(Protocol):
     """Key -> bytes with a TTL and an LRU cap; see the module docstring."""
@@ -191,12 +189,9 @@ class RedisResponseStore:
         await self._redis.aclose()
 
     async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        from redis.exceptions import RedisError
+        from kvturn_server.router._state_redis import run_script
 
-        try:
-            return await script(keys=keys, args=args)
-        except RedisError as exc:
-            raise StoreError(f"Redis response store: {type(exc).__name__}: {exc}") from exc
+        return await run_script(script, keys, args, store="response store")
 
 
 def open_response_store(url: str, *, max_entries: int, max_bytes: int, prefix: str = "kvturn:",

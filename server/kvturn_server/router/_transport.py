@@ -5,8 +5,8 @@ client side matters. httpx2's default transport (httpcore2 over h11) costs about
 millisecond per request on a small machine, and its request and response models another
 ~0.1 ms. This transport speaks HTTP/1.1 on asyncio streams and offers two doors:
 
-- ``send(...)``: the lean one the backend client uses (plain values in, an ``UpstreamReply``
-  out, no httpx2 models on the hot path);
+- ``send(...)``: the lean one the backend client uses (plain values and header pairs in, an
+  ``UpstreamReply`` out, no httpx2 models on the hot path; ``Send`` is its shape);
 - ``handle_async_request(...)``: the standard ``httpx2.AsyncBaseTransport`` one, so it also
   works under an ``httpx2.AsyncClient``.
 
@@ -24,8 +24,8 @@ import asyncio
 import contextlib
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import httpx2
@@ -33,6 +33,17 @@ import httpx2
 _Origin = tuple[str, str, int, bytes]  # scheme, host, port, Host header value
 _READ_SIZE = 64 * 1024
 _HOP_BY_HOP = frozenset({b"content-length", b"transfer-encoding", b"connection", b"host"})
+
+Headers = Sequence[tuple[str, str]]
+"""Request headers as (name, value) pairs, in order; Host and Content-Length excluded."""
+
+
+class Send(Protocol):
+    """The lean door: one request out, its ``UpstreamReply`` back once its head arrived.
+    Transport faults raise httpx2 exceptions."""
+
+    def __call__(self, method: str, url: str, body: bytes = b"", headers: Headers = (), *,
+                 connect_timeout: float | None = None) -> Awaitable[UpstreamReply]: ...
 
 
 class UpstreamReply:
@@ -105,15 +116,15 @@ class PooledTransport(httpx2.AsyncBaseTransport):
 
     # The lean door.
 
-    async def send(self, method: str, url: str, body: bytes = b"", headers: bytes = b"", *,
+    async def send(self, method: str, url: str, body: bytes = b"", headers: Headers = (), *,
                    connect_timeout: float | None = None) -> UpstreamReply:
-        """Send one request. ``headers`` are complete ``name: value\\r\\n`` lines (Host and
-        Content-Length are added here). Transport faults raise httpx2 exceptions."""
+        """Send one request (``Send``); Host and Content-Length are added here."""
         if self._closed:
             raise httpx2.ConnectError("transport is closed")
         origin, target = self._split(url)
         head = b"".join((method.encode(), b" ", target, b" HTTP/1.1\r\nhost: ", origin[3],
-                         b"\r\n", headers,
+                         b"\r\n",
+                         *(f"{name}: {value}\r\n".encode("latin-1") for name, value in headers),
                          b"content-length: %d\r\n\r\n" % len(body)
                          if body or method in ("POST", "PUT", "PATCH") else b"\r\n"))
         for attempt in (0, 1):
@@ -148,12 +159,12 @@ class PooledTransport(httpx2.AsyncBaseTransport):
     # The httpx2 door.
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        lines = b"".join(name + b": " + value + b"\r\n" for name, value in request.headers.raw
-                         if name.lower() not in _HOP_BY_HOP)
+        pairs = [(name.decode("latin-1"), value.decode("latin-1"))
+                 for name, value in request.headers.raw if name.lower() not in _HOP_BY_HOP]
         timeout = request.extensions.get("timeout", {}).get("connect")
         try:
             reply = await self.send(request.method, str(request.url), await request.aread(),
-                                    lines, connect_timeout=timeout)
+                                    pairs, connect_timeout=timeout)
         except httpx2.HTTPError as exc:
             exc.request = request
             raise

@@ -2,22 +2,19 @@
 
 This is where the decision to reuse is made and where every fault degrades:
 
-- **Pin** the conversation's retention on the decode that holds it. No record, a record naming
-  an unknown or restarted decode, a ``404 Gone`` or an unreachable control endpoint all mean
-  "nothing to reuse this turn" (reported in ``X-KVTurn-Reuse``); stale handles are dropped and
-  counted. Only params pinned for this turn ever reach a prefill.
-- **Prefill leg** on the least loaded prefill; a failure (transport, timeout, 5xx, 408/429, an
-  answer without transfer params) is retried once on another prefill; if that fails too, the
-  decode computes the prompt itself. A 4xx is the client's mistake and is returned as is.
+- **Pin** the conversation's retention on the decode that holds it (``_pin.py``); any
+  failure means "nothing to reuse this turn" (reported in ``X-KVTurn-Reuse``).
+- **Prefill leg** on the prefill ``_placement.py`` chooses; a failure (transport, timeout,
+  5xx, 408/429, an answer without transfer params) is retried once on another prefill; if
+  that fails too, the decode computes the prompt itself. A 4xx is the client's mistake and is
+  returned as is. Each attempt of a leg is one call of ``_attempts.py``.
 - **Unpin** once the prefill answered, off the request path. After a prefill timeout the pin is
   left to expire (that prefill may still be reading) and a retry takes a new one.
-- **Decode leg** on the holder (affinity) when healthy, else the least loaded decode. A failure
+- **Decode leg** on the holder (affinity) when healthy, else the least loaded decode; or, when
+  the part the holder lacks is short, on the holder alone with no prefill leg. A failure
   before the first byte is retried once on another decode; streams are relayed unbuffered
   (``_stream.py``); a stream that breaks ends with an error event.
-- **Capture**: non-streaming, from the reply's ``kv_transfer_params.kvturn``; streaming, by
-  asking the decode's control endpoint once the stream ended. The store then says
-  ``key -> (decode, engine_id, num_tokens, expires_at)``; when a conversation moved to another
-  decode, its retention on the old one is released.
+- **Capture** what the decode retained and record it (``_capture.py``).
 """
 
 from __future__ import annotations
@@ -26,29 +23,34 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from kvturn_server.router import _json
-from kvturn_server.router._apis import API_BY_PATH, CHAT, Api
-from kvturn_server.router._backend import BackendError, Reply, UpstreamStream
-from kvturn_server.router._body import BodyError, read_json_body
-from kvturn_server.router._control import ControlError, Gone, Retention
-from kvturn_server.router._errors import ApiError, error_response, retry_headers
+from kvturn_server.router._apis import CHAT, Api
+from kvturn_server.router._attempts import (
+    DECODE_GONE,
+    PREFILL_GONE,
+    RETRYABLE,
+    Attempts,
+    Failed,
+    OpenedStream,
+)
+from kvturn_server.router._backend import Reply
+from kvturn_server.router._capture import Capture
+from kvturn_server.router._control import Retention
+from kvturn_server.router._errors import error_response, retry_headers
 from kvturn_server.router._history import Transcript
-from kvturn_server.router._identity import Identity, resolve_identity
+from kvturn_server.router._identity import Identity
 from kvturn_server.router._legs import (
-    ReuseReport,
-    client_body,
     decode_body,
-    readable_tokens,
-    retained_report,
+    local_coverage,
     reuse_report,
     without_transfer_params,
 )
 from kvturn_server.router._log import event
+from kvturn_server.router._pin import Pins
 from kvturn_server.router._placement import (
     choose_decode,
     choose_prefill,
@@ -58,38 +60,12 @@ from kvturn_server.router._placement import (
     read_gain,
 )
 from kvturn_server.router._pool import Backend, Pool
-from kvturn_server.router._state import SUPERSEDED, Placement, StoreError
+from kvturn_server.router._services import TurnContext, TurnServices
+from kvturn_server.router._state import Placement
 from kvturn_server.router._stream import RelayResponse, StreamEnd
-from kvturn_server.router._tracing import LegSpan, incoming_trace
-
-if TYPE_CHECKING:
-    from kvturn_server.router._app import Router
+from kvturn_server.router._tracing import incoming_trace
 
 log = logging.getLogger("kvturn.router")
-
-# Gone codes -> X-KVTurn-Reuse. "expired": the lease ran out. "stale": the handle pointed at
-# blocks the decode no longer has (evicted, or forgotten: a restart). "miss": the retention was
-# deliberately ended (released, or replaced by a newer turn this router did not record).
-_GONE_REASON = {"expired": "expired", "released": "miss", "replaced": "miss"}
-
-# Statuses of a leg that another backend might answer better.
-_RETRYABLE = frozenset({408, 429})
-# Statuses that count against a backend's health (others are about the request).
-_UNHEALTHY = frozenset({502, 503, 504})
-# Decode failures before any answer that say the server may be gone.
-_GONE_KINDS = frozenset({"connect", "broken"})
-
-
-class _Failed:
-    """A leg that failed: ``kind`` is a BackendError kind or ``status``; ``reply`` the
-    backend's answer when it gave one."""
-
-    __slots__ = ("kind", "message", "reply")
-
-    def __init__(self, kind: str, message: str, reply: Reply | None = None) -> None:
-        self.kind = kind
-        self.message = message
-        self.reply = reply
 
 
 class ReplyHook(Protocol):
@@ -105,16 +81,16 @@ class ReplyHook(Protocol):
 class Turn:
     """The state of one completion request while it runs."""
 
-    __slots__ = ("api", "begun", "body", "continued", "decode_backend", "endpoint", "holder",
-                 "hook", "identity", "key", "legs_ms", "no_reuse", "path", "pin", "pin_skipped",
-                 "placement", "prefill_backend", "prefill_choice", "prefill_tokens", "r",
-                 "reason", "request_id", "retention_sent", "reused_tokens", "route", "started",
-                 "stream", "trace", "transcript", "upstream_headers")
+    __slots__ = ("api", "attempts", "begun", "body", "continued", "ctx", "decode_backend",
+                 "endpoint", "holder", "hook", "identity", "key", "no_reuse", "path", "pin",
+                 "pin_skipped", "pins", "placement", "prefill_backend", "prefill_choice",
+                 "prefill_tokens", "reason", "request_id", "retention_sent", "reused_tokens",
+                 "route", "started", "stream", "svc", "trace", "transcript")
 
-    def __init__(self, router: Router, *, request_id: str, path: str,
+    def __init__(self, services: TurnServices, *, request_id: str, path: str,
                  body: dict[str, Any], identity: Identity | None, no_reuse: bool,
                  started: float, api: Api = CHAT, hook: ReplyHook | None = None) -> None:
-        self.r = router
+        self.svc = services
         self.request_id = request_id
         self.api = api
         self.endpoint = api.name
@@ -123,17 +99,19 @@ class Turn:
         self.body = body
         self.identity = identity
         self.key = identity.key if identity is not None else None
+        self.ctx = TurnContext(services, request_id=request_id, key=self.key)
+        self.pins = Pins(self.ctx)
         self.no_reuse = no_reuse
         self.started = started
         # The store's version of this turn's record: when the turn began, on the router's
         # clock. Of two concurrent turns of one conversation the later one carries the longer
         # history; a capture that retried or a slow describe must not outrank it.
-        self.begun = router.clock()
+        self.begun = services.clock()
         self.stream = body.get("stream") is True
-        self.upstream_headers = {"x-request-id": request_id}
+        self.attempts = Attempts(self.ctx, path=path, headers={"x-request-id": request_id})
         # Spans per leg and the traceparent each leg carries (``_tracing.py``); the client's
         # trace context, when it sent one, is set by the endpoint.
-        self.trace = router.tracing.turn({}, request_id)
+        self.trace = services.tracing.turn({}, request_id)
         self.placement: Placement | None = None
         self.holder: Backend | None = None
         self.pin: Retention | None = None
@@ -152,16 +130,14 @@ class Turn:
         self.route = "prefill"
         self.continued = 0  # estimated tokens this turn holds of the decode's budget
         self.transcript: Transcript | None = None
-        # Each leg's latency (the last one of a retried leg), for the per-request debug line.
-        self.legs_ms: dict[str, float] = {}
 
     # The turn.
 
     async def run(self) -> Response:
-        r = self.r
-        reuse = r.config.kv_reuse and not self.no_reuse
+        svc = self.svc
+        reuse = svc.config.kv_reuse and not self.no_reuse
         if self.key is not None:
-            if r.config.kv_reuse:
+            if svc.config.kv_reuse:
                 self.transcript = self.api.transcript(self.body)
             await self._locate()
         if not reuse:
@@ -171,8 +147,8 @@ class Turn:
             if continued is not None:
                 return continued
         first, self.prefill_choice = choose_prefill(
-            r.prefills, r.config.prefill_policy, self.placement,
-            slack=r.config.prefill_affinity_slack)
+            svc.prefills, svc.config.prefill_policy, self.placement,
+            slack=svc.config.prefill_affinity_slack)
         if reuse and first is not None and self._worth_pinning(first):
             await self._take_pin()
         params = await self._prefill(first)
@@ -197,15 +173,15 @@ class Turn:
         """Serve the turn on the decode that holds the conversation, with no prefill leg,
         when the part it lacks is short; None when the turn takes the prefill path (also
         when that decode failed before its first byte)."""
-        r = self.r
+        svc = self.svc
         placement, holder = self.placement, self.holder
         assert placement is not None and holder is not None
-        cfg = r.config
+        cfg = svc.config
         estimate, why = continuation(
-            placement=placement, holder=holder, transcript=self.transcript, now=r.clock(),
+            placement=placement, holder=holder, transcript=self.transcript, now=svc.clock(),
             max_tokens=cfg.decode_continue_tokens, budget=cfg.decode_continue_budget)
         if why:
-            r.metrics.not_continued(why)
+            svc.metrics.not_continued(why)
             return None
         self.route = "decode"
         self.reason = "hit"
@@ -218,12 +194,12 @@ class Turn:
                             else self._decode_on(holder, data))
         finally:
             self._end_continuation()
-        if isinstance(result, _Failed):
+        if isinstance(result, Failed):
             # Nothing reached the client: the prefill path may still serve it.
             self.route = "prefill"
             self.reason = "miss"
             self.reused_tokens = 0
-            r.metrics.not_continued("decode_failed")
+            svc.metrics.not_continued("decode_failed")
             return None
         self._count_turn()
         return result
@@ -242,7 +218,7 @@ class Turn:
             return False
         gain = read_gain(placement, prefill)
         floor = read_floor(prefill, time.monotonic())
-        if gain >= max(1, self.r.config.min_read_tokens) and gain > floor:
+        if gain >= max(1, self.svc.config.min_read_tokens) and gain > floor:
             self.pin_skipped = False
             return True
         self.pin_skipped = gain == 0
@@ -252,134 +228,46 @@ class Turn:
     # Step 1: where the conversation is, and a pin on its retention.
 
     async def _locate(self) -> None:
-        assert self.key is not None
-        r = self.r
-        try:
-            placement = await r.store.get(self.key)
-        except StoreError as exc:
-            self._state_error("get", exc)
-            return
-        if placement is None:
-            return
-        holder = r.decodes.by_url(placement.decode)
-        if holder is None:
-            # Recorded by a router configured with other decodes (or before a change).
-            self.reason = "stale"
-            self._drop(placement, "unknown_decode")
-            return
-        self.placement = placement
-        self.holder = holder
+        found = await self.pins.locate()
+        if isinstance(found, str):
+            self.reason = found
+        elif found is not None:
+            self.placement, self.holder = found
 
     async def _take_pin(self) -> None:
         """Pin the placement's retention; on any failure set ``reason`` and leave no pin."""
-        placement, holder, key = self.placement, self.holder, self.key
-        assert placement is not None and holder is not None and key is not None
-        if not holder.control_trusted or holder.control_url is None:
-            self.reason = "stale"
-            event(log, logging.DEBUG, "pin_skipped", request_id=self.request_id,
-                  conversation=key, decode=holder.url, why=holder.distrust_reason())
-            return
-        if holder.engine_id is not None and placement.engine_id is not None \
-                and holder.engine_id != placement.engine_id:
-            self.reason = "stale"
-            self._drop(placement, "engine_changed")
-            return
-        r = self.r
-        t0 = time.perf_counter()
-        span = self.trace.leg("pin", holder.url)
-        try:
-            result = await r.control.pin(holder.control_url, key, r.config.effective_pin_ttl)
-        except ControlError as exc:
-            span.end(exc.kind)
-            self._leg("pin", time.perf_counter() - t0)
-            self._control_failed(holder, "pin", exc)
-            self.reason = "stale"
-            return
-        span.end()
-        self._leg("pin", time.perf_counter() - t0)
-        holder.control_ok = True
-        if isinstance(result, Gone):
-            self.reason = _GONE_REASON.get(result.code, "stale")
-            self._drop(placement, result.code if result.code in (
-                "expired", "released", "evicted", "replaced", "no_retention") else "gone")
-            return
-        if result.engine_id is not None:
-            holder.control_engine_id = result.engine_id
-        if placement.engine_id is not None and result.engine_id is not None \
-                and result.engine_id != placement.engine_id:
-            self.reason = "stale"
-            self._drop(placement, "engine_changed")
-            self._unpin(result)
-            return
-        if not holder.control_trusted:
-            # The control endpoint names another engine than the decode's HTTP side: its
-            # blocks are not the ones behind the server that would answer this turn.
-            self.reason = "stale"
-            self._engines_differ(holder)
-            self._unpin(result)
-            return
-        self.pin = result
-
-    def _engines_differ(self, backend: Backend) -> None:
-        event(log, logging.WARNING, "control_distrusted", request_id=self.request_id,
-              backend=backend.url, why=backend.distrust_reason())
-        # A restart between two health checks: asking the control endpoint again now ties
-        # the two sides back together (or confirms that they differ) without waiting a round.
-        self.r.spawn(self.r.health.check_control(backend))
-
-    def _drop(self, placement: Placement, why: str) -> None:
-        """Forget a stale handle (only the one this turn read) and count it."""
-        assert self.key is not None
-        self.r.metrics.stale(why)
-        event(log, logging.DEBUG, "stale_handle", request_id=self.request_id,
-              conversation=self.key, reason=why, decode=placement.decode)
-        self.r.spawn(self._delete_placement(placement))
-
-    async def _delete_placement(self, placement: Placement) -> None:
-        assert self.key is not None
-        try:
-            await self.r.store.delete(self.key, turn=placement.turn)
-        except StoreError as exc:
-            self._state_error("delete", exc)
-
-    def _unpin(self, pin: Retention | None) -> None:
-        holder = self.holder
-        if pin is None or pin.pin_id is None or holder is None or holder.control_url is None:
-            return
-        self.r.spawn(self._unpin_now(holder, holder.control_url, pin.pin_id))
-
-    async def _unpin_now(self, holder: Backend, control_url: str, pin_id: str) -> None:
-        try:
-            await self.r.control.unpin(control_url, pin_id)
-        except ControlError as exc:
-            # The pin expires by itself (pin_ttl); nothing else depends on this call.
-            self._control_failed(holder, "unpin", exc)
+        assert self.placement is not None and self.holder is not None
+        result = await self.pins.take(self.placement, self.holder, self.trace)
+        if isinstance(result, str):
+            self.reason = result
+        else:
+            self.pin = result
 
     # Step 2: the prefill leg (and step 3, unpin).
 
     async def _prefill(self, first: Backend | None) -> dict[str, Any] | Response | None:
-        r = self.r
+        svc = self.svc
         if first is None:
-            self._unpin(self.pin)
+            self.pins.unpin(self.holder, self.pin)
             self._prefill_gave_up(self.pin, "no prefill backend is healthy")
             return None
         pin = self.pin
         data = self._prefill_data()
         result = await self._prefill_on(first, data)
-        if not isinstance(result, _Failed):
-            self._unpin(pin)
+        if not isinstance(result, Failed):
+            self.pins.unpin(self.holder, pin)
             return self._prefill_answer(first, result, pin)
-        second, choice = choose_prefill(r.prefills, r.config.prefill_policy, self.placement,
-                                        slack=r.config.prefill_affinity_slack, exclude=first)
+        second, choice = choose_prefill(svc.prefills, svc.config.prefill_policy, self.placement,
+                                        slack=svc.config.prefill_affinity_slack, exclude=first)
         if second is None and result.kind == "connect":
             second = first  # it never got the request: the same one may take it now
         timed_out = result.kind == "timeout"
         if second is None:
             if not timed_out:
-                self._unpin(pin)
+                self.pins.unpin(self.holder, pin)
             self._prefill_gave_up(pin, f"the only prefill failed ({result.kind})")
             return None
-        r.metrics.retry("prefill")
+        svc.metrics.retry("prefill")
         self.prefill_choice = choice if second is not first else self.prefill_choice
         # A timed-out first prefill may still be reading under its pin: leave that pin to
         # expire and pin again (never pass on params this turn did not just pin). A first
@@ -395,9 +283,9 @@ class Turn:
             pin = self.pin
             data = self._prefill_data()
         result = await self._prefill_on(second, data)
-        if not (isinstance(result, _Failed) and result.kind == "timeout"):
-            self._unpin(pin)
-        if isinstance(result, _Failed):
+        if not (isinstance(result, Failed) and result.kind == "timeout"):
+            self.pins.unpin(self.holder, pin)
+        if isinstance(result, Failed):
             self._prefill_gave_up(pin, f"both prefill attempts failed ({result.kind})")
             return None
         return self._prefill_answer(second, result, pin)
@@ -421,58 +309,40 @@ class Turn:
             self.reason = "stale"
 
     async def _prefill_on(self, backend: Backend,
-                          data: bytes) -> dict[str, Any] | Response | _Failed:
-        """One prefill attempt: its transfer params, a client error to return, or _Failed."""
-        r = self.r
-        t0 = time.perf_counter()
-        span = self.trace.leg("prefill", backend.url)
+                          data: bytes) -> dict[str, Any] | Response | Failed:
+        """One prefill attempt: its transfer params, a client error to return, or Failed."""
+        svc = self.svc
+        reply = await self.attempts.call(svc.prefills, backend, "prefill", data,
+                                         timeout=svc.config.prefill_timeout, trace=self.trace,
+                                         t0=time.perf_counter(), gone=PREFILL_GONE)
+        if isinstance(reply, Failed) or reply.status != 200:
+            return self._not_ok(svc.prefills, backend, "prefill", reply)
         try:
-            with backend.lease():
-                reply = await r.client.call("POST", backend.url + self.path, data,
-                                            timeout=r.config.prefill_timeout,
-                                            headers=self._leg_headers(span))
-        except BackendError as exc:
-            span.end(exc.kind)
-            return self._leg_failed(r.prefills, backend, "prefill", exc.kind, str(exc))
-        finally:
-            self._leg("prefill", time.perf_counter() - t0)
-        span.end(None if reply.status == 200 else f"status {reply.status}")
-        status = reply.status
-        if status == 200:
-            try:
-                payload = reply.json()
-            except ValueError:
-                return self._leg_failed(r.prefills, backend, "prefill", "bad_reply",
+            payload = reply.json()
+        except ValueError:
+            return self.attempts.failed(svc.prefills, backend, "prefill", "bad_reply",
                                         "answer is not JSON")
-            params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
-            if not isinstance(params, dict):
-                return self._leg_failed(r.prefills, backend, "prefill", "bad_reply",
+        params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
+        if not isinstance(params, dict):
+            return self.attempts.failed(svc.prefills, backend, "prefill", "bad_reply",
                                         "answer without kv_transfer_params")
-            r.prefills.leg_succeeded(backend)
-            self.prefill_tokens = self.api.prompt_tokens(payload)
-            return params
-        if 400 <= status < 500 and status not in _RETRYABLE:
-            # The request itself is wrong (unknown model, bad parameter): a decode would refuse
-            # it the same way, so the client gets the answer now.
-            r.metrics.request(self.endpoint, "client_error")
-            self._log_done(status, "client_error")
-            return self._passthrough(reply)
-        return self._leg_failed(r.prefills, backend, "prefill", "status",
-                                f"answered {status}", reply)
+        svc.prefills.leg_succeeded(backend)
+        self.prefill_tokens = self.api.prompt_tokens(payload)
+        return params
 
-    def _leg_failed(self, pool: Pool, backend: Backend, leg: str, kind: str, message: str,
-                    reply: Reply | None = None, *, gone: bool | None = None) -> _Failed:
-        """``gone``: the failure says the server may be gone (default: a refused connection);
-        its control endpoint is then distrusted until a health check passes."""
-        r = self.r
-        r.metrics.failure(backend.role, backend.url, kind if reply is None
-                          else f"status_{reply.status}")
-        if reply is None or reply.status in _UNHEALTHY:
-            pool.leg_failed(backend, f"{leg}: {message}",
-                            refused=kind == "connect" if gone is None else gone)
-        event(log, logging.WARNING, f"{leg}_attempt_failed", request_id=self.request_id,
-              conversation=self.key, backend=backend.url, kind=kind, error=message)
-        return _Failed(kind, message, reply)
+    def _not_ok(self, pool: Pool, backend: Backend, leg: str,
+                reply: Reply | Failed) -> Response | Failed:
+        """A leg that did not answer 200: a 4xx is the request's own fault (unknown model, bad
+        parameter: any backend would refuse it the same way), so the client gets it now;
+        others are failures to retry."""
+        if isinstance(reply, Failed):
+            return reply
+        if 400 <= reply.status < 500 and reply.status not in RETRYABLE:
+            self.svc.metrics.request(self.endpoint, "client_error")
+            self._log_done(reply.status, "client_error")
+            return self._passthrough(reply)
+        return self.attempts.failed(pool, backend, leg, "status", f"answered {reply.status}",
+                                    reply)
 
     def _settle_reuse(self, params: dict[str, Any] | None) -> None:
         """X-KVTurn-Reuse: the prefill's own report when it was given a retention to read,
@@ -488,60 +358,48 @@ class Turn:
             else:
                 self.reason = "miss"
         elif params is not None and self.pin_skipped:
-            self.reason = self._local_coverage(reuse_report(params))
-
-    def _local_coverage(self, report: ReuseReport | None) -> str:
-        """The reuse value of a turn whose prefill held everything the retention offered:
-        ``hit`` when its own cache covered every full block of the prompt (all but the last
-        token, which is always computed), ``partial`` when some, ``miss`` when none."""
-        local = report.local_tokens if report is not None else 0
-        placement = self.placement
-        block = placement.block_size if placement is not None else 0
-        if local <= 0:
-            return "miss"
-        if block > 0 and self.prefill_tokens > 0 \
-                and local >= (self.prefill_tokens - 1) // block * block:
-            return "hit"
-        return "partial"
+            placement = self.placement
+            self.reason = local_coverage(reuse_report(params), self.prefill_tokens,
+                                         placement.block_size if placement else 0)
 
     def _count_turn(self) -> None:
-        self.r.metrics.reuse(self.reason, self.reused_tokens)
-        self.r.metrics.route(self.route, self.prefill_choice if self.route == "prefill" else "")
+        self.svc.metrics.reuse(self.reason, self.reused_tokens)
+        self.svc.metrics.route(self.route, self.prefill_choice if self.route == "prefill" else "")
 
     @property
     def _retains(self) -> bool:
         """Whether the decode is asked to retain this turn (and the router captures it)."""
-        return self.key is not None and self.r.config.kv_reuse
+        return self.key is not None and self.svc.config.kv_reuse
 
     # Step 4: the decode leg.
 
     async def _decode(self, params: dict[str, Any] | None) -> Response:
-        r = self.r
+        svc = self.svc
         data = _json.dumps(decode_body(self.body, params, self.key if self._retains else None))
-        backend = choose_decode(r.decodes, self.holder, slack=r.config.decode_affinity_slack)
+        backend = choose_decode(svc.decodes, self.holder, slack=svc.config.decode_affinity_slack)
         if backend is None:
             self._count_turn()
-            r.metrics.request(self.endpoint, "backend_error")
+            svc.metrics.request(self.endpoint, "backend_error")
             return error_response(503, "no decode backend is healthy", type_="server_error",
-                                  code="no_backend", retry_after=r.config.retry_after,
+                                  code="no_backend", retry_after=svc.config.retry_after,
                                   headers=self.response_headers())
         for attempt in (0, 1):
             result = await (self._open_stream(backend, data) if self.stream
                             else self._decode_on(backend, data))
-            if not isinstance(result, _Failed):
+            if not isinstance(result, Failed):
                 self._count_turn()
                 return result
-            other = r.decodes.pick(exclude=backend)
+            other = svc.decodes.pick(exclude=backend)
             if other is None and result.kind == "connect":
                 other = backend
             if attempt == 1 or other is None:
                 return self._decode_gave_up(result)
-            r.metrics.retry("decode")
+            svc.metrics.retry("decode")
             backend = other
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _decode_gave_up(self, failed: _Failed) -> Response:
-        r = self.r
+    def _decode_gave_up(self, failed: Failed) -> Response:
+        svc = self.svc
         holder = self.holder
         if holder is not None and holder.http_down:
             # The conversation's decode failed to answer (killed, its engine core orphaned):
@@ -551,55 +409,31 @@ class Turn:
             self.reason = "stale"
             self.reused_tokens = 0
             if self.placement is not None:
-                self._drop(self.placement, "decode_failed")
+                self.pins.drop(self.placement, "decode_failed")
         self._count_turn()
-        r.metrics.request(self.endpoint, "backend_error")
+        svc.metrics.request(self.endpoint, "backend_error")
         self._log_done(failed.reply.status if failed.reply else 0, "backend_error")
-        headers = self.response_headers()
-        headers.update(retry_headers(r.config.retry_after))
         if failed.reply is not None:
+            headers = self.response_headers()
+            headers.update(retry_headers(svc.config.retry_after))
             return Response(failed.reply.body, status_code=failed.reply.status,
                             headers=headers, media_type=failed.reply.content_type)
-        if failed.kind == "timeout":
-            return error_response(504, "the decode backend timed out before answering",
-                                  type_="server_error", code="backend_timeout",
-                                  retry_after=r.config.retry_after,
-                                  headers=self.response_headers())
-        return error_response(502, f"the decode backend failed before answering "
-                                   f"({failed.kind})", type_="server_error",
-                              code="backend_unavailable", retry_after=r.config.retry_after,
-                              headers=self.response_headers())
+        timeout = failed.kind == "timeout"
+        return error_response(
+            504 if timeout else 502, "the decode backend timed out before answering" if timeout
+            else f"the decode backend failed before answering ({failed.kind})",
+            type_="server_error", code="backend_timeout" if timeout else "backend_unavailable",
+            retry_after=svc.config.retry_after, headers=self.response_headers())
 
-    def _decode_status(self, backend: Backend, reply: Reply) -> Response | _Failed:
-        """A non-200 decode answer: 4xx returned as is, others a failure to retry."""
-        if 400 <= reply.status < 500 and reply.status not in _RETRYABLE:
-            self.r.metrics.request(self.endpoint, "client_error")
-            self._log_done(reply.status, "client_error")
-            return self._passthrough(reply)
-        return self._leg_failed(self.r.decodes, backend, "decode", "status",
-                                f"answered {reply.status}", reply)
-
-    async def _decode_on(self, backend: Backend, data: bytes) -> Response | _Failed:
-        r = self.r
+    async def _decode_on(self, backend: Backend, data: bytes) -> Response | Failed:
+        svc = self.svc
         t0 = time.perf_counter()
-        span = self.trace.leg("decode", backend.url)
-        try:
-            with backend.lease():
-                reply = await r.client.call("POST", backend.url + self.path, data,
-                                            timeout=r.config.decode_timeout,
-                                            headers=self._leg_headers(span))
-        except BackendError as exc:
-            span.end(exc.kind)
-            # Broken before any answer, too: a kept-alive connection to a killed server reads
-            # as a reset, not as a refused connect.
-            return self._leg_failed(r.decodes, backend, "decode", exc.kind, str(exc),
-                                    gone=exc.kind in _GONE_KINDS)
-        finally:
-            self._leg("decode", time.perf_counter() - t0)
-        span.end(None if reply.status == 200 else f"status {reply.status}")
-        if reply.status != 200:
-            return self._decode_status(backend, reply)
-        r.decodes.leg_succeeded(backend)
+        reply = await self.attempts.call(svc.decodes, backend, "decode", data,
+                                         timeout=svc.config.decode_timeout, trace=self.trace,
+                                         t0=t0, gone=DECODE_GONE)
+        if isinstance(reply, Failed) or reply.status != 200:
+            return self._not_ok(svc.decodes, backend, "decode", reply)
+        svc.decodes.leg_succeeded(backend)
         self.decode_backend = backend
         content = reply.body
         try:
@@ -608,9 +442,14 @@ class Turn:
             payload = None
         if isinstance(payload, dict):
             if self._retains:
-                await self._capture_reply(backend, payload, t0)
+                reuse = await self._capture().from_reply(backend, payload, t0)
+                if self.route == "decode" and reuse is not None:
+                    # The decode's own count of what its prefix cache supplied (the headers
+                    # of a non-streaming reply are still to be sent).
+                    self.reason = reuse.reason
+                    self.reused_tokens = reuse.reused_tokens
             elif self.key is not None:
-                self._remember_affinity(backend)
+                self._capture().remember_affinity(backend)
             # Block ids and hosts of the decode are the router's business, not the client's.
             payload, found = without_transfer_params(payload)
             if self.hook is not None:
@@ -618,54 +457,33 @@ class Turn:
                 found = True
             if found:
                 content = _json.dumps(payload)
-        r.metrics.request(self.endpoint, "ok")
+        svc.metrics.request(self.endpoint, "ok")
         self._log_done(200, "ok")
         return Response(content, status_code=200, headers=self.response_headers(),
                         media_type=reply.content_type)
 
-    async def _open_stream(self, backend: Backend, data: bytes) -> Response | _Failed:
-        r = self.r
+    async def _open_stream(self, backend: Backend, data: bytes) -> Response | Failed:
+        svc = self.svc
         t0 = time.perf_counter()
-        backend.in_flight += 1
-        upstream: UpstreamStream | None = None
-        span = self.trace.leg("decode", backend.url)
-        try:
-            upstream = await r.client.open_stream(backend.url + self.path, data,
-                                                  timeout=r.config.decode_timeout,
-                                                  headers=self._leg_headers(span))
-            if upstream.status != 200:
-                body = await upstream.read_all()
-                await upstream.aclose()
-                backend.in_flight -= 1
-                span.end(f"status {upstream.status}")
-                reply = Reply(upstream.status, upstream.content_type, body)
-                return self._decode_status(backend, reply)
-            first = await upstream.next_chunk()
-            if first is None:
-                raise BackendError("broken", f"{backend.url}: stream ended before any data")
-        except BackendError as exc:
-            if upstream is not None:
-                await upstream.aclose()
-            backend.in_flight -= 1
-            span.end(exc.kind)
-            self._leg("decode", time.perf_counter() - t0)
-            return self._leg_failed(r.decodes, backend, "decode", exc.kind, str(exc),
-                                    gone=exc.kind in _GONE_KINDS)
+        opened = await self.attempts.open_stream(backend, data, trace=self.trace, t0=t0)
+        if not isinstance(opened, OpenedStream):
+            return self._not_ok(svc.decodes, backend, "decode", opened)
+        upstream, first, span = opened.upstream, opened.first, opened.span
         now = time.perf_counter()
-        self._leg("decode", now - t0)
-        r.metrics.ttft.observe(now - self.started)
-        r.decodes.leg_succeeded(backend)
+        self.ctx.leg("decode", now - t0)
+        svc.metrics.ttft.observe(now - self.started)
+        svc.decodes.leg_succeeded(backend)
         self.decode_backend = backend
         decode_started = t0
         captured = False
         if not self._retains and self.key is not None:
-            self._remember_affinity(backend)
+            self._capture().remember_affinity(backend)
 
         async def capture(final: bytes = b"") -> None:
             nonlocal captured
             if self._retains and not captured:
                 captured = True
-                await self._capture_described(backend, decode_started)
+                await self._capture().described(backend, decode_started)
             if final and self.hook is not None:
                 await self.hook.final_event(final)
 
@@ -673,8 +491,9 @@ class Turn:
             backend.in_flight -= 1
             span.end(None if end.error is None else end.error.kind)
             if end.error is not None:
-                self._leg_failed(r.decodes, backend, "decode", end.error.kind, str(end.error))
-            r.metrics.request(self.endpoint, end.outcome)
+                self.attempts.failed(svc.decodes, backend, "decode", end.error.kind,
+                                     str(end.error))
+            svc.metrics.request(self.endpoint, end.outcome)
             self._log_done(200, end.outcome)
             await capture()  # a stream that did not complete: the decode may still hold KV
 
@@ -689,223 +508,14 @@ class Turn:
         return Response(reply.body, status_code=reply.status, headers=headers,
                         media_type=reply.content_type)
 
-    # Step 5: capture.
-
-    async def _capture_reply(self, backend: Backend, payload: dict[str, Any],
-                             decode_started: float) -> None:
-        report = retained_report(payload)
-        if report is not None and report.engine_id is not None:
-            backend.http_engine_id = report.engine_id
-            if backend.control_engine_id not in (None, report.engine_id) \
-                    and backend.control_url is not None:
-                # A restart between two health checks, most likely: ask the control endpoint
-                # now, before the client has this reply and can send its next turn.
-                await self.r.health.check_control(backend)
-                if not backend.control_trusted:
-                    self._engines_differ(backend)
-        if report is None:
-            # The reply does not say (a stop string ended it: vLLM's front end answered before
-            # the engine finished the request; or an older connector): ask the decode, before
-            # the client has the reply and can send its next turn.
-            await self._capture_described(backend, decode_started)
-            return
-        if self.route == "decode" and report.reuse is not None:
-            # The decode's own count of what its prefix cache supplied (the headers of a
-            # non-streaming reply are still to be sent).
-            self.reason = report.reuse.reason
-            self.reused_tokens = report.reuse.reused_tokens
-        if not report.retained:
-            self.r.metrics.capture("not_retained")
-            return
-        r = self.r
-        expires_in = report.expires_in if report.expires_in is not None \
-            else r.config.retention_ttl
-        await self._record(backend, report.engine_id or backend.engine_id,
-                           report.num_tokens or 0, expires_in,
-                           readable=report.readable_tokens, block_size=report.block_size)
-
-    async def _capture_described(self, backend: Backend, decode_started: float) -> None:
-        """After a stream: ask the decode what it retained under the key.
-
-        The decode retains when the request finishes, which may trail the stream's last byte;
-        a retention older than this turn's decode leg is the previous turn's, so ask again
-        (``capture_attempts``) before taking it. A request with stop strings trails most: vLLM
-        ends it with an abort sent to the engine after the reply, so for those "nothing
-        retained" is asked again too (for others it is final at once: a turn too short to
-        fill a block, or the conversation's first turn on this decode).
-        """
-        r = self.r
-        key = self.key
-        assert key is not None
-        if backend.control_url is None or not backend.control_trusted:
-            r.metrics.capture("failed")
-            return
-        late = bool(self.body.get(self.api.stop_field))
-        t0 = time.perf_counter()
-        span = self.trace.leg("capture", backend.url)
-        result: Retention | Gone | None = None
-        for attempt in range(r.config.capture_attempts):
-            if attempt:
-                await r.sleep(r.config.capture_retry_delay)
-            try:
-                result = await r.control.describe(backend.control_url, key)
-            except ControlError as exc:
-                span.end(exc.kind)
-                self._control_failed(backend, "describe", exc)
-                r.metrics.capture("failed")
-                return
-            backend.control_ok = True
-            if isinstance(result, Gone):
-                if not late:
-                    break
-            elif result.created_ago is None \
-                    or result.created_ago <= time.perf_counter() - decode_started:
-                break
-        span.end()
-        self._leg("capture", time.perf_counter() - t0)
-        if isinstance(result, Gone):
-            r.metrics.capture("not_retained")
-            placement = self.placement
-            if placement is not None and placement.decode == backend.url:
-                # The record pointed here and the decode holds nothing: forget it.
-                await self._delete_placement(placement)
-            return
-        assert result is not None
-        readable, block_size = readable_tokens(result.params)
-        await self._record(backend, result.engine_id or backend.engine_id, result.num_tokens,
-                           result.expires_in, readable=readable, block_size=block_size)
-
-    def _placement_for(self, backend: Backend, engine_id: str | None, num_tokens: int,
-                       expires_in: float, *, readable: int | None,
-                       block_size: int) -> Placement:
-        """This turn's record: where it is retained, and which prefill holds its prompt (the
-        one that computed this turn's prefill leg, else the one recorded before)."""
-        old = self.placement
-        if self.prefill_backend is not None:
-            prefill: str | None = self.prefill_backend.url
-            prefill_tokens = self.prefill_tokens
-        elif old is not None:
-            prefill, prefill_tokens = old.prefill, old.prefill_tokens
-        else:
-            prefill, prefill_tokens = None, 0
-        now = self.r.clock()
-        return Placement(decode=backend.url, engine_id=engine_id, num_tokens=num_tokens,
-                         expires_at=now + expires_in, turn=self.request_id,
-                         version=self.begun,
-                         readable_tokens=readable, block_size=block_size, prefill=prefill,
-                         prefill_tokens=prefill_tokens,
-                         history=None if self.transcript is None else self.transcript.history())
-
-    def _remember_affinity(self, backend: Backend) -> None:
-        """Stock P/D (``kv_reuse`` off): nothing is retained, but the conversation's next turn
-        goes to the same prefill and decode (session affinity)."""
-        r = self.r
-        key = self.key
-        assert key is not None
-        placement = self._placement_for(backend, backend.engine_id, 0, r.config.retention_ttl,
-                                        readable=None, block_size=0)
-
-        async def put() -> None:
-            try:
-                await r.store.put(key, placement)
-            except StoreError as exc:
-                self._state_error("put", exc)
-
-        r.spawn(put())
-
-    async def _record(self, backend: Backend, engine_id: str | None, num_tokens: int,
-                      expires_in: float, *, readable: int | None = None,
-                      block_size: int = 0) -> None:
-        r = self.r
-        key = self.key
-        assert key is not None
-        if engine_id is not None and engine_id != backend.engine_id:
-            # The decode itself just named its engine: fresher than the last health check,
-            # which may not have seen a restart yet (the next pin would call this handle stale).
-            old_engine, backend.engine_id = backend.engine_id, engine_id
-            # A new engine answered, and its control endpoint lives in the same process: the
-            # outage the health checks saw was the restart, not the endpoint.
-            backend.control_ok = True
-            if old_engine is not None:
-                event(log, logging.WARNING, "decode_restarted", backend=backend.url,
-                      old_engine_id=old_engine, engine_id=engine_id)
-        placement = self._placement_for(backend, engine_id, num_tokens, expires_in,
-                                        readable=readable, block_size=block_size)
-        try:
-            evicted = await r.store.put(key, placement)
-        except StoreError as exc:
-            r.metrics.capture("failed")
-            self._state_error("put", exc)
-            return
-        if evicted == SUPERSEDED:
-            r.metrics.capture("superseded")
-            self._superseded(backend)
-            return
-        r.metrics.capture("recorded")
-        if evicted:
-            r.metrics.evictions.inc(evicted)
-        old = self.placement
-        if old is not None and old.decode != backend.url:
-            self._release_on(old.decode)
-
-    def _superseded(self, backend: Backend) -> None:
-        """A concurrent turn of this conversation (on this router or another) recorded a
-        newer retention: this one is not kept. Freed on its decode unless the newer one is
-        on the same decode (which then holds only the newer one, under the same key)."""
-        r = self.r
-        key = self.key
-        assert key is not None
-
-        async def free() -> None:
-            try:
-                newest = await r.store.get(key)
-            except StoreError as exc:
-                self._state_error("get", exc)
-                return
-            if newest is not None and newest.decode != backend.url:
-                self._release_on(backend.url)
-
-        r.spawn(free())
-
-    def _release_on(self, decode_url: str) -> None:
-        """The conversation moved: free its previous retention on the old decode."""
-        old = self.r.decodes.by_url(decode_url)
-        if old is None or old.control_url is None or not old.healthy:
-            return
-        key = self.key
-        assert key is not None
-        control_url = old.control_url
-
-        async def release() -> None:
-            try:
-                await self.r.control.release(control_url, key)
-            except ControlError as exc:
-                self._control_failed(old, "release", exc)
-
-        self.r.spawn(release())
+    def _capture(self) -> Capture:
+        """Step 5 (``_capture.py``), once the decode leg answered."""
+        return Capture(self.ctx, self.trace, version=self.begun,
+                       late=bool(self.body.get(self.api.stop_field)), old=self.placement,
+                       prefill=self.prefill_backend, prefill_tokens=self.prefill_tokens,
+                       transcript=self.transcript)
 
     # Shared bits.
-
-    def _leg_headers(self, span: LegSpan) -> dict[str, str]:
-        return {**self.upstream_headers, **span.headers} if span.headers \
-            else self.upstream_headers
-
-    def _control_failed(self, backend: Backend, call: str, exc: ControlError) -> None:
-        if exc.kind in ("connect", "timeout", "unauthorized"):
-            backend.control_ok = False  # until a health check finds it answering again
-        self.r.metrics.failure("control", backend.url, exc.kind)
-        event(log, logging.WARNING, "control_call_failed", request_id=self.request_id,
-              conversation=self.key, backend=backend.url, call=call, kind=exc.kind,
-              error=str(exc))
-
-    def _leg(self, leg: str, seconds: float) -> None:
-        self.r.metrics.leg(leg, seconds)
-        self.legs_ms[leg] = round(seconds * 1000, 2)
-
-    def _state_error(self, op: str, exc: StoreError) -> None:
-        self.r.metrics.state_errors.inc()
-        event(log, logging.WARNING, "state_store_failed", request_id=self.request_id,
-              conversation=self.key, op=op, error=str(exc))
 
     def _log_done(self, status: int, outcome: str) -> None:
         if log.isEnabledFor(logging.DEBUG):
@@ -917,7 +527,7 @@ class Turn:
                   prefill=self.prefill_backend.url if self.prefill_backend else None,
                   decode=self.decode_backend.url if self.decode_backend else None,
                   ms=round((time.perf_counter() - self.started) * 1000, 2),
-                  **{f"{leg}_ms": ms for leg, ms in self.legs_ms.items()})
+                  **{f"{leg}_ms": ms for leg, ms in self.ctx.legs_ms.items()})
 
 
 def request_id_of(given: str | None) -> str:
@@ -928,36 +538,8 @@ def request_id_of(given: str | None) -> str:
     return uuid.uuid4().hex
 
 
-async def completion(router: Router, request: Request) -> Response:
-    """``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/messages`` (whose errors
-    the caller reshapes, ``_endpoints.py``)."""
-    started = time.perf_counter()
-    path = request.scope["path"]
-    api = API_BY_PATH.get(path) or (CHAT if path.endswith("/chat/completions")
-                                    else API_BY_PATH["/v1/completions"])
-    headers = request.headers
-    request_id = request_id_of(headers.get("x-request-id"))
-    try:
-        body = await read_json_body(request, router.config.max_body_bytes,
-                                    router.config.body_timeout)
-        identity = resolve_identity(body, headers)
-        # Before any leg, pin or record: what only the decode would refuse is refused here.
-        api.validate(body)
-    except ApiError as exc:
-        router.metrics.request(api.name, "invalid")
-        extra = {"x-request-id": request_id}
-        if isinstance(exc, BodyError) and exc.close:
-            extra["connection"] = "close"  # the rest of the body is not worth reading
-        return exc.response(extra)
-    turn = Turn(router, request_id=request_id, path=path, body=client_body(body),
-                identity=identity, no_reuse="x-kvturn-no-reuse" in headers, started=started,
-                api=api)
-    traced(turn, headers)
-    return await turn.run()
-
-
 def traced(turn: Turn, headers: Mapping[str, str]) -> None:
     """Give ``turn``'s legs the client's W3C trace context (``_tracing.py``)."""
     incoming = incoming_trace(headers)
-    if incoming or turn.r.tracing.enabled:
-        turn.trace = turn.r.tracing.turn(incoming, turn.request_id)
+    if incoming or turn.svc.tracing.enabled:
+        turn.trace = turn.svc.tracing.turn(incoming, turn.request_id)

@@ -1,0 +1,120 @@
+"""Step 1 of a turn: where the conversation is held, and a pin on that retention.
+
+No record, a record naming an unknown or restarted decode, a ``404 Gone`` or an unreachable
+control endpoint all mean "nothing to reuse this turn": the turn gets the X-KVTurn-Reuse
+reason instead of a pin, and stale handles are dropped (only the one this turn read) and
+counted. Only params pinned for this turn ever reach a prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvturn_server.router._control import ControlError, Gone, Retention
+from kvturn_server.router._log import event
+from kvturn_server.router._pool import Backend
+from kvturn_server.router._services import TurnContext
+from kvturn_server.router._state import Placement, StoreError
+from kvturn_server.router._tracing import TurnTrace
+
+log = logging.getLogger("kvturn.router")
+
+# Gone codes -> X-KVTurn-Reuse. "expired": the lease ran out. "stale": the handle pointed at
+# blocks the decode no longer has (evicted, or forgotten: a restart). "miss": the retention was
+# deliberately ended (released, or replaced by a newer turn this router did not record).
+_GONE_REASON = {"expired": "expired", "released": "miss", "replaced": "miss"}
+# Gone codes counted as such among the stale handles (others count as "gone").
+_GONE_COUNTED = frozenset({"expired", "released", "evicted", "replaced", "no_retention"})
+
+
+class Pins:
+    """One turn's calls about its conversation's retention (all but ``unpin`` need a key)."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, ctx: TurnContext) -> None:
+        self.ctx = ctx
+
+    async def locate(self) -> tuple[Placement, Backend] | str | None:
+        """The conversation's record and the decode holding it; a reuse reason when the
+        record is stale; None when there is none (or the store failed)."""
+        ctx = self.ctx
+        try:
+            placement = await ctx.services.store.get(self.ctx.conversation)
+        except StoreError as exc:
+            ctx.state_error("get", exc)
+            return None
+        if placement is None:
+            return None
+        holder = ctx.services.decodes.by_url(placement.decode)
+        if holder is None:
+            # Recorded by a router configured with other decodes (or before a change).
+            self.drop(placement, "unknown_decode")
+            return "stale"
+        return placement, holder
+
+    async def take(self, placement: Placement, holder: Backend,
+                   trace: TurnTrace) -> Retention | str:
+        """Pin the placement's retention on ``holder``; on any failure the reuse reason."""
+        ctx, key = self.ctx, self.ctx.conversation
+        if not holder.control_trusted or holder.control_url is None:
+            event(log, logging.DEBUG, "pin_skipped", request_id=ctx.request_id,
+                  conversation=key, decode=holder.url, why=holder.distrust_reason())
+            return "stale"
+        if holder.engine_id is not None and placement.engine_id is not None \
+                and holder.engine_id != placement.engine_id:
+            self.drop(placement, "engine_changed")
+            return "stale"
+        services = ctx.services
+        t0 = time.perf_counter()
+        span = trace.leg("pin", holder.url)
+        try:
+            result = await services.control.pin(holder.control_url, key,
+                                                 services.config.effective_pin_ttl)
+        except ControlError as exc:
+            span.end(exc.kind)
+            ctx.leg("pin", time.perf_counter() - t0)
+            ctx.control_failed(holder, "pin", exc)
+            return "stale"
+        span.end()
+        ctx.leg("pin", time.perf_counter() - t0)
+        holder.control_ok = True
+        if isinstance(result, Gone):
+            self.drop(placement, result.code if result.code in _GONE_COUNTED else "gone")
+            return _GONE_REASON.get(result.code, "stale")
+        if result.engine_id is not None:
+            holder.control_engine_id = result.engine_id
+        if placement.engine_id is not None and result.engine_id is not None \
+                and result.engine_id != placement.engine_id:
+            self.drop(placement, "engine_changed")
+            self.unpin(holder, result)
+            return "stale"
+        if not holder.control_trusted:
+            # The control endpoint names another engine than the decode's HTTP side: its
+            # blocks are not the ones behind the server that would answer this turn.
+            ctx.engines_differ(holder)
+            self.unpin(holder, result)
+            return "stale"
+        return result
+
+    def drop(self, placement: Placement, why: str) -> None:
+        """Forget a stale handle (only the one this turn read) and count it."""
+        ctx = self.ctx
+        ctx.services.metrics.stale(why)
+        event(log, logging.DEBUG, "stale_handle", request_id=ctx.request_id,
+              conversation=self.ctx.conversation, reason=why, decode=placement.decode)
+        ctx.services.spawn(ctx.delete_placement(placement))
+
+    def unpin(self, holder: Backend | None, pin: Retention | None) -> None:
+        """Free ``pin`` off the request path (it also expires by itself: ``pin_ttl``)."""
+        if pin is None or pin.pin_id is None or holder is None or holder.control_url is None:
+            return
+        self.ctx.services.spawn(self._unpin_now(holder, holder.control_url, pin.pin_id))
+
+    async def _unpin_now(self, holder: Backend, control_url: str, pin_id: str) -> None:
+        try:
+            await self.ctx.services.control.unpin(control_url, pin_id)
+        except ControlError as exc:
+            # The pin expires by itself (pin_ttl); nothing else depends on this call.
+            self.ctx.control_failed(holder, "unpin", exc)

@@ -1,0 +1,107 @@
+"""What a turn is given: the router's collaborators it uses, and what it reports through.
+
+``Router`` (``_wiring.py``) builds one ``TurnServices`` when it starts and hands it to every
+``Turn`` (``_turn.py``); a turn never sees the router itself. ``TurnContext`` is one turn's
+identity in logs and metrics, shared by the turn and its capture (``_capture.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvturn_server.router._log import event
+from kvturn_server.router._state import StoreError
+
+if TYPE_CHECKING:
+    from kvturn_server.router._backend import BackendClient
+    from kvturn_server.router._config import RouterConfig
+    from kvturn_server.router._control import ControlClient, ControlError
+    from kvturn_server.router._metrics import RouterMetrics
+    from kvturn_server.router._pool import Backend, Pool
+    from kvturn_server.router._state import ConversationStore, Placement
+    from kvturn_server.router._tracing import Tracing
+
+log = logging.getLogger("kvturn.router")
+
+
+@dataclass(frozen=True, slots=True)
+class TurnServices:
+    """The router's collaborators a turn uses.
+
+    ``spawn`` runs a coroutine off the request path (shutdown waits for it);
+    ``check_control`` asks a decode's control endpoint which engine it is now.
+    """
+
+    config: RouterConfig
+    client: BackendClient
+    control: ControlClient
+    prefills: Pool
+    decodes: Pool
+    store: ConversationStore
+    metrics: RouterMetrics
+    tracing: Tracing
+    clock: Callable[[], float]
+    sleep: Callable[[float], Awaitable[None]]
+    spawn: Callable[[Coroutine[Any, Any, Any]], None]
+    check_control: Callable[[Backend], Coroutine[Any, Any, None]]
+
+
+def control_call_failed(backend: Backend, call: str, exc: ControlError, *,
+                        request_id: str, conversation: str | None) -> None:
+    """Log a failed control call (pin, unpin, describe, keepalive, release)."""
+    event(log, logging.WARNING, "control_call_failed", request_id=request_id,
+          conversation=conversation, backend=backend.url, call=call, kind=exc.kind,
+          error=str(exc))
+
+
+class TurnContext:
+    """One turn's identity in logs and metrics, and the reports its steps share."""
+
+    __slots__ = ("key", "legs_ms", "request_id", "services")
+
+    def __init__(self, services: TurnServices, *, request_id: str, key: str | None) -> None:
+        self.services = services
+        self.request_id = request_id
+        self.key = key
+        # Each leg's latency (the last one of a retried leg), for the per-request debug line.
+        self.legs_ms: dict[str, float] = {}
+
+    @property
+    def conversation(self) -> str:
+        """The key, for the steps only a keyed turn takes (pin, capture)."""
+        assert self.key is not None
+        return self.key
+
+    def leg(self, leg: str, seconds: float) -> None:
+        self.services.metrics.leg(leg, seconds)
+        self.legs_ms[leg] = round(seconds * 1000, 2)
+
+    def state_error(self, op: str, exc: StoreError) -> None:
+        self.services.metrics.state_errors.inc()
+        event(log, logging.WARNING, "state_store_failed", request_id=self.request_id,
+              conversation=self.key, op=op, error=str(exc))
+
+    def control_failed(self, backend: Backend, call: str, exc: ControlError) -> None:
+        if exc.kind in ("connect", "timeout", "unauthorized"):
+            backend.control_ok = False  # until a health check finds it answering again
+        self.services.metrics.failure("control", backend.url, exc.kind)
+        control_call_failed(backend, call, exc, request_id=self.request_id,
+                            conversation=self.key)
+
+    def engines_differ(self, backend: Backend) -> None:
+        event(log, logging.WARNING, "control_distrusted", request_id=self.request_id,
+              backend=backend.url, why=backend.distrust_reason())
+        # A restart between two health checks: asking the control endpoint again now ties
+        # the two sides back together (or confirms that they differ) without waiting a round.
+        self.services.spawn(self.services.check_control(backend))
+
+    async def delete_placement(self, placement: Placement) -> None:
+        """Forget the record this turn read (only that one: a newer turn's stays)."""
+        assert self.key is not None
+        try:
+            await self.services.store.delete(self.key, turn=placement.turn)
+        except StoreError as exc:
+            self.state_error("delete", exc)

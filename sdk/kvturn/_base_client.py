@@ -137,6 +137,10 @@ class KVTurnClientBase(_OpenAIClient):
                  "kvturn_url": kvturn_url or self.kvturn_url,
                  "_kvturn_conversation": self._kvturn_conversation, **(_extra_kwargs or {})}
         copied: Self = cast(Any, super()).copy(_extra_kwargs=extra, **kwargs)
+        # openai's async client finds its platform in a worker thread on a client's first
+        # request (hundreds of microseconds); every conversation is a copy, so hand it down.
+        if getattr(copied, "_platform", None) is None:
+            copied._platform = getattr(self, "_platform", None)
         return copied
 
     with_options = copy

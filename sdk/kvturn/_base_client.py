@@ -14,7 +14,8 @@ microseconds in these hooks (``tests/sdk/test_canary.py`` pins each):
 * ``_process_response``: the response of the attempt that succeeded; a scoped client reads the
   router's reuse report there and arranges to see the reply (``_observe``).
 * ``_process_response_data``: openai's decoding of each JSON payload, stream chunks included;
-  a scoped client feeds its streamed chunks to the reply assembler (``_observe``).
+  a streamed response of a scoped client carries a reply assembler, fed each chunk
+  (``_observe``).
 * ``copy`` / ``with_options``: carry kvturn's settings and the conversation to the copy; and
   ``__new__`` picks the scoped class when a conversation is handed over.
 * ``user_agent``: openai's own value, whatever the subclass is called.
@@ -38,7 +39,7 @@ from kvturn._compat import FinalRequestOptions, timeout_exceptions
 from kvturn._constants import DEFAULT_KEEPALIVE_INTERVAL
 from kvturn._endpoints import router_root
 from kvturn._identity import new_conversation_id, validate_conversation_id
-from kvturn._observe import observe_reply
+from kvturn._observe import FOLLOW_KEY, observe_reply
 from kvturn._retry import RetryPolicy, past_deadline, retry_wait, transient_status
 from kvturn._state import ConversationState, TurnPlan
 
@@ -136,6 +137,10 @@ class KVTurnClientBase(_OpenAIClient):
                  "kvturn_url": kvturn_url or self.kvturn_url,
                  "_kvturn_conversation": self._kvturn_conversation, **(_extra_kwargs or {})}
         copied: Self = cast(Any, super()).copy(_extra_kwargs=extra, **kwargs)
+        # openai's async client finds its platform in a worker thread on a client's first
+        # request (hundreds of microseconds); every conversation is a copy, so hand it down.
+        if getattr(copied, "_platform", None) is None:
+            copied._platform = getattr(self, "_platform", None)
         return copied
 
     with_options = copy
@@ -220,9 +225,7 @@ class KVTurnClientBase(_OpenAIClient):
 
     def _process_response_data(self, *, data: object, cast_to: type[_T],
                                response: httpx2.Response) -> _T:
-        state = self._kvturn_conversation
-        if state is not None:
-            follow = state.followers.get(response)
-            if follow is not None:
-                follow(data, response)
+        follow = response.extensions.get(FOLLOW_KEY)
+        if follow is not None:
+            follow(data)
         return super()._process_response_data(data=data, cast_to=cast_to, response=response)

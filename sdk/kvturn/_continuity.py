@@ -312,7 +312,8 @@ class ChatReplyAssembler(_ReplyAssembler):
         super().__init__(choices)
         self._choices: dict[int, _ChoiceParts] = {}
 
-    def add(self, data: Any) -> None:
+    def add(self, data: Any) -> bool:
+        """Take one chunk's JSON; True once the reply is complete."""
         # Runs once per streamed chunk: the usual delta ({"content": piece}) takes the short way.
         for choice in data.get("choices") or ():
             index = choice.get("index", 0)
@@ -328,6 +329,7 @@ class ChatReplyAssembler(_ReplyAssembler):
                     parts.add_rare(delta)
             if choice.get("finish_reason") is not None:
                 self._finished.add(index)
+        return len(self._finished) >= self._expected
 
     def replies(self) -> list[Message]:
         return [self._choices[index].message() for index in sorted(self._choices)]
@@ -392,12 +394,14 @@ class CompletionReplyAssembler(_ReplyAssembler):
         super().__init__(choices)
         self._texts: dict[int, list[str]] = {}
 
-    def add(self, data: Any) -> None:
+    def add(self, data: Any) -> bool:
+        """Take one chunk's JSON; True once the reply is complete."""
         for choice in data.get("choices") or ():
             index = choice.get("index", 0)
             self._texts.setdefault(index, []).append(choice.get("text") or "")
             if choice.get("finish_reason") is not None:
                 self._finished.add(index)
+        return len(self._finished) >= self._expected
 
     def replies(self) -> list[str]:
         return ["".join(self._texts[index]) for index in sorted(self._texts)]

@@ -3,9 +3,10 @@
 * parsed ``ChatCompletion`` / ``Completion``: the reply is recorded at once;
 * ``Stream`` / ``AsyncStream``: openai hands every chunk's JSON to the client's
   ``_process_response_data`` as the caller iterates; kvturn's override feeds it to a small
-  assembler registered for that response, and the reply is recorded as soon as every choice
-  has its ``finish_reason``. Nothing is held back from the caller, no extra iterator layer is
-  added, and a stream abandoned or cut before the end leaves the reply unknown;
+  assembler stored in that response's ``extensions`` (under ``FOLLOW_KEY``), and the reply is
+  recorded as soon as every choice has its ``finish_reason``. Nothing is held back from the
+  caller, no extra iterator layer is added, and a stream abandoned or cut before the end leaves
+  the reply unknown;
 * ``with_raw_response`` (``LegacyAPIResponse``): parsed now (openai caches the result, so the
   caller's ``parse()`` returns the same object), then as above;
 * ``with_streaming_response`` (``APIResponse``): the body is the caller's to read, so the reply
@@ -17,8 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import httpx2
-from openai import AsyncStream, Stream
+from openai import AsyncStream, BaseModel, Stream
 
 from kvturn._compat import APIResponse, AsyncAPIResponse, LegacyAPIResponse
 from kvturn._continuity import (
@@ -33,9 +33,17 @@ from kvturn._state import ConversationState, TurnPlan
 
 log = logging.getLogger("kvturn")
 
+# Where a stream's follower lives: in its own response's ``extensions`` dict, so that it goes
+# with the response (an abandoned stream keeps nothing alive) and each chunk finds it with one
+# dict lookup (this runs once per streamed chunk).
+FOLLOW_KEY = "kvturn.follow"
+
 
 def observe_reply(state: ConversationState, plan: TurnPlan, result: Any) -> None:
     """Arrange for ``state`` to learn the reply carried by ``result``."""
+    if isinstance(result, BaseModel):  # the usual case first: a parsed completion
+        _finish_parsed(state, plan, result)
+        return
     if isinstance(result, LegacyAPIResponse):
         try:
             result = result.parse()
@@ -43,9 +51,12 @@ def observe_reply(state: ConversationState, plan: TurnPlan, result: Any) -> None
             return
     if isinstance(result, Stream | AsyncStream):
         _follow_stream(state, plan, result)
-    elif isinstance(result, APIResponse | AsyncAPIResponse):
-        return
-    elif plan.api == "chat":
+    elif not isinstance(result, APIResponse | AsyncAPIResponse):
+        _finish_parsed(state, plan, result)
+
+
+def _finish_parsed(state: ConversationState, plan: TurnPlan, result: Any) -> None:
+    if plan.api == "chat":
         state.finished(plan, chat_replies(result))
     elif isinstance(plan.turn, CompletionTurn):
         state.finished(plan, completion_replies(result, plan.turn, plan.echo))
@@ -60,21 +71,21 @@ def _follow_stream(state: ConversationState, plan: TurnPlan,
         ChatReplyAssembler(plan.choices) if plan.api == "chat"
         else CompletionReplyAssembler(plan.choices))
 
-    # The response is an argument, not captured: the followers map holds this function
-    # strongly and the response weakly, and a captured response would never be let go.
-    def follow(data: Any, response: httpx2.Response) -> None:
+    extensions = stream.response.extensions
+
+    # Holds no reference to the response (the response holds this function).
+    def follow(data: Any) -> None:
         try:
-            assembler.add(data)
-            if not assembler.complete:
+            if not assembler.add(data):
                 return
-            state.followers.pop(response, None)  # whole: later chunks (usage) are not needed
+            del extensions[FOLLOW_KEY]  # whole: later chunks (usage) are not needed
             replies: Any = assembler.replies()
             if isinstance(turn, CompletionTurn) and plan.echo:
                 replies = strip_echo(replies, str(turn.prompt))
             state.finished(plan, replies)
         except Exception:  # bookkeeping must never break the caller's iteration
-            state.followers.pop(response, None)
+            extensions.pop(FOLLOW_KEY, None)
             log.debug("kvturn: cannot follow the stream of conversation %s; reply left "
                       "unknown", state.id, exc_info=True)
 
-    state.followers[stream.response] = follow
+    extensions[FOLLOW_KEY] = follow

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, Literal, TypeVar, cast
 
@@ -83,10 +82,6 @@ class ConversationState:
         self.children: dict[str, ConversationState] = {}
         # Created by the first pause() (it needs the client that sends the keepalives).
         self.heartbeat: Any = None
-        # Streams of this conversation whose reply is being assembled, by their response
-        # (weak: a stream the caller drops takes its entry with it).
-        self.followers: weakref.WeakKeyDictionary[
-            httpx2.Response, Callable[[Any, httpx2.Response], None]] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self._record: TurnRecord | None = None
         self._seq = 0
@@ -133,9 +128,9 @@ class ConversationState:
 
     def prepare(self, options: FinalRequestOptions) -> TurnPlan | None:
         """Make ``options`` (openai's own copy for one attempt: changing it changes nothing of
-        the caller's) carry this conversation: the id in a header and, when there is a JSON
-        body, in the body, plus the reuse hint for a turn. Returns the turn's plan, or None for
-        requests that are not turns."""
+        the caller's) carry this conversation: the id in a header, plus the reuse hint for a
+        turn. A body that names a conversation must name this one. Returns the turn's plan, or
+        None for requests that are not turns."""
         headers = _as_dict(options.headers)
         headers = {} if headers is None else dict(headers)
         body = _as_dict(options.json_data)
@@ -161,10 +156,10 @@ class ConversationState:
                 headers[HEADER_NO_REUSE] = plan.no_reuse
 
         headers[HEADER_CONVERSATION_ID] = self.id
-        # New objects, never the shared ones changed in place: openai's copy is shallow.
+        # A new object, never the shared one changed in place: openai's copy is shallow. The id
+        # travels in the header only: the router reads either, and leaving the body alone
+        # spares openai's body merge on every call (the SDK's per-call budget).
         options.headers = headers
-        if body is not None:
-            options.extra_json = {**(extra or {}), BODY_CONVERSATION_ID: self.id}
         return plan
 
     def _check_scope(self, value: Any, where: str) -> None:

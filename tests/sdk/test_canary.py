@@ -180,3 +180,12 @@ def test_timeout_exceptions_are_httpx2s() -> None:
     from kvturn._compat import timeout_exceptions
 
     assert httpx2.TimeoutException in timeout_exceptions()
+
+
+def test_the_async_client_looks_its_platform_up_once_per_client() -> None:
+    # kvturn._base_client.KVTurnClientBase.copy hands ``_platform`` down to each conversation:
+    # openai's async request loop fills it in a worker thread when it is still None.
+    source = inspect.getsource(openai.AsyncOpenAI.request)
+    assert "self._platform is None" in source and "asyncify(get_platform)" in source
+    client = openai.AsyncOpenAI(api_key="x", base_url="http://router.test/v1")
+    assert client._platform is None

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 import kvturn
+from kvturn._observe import FOLLOW_KEY
 from tests.fakes.router import FakeRouter, chat_chunks, chat_completion, completion, error
 
 MODEL = "kvturn-tiny"
@@ -23,7 +24,7 @@ def ask(conversation: kvturn.Conversation, messages: list[Any], **kwargs: Any) -
 
 # --- identity -------------------------------------------------------------------------------
 
-def test_every_request_carries_the_id_in_body_and_header(client: kvturn.OpenAI,
+def test_every_request_carries_the_id_in_the_header_only(client: kvturn.OpenAI,
                                                          router: FakeRouter) -> None:
     conversation = client.conversation("trip/42:a#b")
     ask(conversation, [{"role": "user", "content": "Hi"}])
@@ -32,7 +33,9 @@ def test_every_request_carries_the_id_in_body_and_header(client: kvturn.OpenAI,
     conversation.models.list()
     for sent in router.requests:
         assert sent.conversation_header == "trip/42:a#b"
-    assert [r.body["conversation_id"] for r in router.turns()] == ["trip/42:a#b"] * 3
+    # The body is openai's, untouched: the router reads the header.
+    assert [r.body.get("conversation_id") for r in router.turns()] == [None] * 3
+    assert [r.conversation for r in router.turns()] == ["trip/42:a#b"] * 3
     assert router.requests[-1].method == "GET" and router.requests[-1].body is None
 
 
@@ -386,9 +389,17 @@ def test_an_abandoned_stream_is_not_kept_alive(client: kvturn.OpenAI) -> None:
     conversation = client.conversation()
     stream = ask(conversation, [{"role": "user", "content": "Hi"}], stream=True)
     response = weakref.ref(stream.response)
-    assert len(conversation._kvturn_conversation.followers) == 1
+    assert FOLLOW_KEY in stream.response.extensions  # its follower lives on the response
     stream.close()
     del stream
     gc.collect()
     assert response() is None
-    assert len(conversation._kvturn_conversation.followers) == 0
+
+
+async def test_a_conversation_inherits_the_clients_platform(aclient: kvturn.AsyncOpenAI) -> None:
+    # openai's async client looks its platform up in a worker thread on its first request;
+    # a conversation (a copy) must not pay that again.
+    await aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    assert aclient._platform is not None
+    async with aclient.conversation() as conversation:
+        assert conversation._platform is aclient._platform

@@ -9,6 +9,12 @@ read to the end).
 
 Calls of the two clients alternate and the reported overhead is the median of the paired
 differences, which cancels most of the drift of a busy machine; their quartiles are the spread.
+Calls are timed in CPU time of the calling thread (``time.thread_time_ns``): on an idle machine
+that is the wall time (the mock transport never waits), and on a shared one it leaves out the
+time the thread spends descheduled by other work, the largest noise in the pairs. Which client
+goes first in a pair alternates too: the second call of a pair runs measurably
+differently (caches warmed or cooled by the first), and always timing kvturn second had
+charged it tens of microseconds that were the order's, not the SDK's.
 ``own_us`` is measured more directly, in a separate pass (its timers would otherwise weigh on
 the paired calls): the time spent in kvturn's hooks of openai's request loop (``_build_request``,
 ``_process_response``, ``_process_response_data``, once per stream chunk) outside openai's own
@@ -40,6 +46,7 @@ from kvturn._base_client import KVTurnClientBase
 from kvturn_server.bench._stats import quantile
 
 TARGET_US = 50.0
+_clock = time.thread_time_ns  # see the module docstring
 TURNS = 5
 MODEL = "kvturn-bench"
 _BASE_URL = "http://router.bench/v1"
@@ -149,10 +156,10 @@ class _HookTimer:
 
         def enter() -> int:
             timer._nested.append(0)
-            return time.perf_counter_ns()
+            return _clock()
 
         def leave(started: int) -> None:
-            spent = time.perf_counter_ns() - started
+            spent = _clock() - started
             nested = timer._nested.pop()
             if ours:
                 timer.own_ns += spent - nested
@@ -190,6 +197,10 @@ class _Samples:
         self.kvturn: list[int] = []
         self.own: list[int] = []
 
+    def kvturn_first(self) -> bool:
+        """Whether the coming pair times the kvturn call first (every other pair)."""
+        return self.seen % 2 == 1
+
     def add(self, plain: int, kvturn_: int) -> None:
         if self.seen >= self.warmup:
             self.plain.append(plain)
@@ -221,22 +232,26 @@ def _bench_sync(calls: int, stream: bool) -> tuple[ModeResult, Spread]:
                            http_client=httpx2.Client(transport=transport))
 
     def call(target: openai.OpenAI, messages: Any) -> int:
-        started = time.perf_counter_ns()
+        started = _clock()
         if stream:
             for _ in target.chat.completions.create(model=MODEL, messages=messages,
                                                     stream=True):
                 pass
         else:
             target.chat.completions.create(model=MODEL, messages=messages)
-        return time.perf_counter_ns() - started
+        return _clock() - started
 
     samples, timer = _Samples(calls), _HookTimer()
     try:
         while samples.seen < samples.total:
             with client.conversation() as conversation:
                 for messages in _turns():
-                    plain_ns = call(plain, messages)
-                    samples.add(plain_ns, call(conversation, messages))
+                    if samples.kvturn_first():
+                        kvturn_ns = call(conversation, messages)
+                        samples.add(call(plain, messages), kvturn_ns)
+                    else:
+                        plain_ns = call(plain, messages)
+                        samples.add(plain_ns, call(conversation, messages))
         with timer.installed(is_async=False):
             while len(samples.own) < samples.own_total:
                 with client.conversation() as conversation:
@@ -258,22 +273,26 @@ async def _bench_async(calls: int, stream: bool) -> tuple[ModeResult, Spread]:
                                 http_client=httpx2.AsyncClient(transport=transport))
 
     async def call(target: openai.AsyncOpenAI, messages: Any) -> int:
-        started = time.perf_counter_ns()
+        started = _clock()
         if stream:
             async for _ in await target.chat.completions.create(model=MODEL, messages=messages,
                                                                 stream=True):
                 pass
         else:
             await target.chat.completions.create(model=MODEL, messages=messages)
-        return time.perf_counter_ns() - started
+        return _clock() - started
 
     samples, timer = _Samples(calls), _HookTimer()
     try:
         while samples.seen < samples.total:
             async with client.conversation() as conversation:
                 for messages in _turns():
-                    plain_ns = await call(plain, messages)
-                    samples.add(plain_ns, await call(conversation, messages))
+                    if samples.kvturn_first():
+                        kvturn_ns = await call(conversation, messages)
+                        samples.add(await call(plain, messages), kvturn_ns)
+                    else:
+                        plain_ns = await call(plain, messages)
+                        samples.add(plain_ns, await call(conversation, messages))
         with timer.installed(is_async=True):
             while len(samples.own) < samples.own_total:
                 async with client.conversation() as conversation:

@@ -128,9 +128,9 @@ class ConversationState:
 
     def prepare(self, options: FinalRequestOptions) -> TurnPlan | None:
         """Make ``options`` (openai's own copy for one attempt: changing it changes nothing of
-        the caller's) carry this conversation: the id in a header, plus the reuse hint for a
-        turn. A body that names a conversation must name this one. Returns the turn's plan, or
-        None for requests that are not turns."""
+        the caller's) carry this conversation: the id in a header and, when there is a JSON
+        body, in the body, plus the reuse hint for a turn. Returns the turn's plan, or None for
+        requests that are not turns."""
         headers = _as_dict(options.headers)
         headers = {} if headers is None else dict(headers)
         body = _as_dict(options.json_data)
@@ -156,10 +156,10 @@ class ConversationState:
                 headers[HEADER_NO_REUSE] = plan.no_reuse
 
         headers[HEADER_CONVERSATION_ID] = self.id
-        # A new object, never the shared one changed in place: openai's copy is shallow. The id
-        # travels in the header only: the router reads either, and leaving the body alone
-        # spares openai's body merge on every call (the SDK's per-call budget).
+        # New objects, never the shared ones changed in place: openai's copy is shallow.
         options.headers = headers
+        if body is not None:
+            options.extra_json = {**(extra or {}), BODY_CONVERSATION_ID: self.id}
         return plan
 
     def _check_scope(self, value: Any, where: str) -> None:

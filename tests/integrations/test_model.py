@@ -46,7 +46,7 @@ def test_per_call_extra_body_merges_with_the_instance_one(router: FakeRouter,
                  extra_body={"min_p": 0.1, "repetition_penalty": 1.1})
     body = router.turns()[0].body
     assert (body["top_k"], body["min_p"], body["repetition_penalty"]) == (3, 0.1, 1.1)
-    assert router.turns()[0].conversation == "eb"
+    assert body["conversation_id"] == "eb"
     model.invoke([HumanMessage("hi")])
     assert router.turns()[1].body["top_k"] == 3
 

@@ -18,7 +18,6 @@ class ResponsesRouter:
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
-        self.conversations: list[str | None] = []  # X-Conversation-ID of each turn
 
     def __call__(self, request: httpx2.Request) -> httpx2.Response:
         if request.url.path.startswith("/kvturn/v1/conversations/"):
@@ -26,13 +25,12 @@ class ResponsesRouter:
         assert request.url.path == "/v1/responses", request.url.path
         body = httpx2.Response(200, content=request.content).json()
         self.bodies.append(body)
-        self.conversations.append(request.headers.get("x-conversation-id"))
         turn = len(self.bodies)
         return httpx2.Response(200, headers={
             "X-KVTurn-Reuse": "miss" if turn == 1 else "hit",
             "X-KVTurn-Reused-Tokens": "0" if turn == 1 else "128",
             "X-KVTurn-Route": "prefill",
-            "X-KVTurn-Conversation": str(self.conversations[-1])}, json={
+            "X-KVTurn-Conversation": str(body.get("conversation_id"))}, json={
             "id": f"resp_{turn}", "object": "response", "created_at": 0, "model": "m",
             "status": "completed", "parallel_tool_calls": True, "tool_choice": "auto",
             "tools": [], "output": [{"type": "message", "id": f"msg_{turn}",
@@ -60,7 +58,7 @@ def test_responses_calls_carry_the_thread_conversation() -> None:
     config: Any = {"metadata": {"thread_id": "resp-thread"}}
     first = model.invoke([HumanMessage("hi")], config)
     second = model.invoke([HumanMessage("hi"), first, HumanMessage("more")], config)
-    assert router.conversations == ["resp-thread", "resp-thread"]
+    assert [b["conversation_id"] for b in router.bodies] == ["resp-thread", "resp-thread"]
     assert second.text == "ok"
     assert second.response_metadata["kvturn"]["reuse"] == "hit"
     assert second.response_metadata["kvturn"]["conversation_id"] == "resp-thread"
@@ -71,5 +69,5 @@ async def test_async_responses_calls_carry_the_thread_conversation() -> None:
     model = _model(router)
     config: Any = {"metadata": {"thread_id": "resp-async"}}
     reply = await model.ainvoke([HumanMessage("hi")], config)
-    assert router.conversations[0] == "resp-async"
+    assert router.bodies[0]["conversation_id"] == "resp-async"
     assert reply.response_metadata["kvturn"]["reuse"] == "miss"

@@ -24,7 +24,7 @@ def ask(conversation: kvturn.Conversation, messages: list[Any], **kwargs: Any) -
 
 # --- identity -------------------------------------------------------------------------------
 
-def test_every_request_carries_the_id_in_the_header_only(client: kvturn.OpenAI,
+def test_every_request_carries_the_id_in_body_and_header(client: kvturn.OpenAI,
                                                          router: FakeRouter) -> None:
     conversation = client.conversation("trip/42:a#b")
     ask(conversation, [{"role": "user", "content": "Hi"}])
@@ -33,9 +33,7 @@ def test_every_request_carries_the_id_in_the_header_only(client: kvturn.OpenAI,
     conversation.models.list()
     for sent in router.requests:
         assert sent.conversation_header == "trip/42:a#b"
-    # The body is openai's, untouched: the router reads the header.
-    assert [r.body.get("conversation_id") for r in router.turns()] == [None] * 3
-    assert [r.conversation for r in router.turns()] == ["trip/42:a#b"] * 3
+    assert [r.body["conversation_id"] for r in router.turns()] == ["trip/42:a#b"] * 3
     assert router.requests[-1].method == "GET" and router.requests[-1].body is None
 
 

@@ -29,7 +29,7 @@ def test_a_transient_error_is_retried_after_retry_after(client: kvturn.OpenAI, r
     assert reply.choices[0].message.content == "Hello"
     assert clock.sleeps == [2.0]
     first, second = router.turns()
-    assert first.body == second.body and second.conversation_header == "c"
+    assert first.body == second.body and second.body["conversation_id"] == "c"
     assert [first.headers["x-stainless-retry-count"],
             second.headers["x-stainless-retry-count"]] == ["0", "1"]
     assert conversation.last_turn is not None and conversation.last_turn.attempts == 2

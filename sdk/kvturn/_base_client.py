@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar, cast
 import httpx2
 import openai
 
-from kvturn._compat import FinalRequestOptions, timeout_exceptions
+from kvturn._compat import FinalRequestOptions, get_platform, timeout_exceptions
 from kvturn._constants import DEFAULT_KEEPALIVE_INTERVAL
 from kvturn._endpoints import router_root
 from kvturn._identity import new_conversation_id, validate_conversation_id
@@ -138,9 +138,11 @@ class KVTurnClientBase(_OpenAIClient):
                  "_kvturn_conversation": self._kvturn_conversation, **(_extra_kwargs or {})}
         copied: Self = cast(Any, super()).copy(_extra_kwargs=extra, **kwargs)
         # openai's async client finds its platform in a worker thread on a client's first
-        # request (hundreds of microseconds); every conversation is a copy, so hand it down.
-        if getattr(copied, "_platform", None) is None:
-            copied._platform = getattr(self, "_platform", None)
+        # request (hundreds of microseconds), and every conversation is a new client: find it
+        # once for the client and its copies (one small file read, cached by the stdlib).
+        if self._platform is None:
+            self._platform = get_platform()
+        copied._platform = self._platform
         return copied
 
     with_options = copy

@@ -7,10 +7,11 @@ such a release fails loudly in CI instead of misbehaving.
 
 from __future__ import annotations
 
+from openai._base_client import get_platform
 from openai._httpx2 import timeout_exceptions
 from openai._legacy_response import LegacyAPIResponse
 from openai._models import FinalRequestOptions
 from openai._response import APIResponse, AsyncAPIResponse
 
 __all__ = ["APIResponse", "AsyncAPIResponse", "FinalRequestOptions", "LegacyAPIResponse",
-           "timeout_exceptions"]
+           "get_platform", "timeout_exceptions"]

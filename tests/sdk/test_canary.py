@@ -15,7 +15,7 @@ import openai
 import pytest
 import tenacity
 from openai import AsyncStream, Stream
-from openai._base_client import AsyncAPIClient, BaseClient, SyncAPIClient
+from openai._base_client import AsyncAPIClient, BaseClient, SyncAPIClient, get_platform
 from openai._legacy_response import LegacyAPIResponse
 from openai._models import FinalRequestOptions
 
@@ -189,3 +189,4 @@ def test_the_async_client_looks_its_platform_up_once_per_client() -> None:
     assert "self._platform is None" in source and "asyncify(get_platform)" in source
     client = openai.AsyncOpenAI(api_key="x", base_url="http://router.test/v1")
     assert client._platform is None
+    assert get_platform() is not None  # what kvturn hands its conversations up front

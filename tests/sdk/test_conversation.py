@@ -396,8 +396,9 @@ def test_an_abandoned_stream_is_not_kept_alive(client: kvturn.OpenAI) -> None:
 
 async def test_a_conversation_inherits_the_clients_platform(aclient: kvturn.AsyncOpenAI) -> None:
     # openai's async client looks its platform up in a worker thread on its first request;
-    # a conversation (a copy) must not pay that again.
-    await aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
-    assert aclient._platform is not None
-    async with aclient.conversation() as conversation:
-        assert conversation._platform is aclient._platform
+    # conversations (copies) must not pay that each, whether or not the client has asked yet.
+    async with aclient.conversation() as first, aclient.conversation() as second:
+        assert first._platform is not None and second._platform is first._platform
+        await first.chat.completions.create(model=MODEL,
+                                            messages=[{"role": "user", "content": "Hi"}])
+        assert first._platform is aclient._platform

@@ -1,6 +1,7 @@
 """What kvturn's commands that measure (``kvturn bench ...``, ``kvturn simulate``) share: the
-argument types of their lists and ranges, the ``--json`` and ``--plot`` options, writing the
-JSON, saying what was written, and turning a bad setting into one line.
+argument types of their lists and ranges, the ``--json`` and ``--plot`` options (and the
+``--gpu`` and ``--vllm-arg`` of those that start vLLM), writing the JSON, saying what was
+written, and turning a bad setting into one line.
 
 A leaf module (standard library only): every benchmark and the simulator import it, and it
 imports none of them."""
@@ -64,6 +65,17 @@ def add_output_args(p: Any, *, json_default: Path | None = None, plot: bool = Tr
     if plot:
         p.add_argument("--plot", type=Path, default=None,
                        help="PNG path (default: the JSON path with .png)")
+
+
+def add_device_args(p: Any, *, instances: str, example: str) -> None:
+    """``--gpu`` and ``--vllm-arg``, for a benchmark that starts its own vLLM instances:
+    ``instances`` says which of them a ``--vllm-arg`` goes to, ``example`` is its e.g."""
+    p.add_argument("--gpu", action="store_true",
+                   help="run on a GPU: KV in its memory (vLLM's default) instead of the CPU "
+                        "build's host buffer")
+    p.add_argument("--vllm-arg", action="append", default=None, metavar="FLAG",
+                   help=f"another vllm serve flag for {instances}, as one argument "
+                        f"(repeatable), e.g. --vllm-arg={example}")
 
 
 def write_json(results: dict[str, Any], path: Path, *, indent: int = 2) -> None:

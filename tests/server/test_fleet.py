@@ -12,7 +12,14 @@ import pytest
 
 from kvturn_server.cli import build_parser
 from kvturn_server.local import Fleet, FleetConfig, StackConfig, StackError
-from kvturn_server.local._fleet import instance_spec, plan_instances, router_argv
+from kvturn_server.local._fleet import (
+    Instance,
+    Router,
+    instance_spec,
+    plan_instances,
+    router_argv,
+)
+from kvturn_server.local._process import ServerSpec
 from kvturn_server.local._stack import server_specs
 from kvturn_server.router import router_config_from_args
 
@@ -132,3 +139,14 @@ def test_instances_on_addresses_of_their_own_advertise_and_are_dialled_there(
                 {"router_host": "0.0.0.0"}):
         with pytest.raises(StackError):
             FleetConfig(state_dir=tmp_path, prefills=2, decodes=1, **bad)  # type: ignore[arg-type]
+
+
+def test_members_on_an_ipv6_address_are_dialled_in_brackets_as_the_stacks_are(
+        tmp_path: Path) -> None:
+    spec = ServerSpec(name="decode0", argv=(), port=8200, health_url="", log_path=tmp_path)
+    decode = Instance("decode0", "decode", 8200, 8201, 8202, spec, host="::1")
+    assert (decode.url, decode.control_url) == ("http://[::1]:8200", "http://[::1]:8202")
+    assert Router("r", 8000, (), 1, 0.0, host="::1").url == "http://[::1]:8000"
+    assert Router("r", 8000, (), 1, 0.0).url == "http://127.0.0.1:8000"
+    stack = StackConfig(host="::1")
+    assert stack.router_url == f"http://[::1]:{stack.router_port}"

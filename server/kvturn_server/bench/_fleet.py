@@ -36,6 +36,7 @@ from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from kvturn_server._cli_common import (
+    add_device_args,
     comma_choices,
     int_range,
     settings_or_exit,
@@ -341,12 +342,7 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--decode-continue-tokens", type=int, default=None,
                    help="passed to the kvturn modes' routers (default: the router's, 512; 0: "
                         "the decode never continues a turn itself)")
-    p.add_argument("--gpu", action="store_true",
-                   help="run on a GPU: KV in its memory (vLLM's default) instead of the CPU "
-                        "build's host buffer")
-    p.add_argument("--vllm-arg", action="append", default=None, metavar="FLAG",
-                   help="another vllm serve flag for every instance, as one argument "
-                        "(repeatable), e.g. --vllm-arg=--gpu-memory-utilization=0.28 for three "
-                        "instances on one GPU")
+    add_device_args(p, instances="every instance",
+                    example="--gpu-memory-utilization=0.28 for three instances on one GPU")
     p.set_defaults(func=cmd_bench_fleet)
     return p

@@ -6,7 +6,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from kvturn_server._cli_common import add_output_args, number_list, plot_path, settings_or_exit
+from kvturn_server._cli_common import (
+    add_device_args,
+    add_output_args,
+    number_list,
+    plot_path,
+    settings_or_exit,
+)
 from kvturn_server.bench._reuse import ReuseBenchSettings, bench_config, run_reuse_bench
 from kvturn_server.local._model import SIZES
 
@@ -90,12 +96,7 @@ def add_reuse_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--size", choices=sorted(SIZES), default=d.size,
                    help="locally built model to serve (default: %(default)s; 8b: a real 8B "
                         "model's shape with random weights, for GPUs)")
-    p.add_argument("--gpu", action="store_true",
-                   help="run on a GPU: KV in its memory (vLLM's default) instead of the CPU "
-                        "build's host buffer")
-    p.add_argument("--vllm-arg", action="append", default=None, metavar="FLAG",
-                   help="another vllm serve flag for both instances, as one argument "
-                        "(repeatable), e.g. --vllm-arg=--gpu-memory-utilization=0.4")
+    add_device_args(p, instances="both instances", example="--gpu-memory-utilization=0.4")
     p.set_defaults(func=cmd_bench_reuse)
     return p
 

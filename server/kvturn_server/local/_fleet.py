@@ -30,9 +30,11 @@ from typing import Any
 from kvturn_server._control_secret import is_loopback
 from kvturn_server.local._model import SIZES, build_model, is_built
 from kvturn_server.local._process import (
+    Listening,
     ServerSpec,
     StackError,
     free_port,
+    http_url,
     launch,
     stop_group,
     wait_healthy,
@@ -139,7 +141,7 @@ class FleetConfig:
 
 
 @dataclass(frozen=True)
-class Instance:
+class Instance(Listening):
     """One vLLM instance of the fleet."""
 
     name: str
@@ -151,16 +153,12 @@ class Instance:
     host: str = "127.0.0.1"
 
     @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
     def control_url(self) -> str:
-        return f"http://{self.host}:{self.control_port}"
+        return http_url(self.host, self.control_port)
 
 
 @dataclass(frozen=True)
-class Router:
+class Router(Listening):
     """A router process in front of the fleet."""
 
     name: str
@@ -169,10 +167,6 @@ class Router:
     pid: int
     startup_s: float
     host: str = "127.0.0.1"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
 
 def instance_spec(cfg: FleetConfig, name: str, role: str, port: int, side_channel_port: int,
@@ -293,7 +287,7 @@ class Fleet:
                            self.decodes if decodes is None else decodes, port,
                            self.config.decoder_kv_blocks_ttl, args, host)
         spec = ServerSpec(name=name, argv=argv, port=port,
-                          health_url=f"http://{host}:{port}/health",
+                          health_url=f"{http_url(host, port)}/health",
                           log_path=self.config.state_dir / "logs" / f"{name}.log",
                           env={"PYTHONUNBUFFERED": "1"}, host=host)
         proc = launch(spec, die_with_parent=self.die_with_parent)

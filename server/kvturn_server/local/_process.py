@@ -42,6 +42,22 @@ class ServerSpec:
     its own, as each host of a fleet does)."""
 
 
+def http_url(host: str, port: int) -> str:
+    """The URL of a server listening on ``host``:``port`` (an IPv6 address in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class Listening:
+    """A mixin for a member that listens on ``host``:``port``: its ``url``."""
+
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return http_url(self.host, self.port)
+
+
 def _die_with_parent() -> None:
     # Runs in the child between fork and exec: the kernel sends SIGTERM when the parent dies,
     # so servers started by tests never outlive a killed test run.

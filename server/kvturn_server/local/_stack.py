@@ -32,6 +32,7 @@ from kvturn_server.local._model import SIZES, build_model, is_built
 from kvturn_server.local._process import (
     ServerSpec,
     StackError,
+    http_url,
     launch,
     pid_alive,
     port_is_free,
@@ -107,8 +108,7 @@ class StackConfig:
         return own or self.host
 
     def url(self, member: str, port: int) -> str:
-        host = self.host_of(member)
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        return http_url(self.host_of(member), port)
 
     @property
     def router_url(self) -> str:

@@ -2,12 +2,15 @@
 
 ``Router`` (``_wiring.py``) builds one ``TurnServices`` when it starts and hands it to every
 ``Turn`` (``_turn.py``); a turn never sees the router itself. ``TurnContext`` is one turn's
-identity in logs and metrics, shared by the turn and its capture (``_capture.py``).
+identity in logs and metrics, shared by the turn and its steps (``_pin.py``, ``_attempts.py``,
+``_decode_step.py``, ``_capture.py``). ``TurnReport`` is what the turn tells the client about
+itself (the X-KVTurn-* headers), counts and logs, written by the turn and its decode step.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -105,3 +108,56 @@ class TurnContext:
             await self.services.store.delete(self.key, turn=placement.turn)
         except StoreError as exc:
             self.state_error("delete", exc)
+
+
+class TurnReport:
+    """What a turn says about itself: its X-KVTurn-* headers, its reuse and route counts and
+    its per-request debug line. ``route`` is "decode" (the decode continued the turn alone),
+    "prefill" (prefill leg, then decode leg) or "fallback" (no prefill leg succeeded and the
+    decode computed the prompt); ``prefill`` / ``decode`` are the backends that answered."""
+
+    __slots__ = ("conversation_id", "ctx", "decode", "endpoint", "prefill", "prefill_choice",
+                 "reason", "reused_tokens", "route", "started", "stream")
+
+    def __init__(self, ctx: TurnContext, *, conversation_id: str | None, endpoint: str,
+                 stream: bool, started: float) -> None:
+        self.ctx = ctx
+        self.conversation_id = conversation_id
+        self.endpoint = endpoint
+        self.stream = stream
+        self.started = started
+        self.reason = "miss"
+        self.reused_tokens = 0
+        self.route = "prefill"
+        self.prefill_choice: str | None = None
+        self.prefill: Backend | None = None
+        self.decode: Backend | None = None
+
+    def headers(self) -> dict[str, str]:
+        headers = {"x-request-id": self.ctx.request_id, "X-KVTurn-Reuse": self.reason,
+                   "X-KVTurn-Reused-Tokens": str(self.reused_tokens),
+                   "X-KVTurn-Route": self.route}
+        if self.route == "prefill" and self.prefill_choice is not None:
+            headers["X-KVTurn-Prefill-Choice"] = self.prefill_choice
+        if self.conversation_id is not None:
+            headers["X-KVTurn-Conversation"] = self.conversation_id
+        return headers
+
+    def count(self) -> None:
+        """Count the turn's reuse and route (once, when its answer is decided)."""
+        metrics = self.ctx.services.metrics
+        metrics.reuse(self.reason, self.reused_tokens)
+        metrics.route(self.route, self.prefill_choice if self.route == "prefill" else "")
+
+    def log_done(self, status: int, outcome: str) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            ctx = self.ctx
+            event(log, logging.DEBUG, "request", request_id=ctx.request_id,
+                  conversation=ctx.key, endpoint=self.endpoint, stream=self.stream,
+                  status=status, outcome=outcome, reuse=self.reason,
+                  reused_tokens=self.reused_tokens, route=self.route,
+                  prefill_choice=self.prefill_choice if self.route == "prefill" else None,
+                  prefill=self.prefill.url if self.prefill else None,
+                  decode=self.decode.url if self.decode else None,
+                  ms=round((time.perf_counter() - self.started) * 1000, 2),
+                  **{f"{leg}_ms": ms for leg, ms in ctx.legs_ms.items()})

@@ -39,7 +39,7 @@ from kvturn._compat import FinalRequestOptions, get_platform, timeout_exceptions
 from kvturn._constants import DEFAULT_KEEPALIVE_INTERVAL
 from kvturn._endpoints import router_root
 from kvturn._identity import new_conversation_id, validate_conversation_id
-from kvturn._observe import FOLLOW_KEY, observe_reply
+from kvturn._observe import FOLD_EVERY, FOLLOW_KEY, observe_reply
 from kvturn._retry import RetryPolicy, past_deadline, retry_wait, transient_status
 from kvturn._state import ConversationState, TurnPlan
 
@@ -227,7 +227,11 @@ class KVTurnClientBase(_OpenAIClient):
 
     def _process_response_data(self, *, data: object, cast_to: type[_T],
                                response: httpx2.Response) -> _T:
-        follow = response.extensions.get(FOLLOW_KEY)
-        if follow is not None:
-            follow(data)
+        # Once per streamed chunk: queue it (``_observe.StreamFollower``), fold now and then.
+        follower = response.extensions.get(FOLLOW_KEY)
+        if follower is not None:
+            chunks = follower.chunks
+            chunks.append(data)
+            if len(chunks) >= FOLD_EVERY:
+                follower.fold()
         return super()._process_response_data(data=data, cast_to=cast_to, response=response)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-# Request: the conversation id travels in the body and in a header, because GETs carry no body
-# and a proxy in front of the router may only look at headers.
+# Request: the conversation id travels in the body of a JSON request (the router's first
+# source), else in the header (GETs carry no body); see ConversationState.prepare.
 BODY_CONVERSATION_ID = "conversation_id"
 HEADER_CONVERSATION_ID = "X-Conversation-ID"
 HEADER_NO_REUSE = "X-KVTurn-No-Reuse"

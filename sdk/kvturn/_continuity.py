@@ -51,6 +51,7 @@ the server generated).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
 from typing import Any, TypeAlias
 
 import openai
@@ -105,6 +106,17 @@ def _plain_mapping(items: Iterable[tuple[str, Any]], *, models: bool) -> dict[st
 
 def normalise_message(message: Any) -> Message:
     """The form of a chat message that continuity compares (rules in the module docstring)."""
+    # The usual message, a dict or a parsed reply, has text fields only: no walk needed.
+    if type(message) is dict:
+        form = _text_form(message.items())
+        if form is not None:
+            return form
+    elif isinstance(message, openai.BaseModel):
+        extra = message.model_extra
+        form = _text_form(chain(vars(message).items(), extra.items()) if extra
+                          else vars(message).items())
+        if form is not None:
+            return form
     plain = _plain(message)
     if not isinstance(plain, dict):
         # Not a message the server would accept; keep it comparable instead of failing here.
@@ -122,6 +134,21 @@ def normalise_message(message: Any) -> Message:
         if isinstance(call, dict) and call.get("type") == "function":
             del call["type"]
     return plain
+
+
+def _text_form(items: Iterable[tuple[str, Any]]) -> Message | None:
+    """The normal form of a message whose fields are all non-empty strings or absent (``None``,
+    ``[]``), as a new dict; None for any other message (``normalise_message`` walks those).
+    A model's fields never start with ``_`` (pydantic), so none is a private attribute."""
+    form = {}
+    for key, value in items:
+        if type(value) is str:
+            if not value or key == "reasoning_content":
+                return None
+            form[key] = value
+        elif value is not None and not (type(value) is list and not value):
+            return None
+    return form
 
 
 def _without_reasoning(message: Message) -> Message:
@@ -293,6 +320,14 @@ class _ReplyAssembler:
         self._finished: set[int] = set()
         self._expected = max(choices, 1)
 
+    def add(self, data: Any) -> bool:
+        """Take one chunk's JSON; True once the reply is complete."""
+        return self.add_all((data,))
+
+    def add_all(self, chunks: Iterable[Any]) -> bool:
+        """Take chunks' JSON in order; True once the reply is complete."""
+        raise NotImplementedError
+
     @property
     def complete(self) -> bool:
         """Every choice got its ``finish_reason``: the reply is whole, not cut off."""
@@ -312,24 +347,27 @@ class ChatReplyAssembler(_ReplyAssembler):
         super().__init__(choices)
         self._choices: dict[int, _ChoiceParts] = {}
 
-    def add(self, data: Any) -> bool:
-        """Take one chunk's JSON; True once the reply is complete."""
-        # Runs once per streamed chunk: the usual delta ({"content": piece}) takes the short way.
-        for choice in data.get("choices") or ():
-            index = choice.get("index", 0)
-            parts = self._choices.get(index)
-            if parts is None:
-                parts = self._choices[index] = _ChoiceParts()
-            delta = choice.get("delta")
-            if delta:
-                content = delta.get("content")
-                if content:
-                    parts.content.append(content)
-                if content is None or len(delta) > 1:
-                    parts.add_rare(delta)
-            if choice.get("finish_reason") is not None:
-                self._finished.add(index)
-        return len(self._finished) >= self._expected
+    def add_all(self, chunks: Iterable[Any]) -> bool:
+        """Take chunks' JSON in order; True once the reply is complete."""
+        # Runs over every streamed chunk: the usual delta ({"content": piece}) takes the short
+        # way, and the loop is inline (a call per chunk would cost about as much again).
+        parts_of, finished = self._choices, self._finished
+        for data in chunks:
+            for choice in data.get("choices") or ():
+                index = choice.get("index", 0)
+                parts = parts_of.get(index)
+                if parts is None:
+                    parts = parts_of[index] = _ChoiceParts()
+                delta = choice.get("delta")
+                if delta:
+                    content = delta.get("content")
+                    if content:
+                        parts.content.append(content)
+                    if content is None or len(delta) > 1:
+                        parts.add_rare(delta)
+                if choice.get("finish_reason") is not None:
+                    finished.add(index)
+        return len(finished) >= self._expected
 
     def replies(self) -> list[Message]:
         return [self._choices[index].message() for index in sorted(self._choices)]
@@ -394,14 +432,16 @@ class CompletionReplyAssembler(_ReplyAssembler):
         super().__init__(choices)
         self._texts: dict[int, list[str]] = {}
 
-    def add(self, data: Any) -> bool:
-        """Take one chunk's JSON; True once the reply is complete."""
-        for choice in data.get("choices") or ():
-            index = choice.get("index", 0)
-            self._texts.setdefault(index, []).append(choice.get("text") or "")
-            if choice.get("finish_reason") is not None:
-                self._finished.add(index)
-        return len(self._finished) >= self._expected
+    def add_all(self, chunks: Iterable[Any]) -> bool:
+        """Take chunks' JSON in order; True once the reply is complete."""
+        texts, finished = self._texts, self._finished
+        for data in chunks:
+            for choice in data.get("choices") or ():
+                index = choice.get("index", 0)
+                texts.setdefault(index, []).append(choice.get("text") or "")
+                if choice.get("finish_reason") is not None:
+                    finished.add(index)
+        return len(finished) >= self._expected
 
     def replies(self) -> list[str]:
         return ["".join(self._texts[index]) for index in sorted(self._texts)]

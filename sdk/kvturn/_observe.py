@@ -2,11 +2,12 @@
 
 * parsed ``ChatCompletion`` / ``Completion``: the reply is recorded at once;
 * ``Stream`` / ``AsyncStream``: openai hands every chunk's JSON to the client's
-  ``_process_response_data`` as the caller iterates; kvturn's override feeds it to a small
-  assembler stored in that response's ``extensions`` (under ``FOLLOW_KEY``), and the reply is
-  recorded as soon as every choice has its ``finish_reason``. Nothing is held back from the
-  caller, no extra iterator layer is added, and a stream abandoned or cut before the end leaves
-  the reply unknown;
+  ``_process_response_data`` as the caller iterates; kvturn's override queues it on a
+  ``StreamFollower`` stored in that response's ``extensions`` (under ``FOLLOW_KEY``), which
+  assembles the queue every ``FOLD_EVERY`` chunks and, for what is left, before the
+  conversation's next turn; the reply is recorded once every choice has its
+  ``finish_reason``. Nothing is held back from the caller, no extra iterator layer is added,
+  and a stream abandoned or cut before the end leaves the reply unknown;
 * ``with_raw_response`` (``LegacyAPIResponse``): parsed now (openai caches the result, so the
   caller's ``parse()`` returns the same object), then as above;
 * ``with_streaming_response`` (``APIResponse``): the body is the caller's to read, so the reply
@@ -16,7 +17,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Final
 
 from openai import AsyncStream, BaseModel, Stream
 
@@ -36,7 +37,10 @@ log = logging.getLogger("kvturn")
 # Where a stream's follower lives: in its own response's ``extensions`` dict, so that it goes
 # with the response (an abandoned stream keeps nothing alive) and each chunk finds it with one
 # dict lookup (this runs once per streamed chunk).
-FOLLOW_KEY = "kvturn.follow"
+FOLLOW_KEY: Final = "kvturn.follow"
+# Chunks queued before they are assembled: bounds the memory a long stream holds, and is large
+# enough that the per-fold cost is spread thin.
+FOLD_EVERY: Final = 64
 
 
 def observe_reply(state: ConversationState, plan: TurnPlan, result: Any) -> None:
@@ -70,22 +74,48 @@ def _follow_stream(state: ConversationState, plan: TurnPlan,
     assembler: ChatReplyAssembler | CompletionReplyAssembler = (
         ChatReplyAssembler(plan.choices) if plan.api == "chat"
         else CompletionReplyAssembler(plan.choices))
+    follower = StreamFollower(state, plan, assembler, stream.response.extensions)
+    stream.response.extensions[FOLLOW_KEY] = follower
+    state.pending_reply(follower.fold)
 
-    extensions = stream.response.extensions
 
-    # Holds no reference to the response (the response holds this function).
-    def follow(data: Any) -> None:
+class StreamFollower:
+    """The reply of one stream, being seen: the client's ``_process_response_data`` queues each
+    chunk's JSON in ``chunks`` (a list append, no call of ours per chunk) and calls ``fold``
+    every ``FOLD_EVERY`` chunks; the conversation folds the rest before its next turn needs
+    the reply. Holds no reference to the response (the response holds it)."""
+
+    __slots__ = ("_assembler", "_extensions", "_plan", "_state", "chunks")
+
+    def __init__(self, state: ConversationState, plan: TurnPlan,
+                 assembler: ChatReplyAssembler | CompletionReplyAssembler,
+                 extensions: dict[str, Any]) -> None:
+        self.chunks: list[Any] = []
+        self._state, self._plan = state, plan
+        self._assembler = assembler
+        self._extensions = extensions
+
+    def fold(self) -> None:
+        """Assemble the queued chunks; once the reply is complete, hand it to the conversation
+        and stop following (later chunks, such as usage, are not needed)."""
+        chunks = self.chunks
+        count = len(chunks)  # chunks queued meanwhile (another thread reading) stay queued
         try:
-            if not assembler.add(data):
+            complete = self._assembler.add_all(chunks[:count])
+            del chunks[:count]
+            if not complete:
                 return
-            del extensions[FOLLOW_KEY]  # whole: later chunks (usage) are not needed
-            replies: Any = assembler.replies()
-            if isinstance(turn, CompletionTurn) and plan.echo:
+            self._stop()
+            replies: Any = self._assembler.replies()
+            turn = self._plan.turn
+            if isinstance(turn, CompletionTurn) and self._plan.echo:
                 replies = strip_echo(replies, str(turn.prompt))
-            state.finished(plan, replies)
+            self._state.finished(self._plan, replies)
         except Exception:  # bookkeeping must never break the caller's iteration
-            extensions.pop(FOLLOW_KEY, None)
+            self._stop()
             log.debug("kvturn: cannot follow the stream of conversation %s; reply left "
-                      "unknown", state.id, exc_info=True)
+                      "unknown", self._state.id, exc_info=True)
 
-    extensions[FOLLOW_KEY] = follow
+    def _stop(self) -> None:
+        self._extensions.pop(FOLLOW_KEY, None)
+        self.chunks.clear()

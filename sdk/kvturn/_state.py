@@ -84,6 +84,9 @@ class ConversationState:
         self.heartbeat: Any = None
         self._lock = threading.Lock()
         self._record: TurnRecord | None = None
+        # Assembles what a stream of the recorded turn has queued (_observe.StreamFollower):
+        # called before the next turn is compared with it.
+        self._fold_reply: Callable[[], None] | None = None
         self._seq = 0
 
     # --- structure and lifecycle -------------------------------------------------------------
@@ -128,15 +131,22 @@ class ConversationState:
 
     def prepare(self, options: FinalRequestOptions) -> TurnPlan | None:
         """Make ``options`` (openai's own copy for one attempt: changing it changes nothing of
-        the caller's) carry this conversation: the id in a header and, when there is a JSON
-        body, in the body, plus the reuse hint for a turn. Returns the turn's plan, or None for
-        requests that are not turns."""
-        headers = _as_dict(options.headers)
-        headers = {} if headers is None else dict(headers)
+        the caller's) carry this conversation, plus the reuse hint for a turn. Returns the
+        turn's plan, or None for requests that are not turns.
+
+        The id goes in the body when there is a JSON body (the router's first source), else in
+        the ``X-Conversation-ID`` header. Not in both: with httpx2 every header costs each
+        later header lookup of the request a step (openai and httpx2 make dozens), which made
+        the header the largest single part of the SDK's per-call overhead.
+        """
+        given = _as_dict(options.headers)
+        headers = dict(given) if given else None
+        header_id = None
+        if headers:
+            header_id = _pop_header(headers, HEADER_CONVERSATION_ID)
+            self._check_scope(header_id, "header")
         body = _as_dict(options.json_data)
         extra = options.extra_json
-        if headers:
-            self._check_scope(_pop_header(headers, HEADER_CONVERSATION_ID), "header")
         if body is not None:
             self._check_scope(body.get(BODY_CONVERSATION_ID), "body")
         if extra:
@@ -153,13 +163,22 @@ class ConversationState:
             requested = _pop_header(headers, HEADER_NO_REUSE) if headers else None
             plan = self._plan(api, merged, requested if isinstance(requested, str) else None)
             if plan.no_reuse is not None:
+                headers = headers if headers is not None else {}
                 headers[HEADER_NO_REUSE] = plan.no_reuse
 
-        headers[HEADER_CONVERSATION_ID] = self.id
+        if body is None or header_id is not None:
+            # No body to carry it, or the caller named it in a header too: then exactly one
+            # copy of the header goes (two spellings would be sent as a repeated header).
+            headers = headers if headers is not None else {}
+            headers[HEADER_CONVERSATION_ID] = self.id
         # New objects, never the shared ones changed in place: openai's copy is shallow.
-        options.headers = headers
+        if headers is not None:
+            options.headers = headers
         if body is not None:
-            options.extra_json = {**(extra or {}), BODY_CONVERSATION_ID: self.id}
+            # In the body itself: an extra_json makes openai merge the two (a walk of the body).
+            options.json_data = {**body, BODY_CONVERSATION_ID: self.id}
+            if extra and BODY_CONVERSATION_ID in extra:  # None there would win the merge
+                options.extra_json = {**extra, BODY_CONVERSATION_ID: self.id}
         return plan
 
     def _check_scope(self, value: Any, where: str) -> None:
@@ -172,7 +191,9 @@ class ConversationState:
         turn = (describe_chat(body) if api == "chat" else describe_completion(body)
                 if api == "completions" else None)
         with self._lock:
-            previous = self._record
+            previous, fold, self._fold_reply = self._record, self._fold_reply, None
+        if fold is not None:
+            fold()  # outside the lock: it ends in finished()
         # The caller's own X-KVTurn-No-Reuse wins: it knows something the SDK cannot see.
         reason = requested
         if reason is None and turn is not None:
@@ -193,6 +214,7 @@ class ConversationState:
             # This turn is now what the router retains (or tried to): the next one is compared
             # with it even if its reply is never seen (prefix-only check then).
             self._record = plan.turn
+            self._fold_reply = None
             self._last = report
         self.stats.turn(report)
 
@@ -200,6 +222,12 @@ class ConversationState:
     def last_turn(self) -> TurnInfo | None:
         last = self._last
         return None if last is None else last.info()
+
+    def pending_reply(self, fold: Callable[[], None]) -> None:
+        """The reply of the turn that started last arrives as a stream; ``fold`` assembles
+        what has come of it (the next turn calls it first)."""
+        with self._lock:
+            self._fold_reply = fold
 
     def finished(self, plan: TurnPlan, replies: Any) -> None:
         """Attach the complete reply to the record, unless a later turn has started since."""
@@ -212,5 +240,5 @@ class ConversationState:
     def forget(self) -> None:
         """Drop the continuity record (after a release there is nothing to extend)."""
         with self._lock:
-            self._record = None
+            self._record = self._fold_reply = None
             self._seq += 1

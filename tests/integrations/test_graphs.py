@@ -127,7 +127,7 @@ def test_create_agent_with_tools(router: FakeRouter, model: KVTurnChatOpenAI,
         messages = agent.invoke(inputs, thread("trip-1"))["messages"]
 
     assert router.turn_ids() == ["trip-1"] * 3
-    assert all(turn.headers["x-conversation-id"] == "trip-1" for turn in router.turns())
+    assert all(turn.body["conversation_id"] == "trip-1" for turn in router.turns())
     assert [turn.body.get("stream", False) for turn in router.turns()] == [streamed] * 3
     assert_extends(router)
     replies = [m for m in messages if isinstance(m, AIMessage)]
@@ -346,7 +346,7 @@ def test_keep_policy_leaves_the_lease_and_the_next_run_reuses(
     assert router.releases() == []
     assert router.turn_ids() == ["keep-1"] * 6
     assert_extends(router)  # the second run's first turn extends the first run's last
-    assert [t.headers.get("x-conversation-id") for t in router.turns()] == ["keep-1"] * 6
+    assert [t.conversation for t in router.turns()] == ["keep-1"] * 6
     assert model.release("keep-1") and router.releases() == ["keep-1"]
 
 

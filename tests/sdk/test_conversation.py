@@ -10,7 +10,7 @@ import openai
 import pytest
 
 import kvturn
-from kvturn._observe import FOLLOW_KEY
+from kvturn._observe import FOLD_EVERY, FOLLOW_KEY
 from tests.fakes.router import FakeRouter, chat_chunks, chat_completion, completion, error
 
 MODEL = "kvturn-tiny"
@@ -24,17 +24,20 @@ def ask(conversation: kvturn.Conversation, messages: list[Any], **kwargs: Any) -
 
 # --- identity -------------------------------------------------------------------------------
 
-def test_every_request_carries_the_id_in_body_and_header(client: kvturn.OpenAI,
-                                                         router: FakeRouter) -> None:
+def test_every_request_carries_the_id_once_in_body_or_header(client: kvturn.OpenAI,
+                                                              router: FakeRouter) -> None:
+    # A JSON body carries it (the router's first source), a request without one the header:
+    # never both (every header costs each later header lookup of the request; docs/sdk.md).
     conversation = client.conversation("trip/42:a#b")
     ask(conversation, [{"role": "user", "content": "Hi"}])
     conversation.completions.create(model=MODEL, prompt="Hi")
     list(ask(conversation, [{"role": "user", "content": "Hi"}], stream=True))
     conversation.models.list()
-    for sent in router.requests:
-        assert sent.conversation_header == "trip/42:a#b"
     assert [r.body["conversation_id"] for r in router.turns()] == ["trip/42:a#b"] * 3
+    assert all(r.conversation_header is None for r in router.turns())
     assert router.requests[-1].method == "GET" and router.requests[-1].body is None
+    assert router.requests[-1].conversation_header == "trip/42:a#b"
+    assert [r.conversation for r in router.requests] == ["trip/42:a#b"] * 4
 
 
 def test_a_generated_id_is_random_and_stable(client: kvturn.OpenAI, router: FakeRouter) -> None:
@@ -43,7 +46,7 @@ def test_a_generated_id_is_random_and_stable(client: kvturn.OpenAI, router: Fake
     assert re.fullmatch(r"kvt-[0-9a-f]{32}", first.id)
     ask(first, [{"role": "user", "content": "a"}])
     ask(first.with_options(timeout=9), [{"role": "user", "content": "b"}])
-    assert {r.conversation_header for r in router.turns()} == {first.id}
+    assert {r.conversation for r in router.turns()} == {first.id}
 
 
 @pytest.mark.parametrize("bad", ["", "has space", "x" * 257, "caf\u00e9", "tab\t", 7])
@@ -91,7 +94,7 @@ def test_forks_are_their_own_conversations(client: kvturn.OpenAI, router: FakeRo
     assert left.fork("deep").id == "run-1/search/deep"
     assert re.fullmatch(r"run-1/[0-9a-f]{8}", parent.fork().id)
     ask(left, [{"role": "user", "content": "x"}])
-    assert router.turns()[-1].conversation_header == "run-1/search"
+    assert router.turns()[-1].conversation == "run-1/search"
     assert left.stats.turns == 1 and parent.stats.turns == 0
     with pytest.raises(kvturn.InvalidConversationIdError):
         parent.fork("no spaces")
@@ -239,6 +242,32 @@ def test_a_streamed_reply_is_reassembled_without_buffering(client: kvturn.OpenAI
                  {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]
     ask(conversation, messages)
     assert router.turns()[-1].no_reuse is None
+
+
+def test_a_long_stream_is_assembled_in_bounded_batches(client: kvturn.OpenAI,
+                                                       router: FakeRouter) -> None:
+    words = [f"w{i}" for i in range(3 * FOLD_EVERY)]
+    router.stream_reply = lambda r: chat_chunks(" ".join(words))
+    conversation = client.conversation()
+    messages: list[Any] = [{"role": "user", "content": "Talk"}]
+    stream = ask(conversation, messages, stream=True)
+    follower = stream.response.extensions[FOLLOW_KEY]
+    queued = []
+    for _ in stream:
+        if FOLLOW_KEY in stream.response.extensions:
+            queued.append(len(follower.chunks))
+    assert len(queued) > 2 * FOLD_EVERY and max(queued) < FOLD_EVERY  # memory stays bounded
+    assert follower.chunks  # the tail waits (a chunk of ours per chunk would cost more)
+    # the tail is assembled when the next turn is compared: the exact reply extends...
+    ask(conversation, [*messages, {"role": "assistant", "content": " ".join(words)},
+                       {"role": "user", "content": "More"}])
+    assert router.turns()[-1].no_reuse is None
+    # ...and one word changed near its end does not
+    conversation = client.conversation()
+    list(ask(conversation, messages, stream=True))
+    ask(conversation, [*messages, {"role": "assistant", "content": " ".join([*words[:-1], "x"])},
+                       {"role": "user", "content": "More"}])
+    assert router.turns()[-1].no_reuse == "reply-changed"
 
 
 def test_a_stream_abandoned_midway_leaves_only_a_prefix_check(client: kvturn.OpenAI,

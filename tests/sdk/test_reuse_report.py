@@ -18,7 +18,7 @@ def scripted(outcome: str | None, tokens: str | None = None) -> Any:
         headers = {"x-request-id": "req-x"}
         if outcome is not None:
             headers["X-KVTurn-Reuse"] = outcome
-            headers["X-KVTurn-Conversation"] = recorded.conversation_header or ""
+            headers["X-KVTurn-Conversation"] = recorded.conversation or ""
         if tokens is not None:
             headers["X-KVTurn-Reused-Tokens"] = tokens
         return httpx2.Response(200, headers=headers, json=chat_completion())

@@ -636,7 +636,7 @@ async def test_both_modes_run_every_turn_and_read_usage_and_reuse_headers() -> N
     for conversation in {t["conversation_id"] for t in on}:
         requests = by_id[conversation]
         assert len(requests) == 3
-        assert all(r["headers"]["x-conversation-id"] == conversation for r in requests)
+        assert all("x-conversation-id" not in r["headers"] for r in requests)  # body only
         assert all("x-kvturn-no-reuse" not in r["headers"] for r in requests)
         first, second = requests[0]["body"]["messages"], requests[1]["body"]["messages"]
         assert second[:len(first)] == first

@@ -39,7 +39,7 @@ from kvturn._compat import FinalRequestOptions, get_platform, timeout_exceptions
 from kvturn._constants import DEFAULT_KEEPALIVE_INTERVAL
 from kvturn._endpoints import router_root
 from kvturn._identity import new_conversation_id, validate_conversation_id
-from kvturn._observe import FOLD_EVERY, FOLLOW_KEY, observe_reply
+from kvturn._observe import FOLD_EVERY, FOLLOW_KEY, observe_turn
 from kvturn._retry import RetryPolicy, past_deadline, retry_wait, transient_status
 from kvturn._state import ConversationState, TurnPlan
 
@@ -221,8 +221,8 @@ class KVTurnClientBase(_OpenAIClient):
         _CALL.set(None)  # do not keep this call's objects alive in this context
         state, plan = self._kvturn_conversation, call.plan
         if state is not None and plan is not None and call.options is options:
-            state.started(plan, response, attempts=retries_taken + 1, streamed=stream)
-            observe_reply(state, plan, result)
+            observe_turn(state, plan, response, result, attempts=retries_taken + 1,
+                         streamed=stream)
         return result
 
     def _process_response_data(self, *, data: object, cast_to: type[_T],

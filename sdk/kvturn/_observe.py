@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Final
 
+import httpx2
 from openai import AsyncStream, BaseModel, Stream
 
 from kvturn._compat import APIResponse, AsyncAPIResponse, LegacyAPIResponse
@@ -43,27 +44,34 @@ FOLLOW_KEY: Final = "kvturn.follow"
 FOLD_EVERY: Final = 64
 
 
-def observe_reply(state: ConversationState, plan: TurnPlan, result: Any) -> None:
-    """Arrange for ``state`` to learn the reply carried by ``result``."""
+def observe_turn(state: ConversationState, plan: TurnPlan, response: httpx2.Response,
+                 result: Any, *, attempts: int, streamed: bool) -> None:
+    """Record the turn the router answered with ``response`` and arrange for ``state`` to
+    learn the reply carried by ``result``, openai's processed response."""
     if isinstance(result, BaseModel):  # the usual case first: a parsed completion
-        _finish_parsed(state, plan, result)
+        state.started(plan, response, attempts=attempts, streamed=streamed,
+                      replies=_parsed_replies(plan, result))
         return
     if isinstance(result, LegacyAPIResponse):
         try:
             result = result.parse()
         except Exception:  # the caller's own parse() will raise the same error
-            return
+            result = None
     if isinstance(result, Stream | AsyncStream):
+        state.started(plan, response, attempts=attempts, streamed=streamed)
         _follow_stream(state, plan, result)
-    elif not isinstance(result, APIResponse | AsyncAPIResponse):
-        _finish_parsed(state, plan, result)
+        return
+    known = result is not None and not isinstance(result, APIResponse | AsyncAPIResponse)
+    state.started(plan, response, attempts=attempts, streamed=streamed,
+                  replies=_parsed_replies(plan, result) if known else None)
 
 
-def _finish_parsed(state: ConversationState, plan: TurnPlan, result: Any) -> None:
+def _parsed_replies(plan: TurnPlan, result: Any) -> Any:
     if plan.api == "chat":
-        state.finished(plan, chat_replies(result))
-    elif isinstance(plan.turn, CompletionTurn):
-        state.finished(plan, completion_replies(result, plan.turn, plan.echo))
+        return chat_replies(result)
+    if isinstance(plan.turn, CompletionTurn):
+        return completion_replies(result, plan.turn, plan.echo)
+    return None
 
 
 def _follow_stream(state: ConversationState, plan: TurnPlan,

@@ -139,16 +139,18 @@ class ConversationState:
         later header lookup of the request a step (openai and httpx2 make dozens), which made
         the header the largest single part of the SDK's per-call overhead.
         """
-        given = _as_dict(options.headers)
+        given = options.headers  # openai's NotGiven is falsy
         headers = dict(given) if given else None
         header_id = None
         if headers:
             header_id = _pop_header(headers, HEADER_CONVERSATION_ID)
             self._check_scope(header_id, "header")
-        body = _as_dict(options.json_data)
+        body = options.json_data
+        if type(body) is not dict:
+            body = _as_dict(body)
         extra = options.extra_json
-        if body is not None:
-            self._check_scope(body.get(BODY_CONVERSATION_ID), "body")
+        if body is not None and body.get(BODY_CONVERSATION_ID) is not None:
+            self._check_scope(body[BODY_CONVERSATION_ID], "body")
         if extra:
             self._check_scope(extra.get(BODY_CONVERSATION_ID), "body")
 
@@ -205,17 +207,22 @@ class ConversationState:
     # --- after the router answered -----------------------------------------------------------
 
     def started(self, plan: TurnPlan, response: httpx2.Response, *, attempts: int,
-                streamed: bool) -> None:
+                streamed: bool, replies: Any = None) -> None:
+        """The router answered the turn (``response``); ``replies``, when already known (a
+        parsed response), is its reply."""
         report = TurnReport(response.headers, conversation_id=self.id, api=plan.api,
                             no_reuse_reason=plan.no_reuse, attempts=attempts, streamed=streamed)
+        turn = plan.turn
         with self._lock:
             self._seq += 1
             plan.seq = self._seq
             # This turn is now what the router retains (or tried to): the next one is compared
             # with it even if its reply is never seen (prefix-only check then).
-            self._record = plan.turn
+            self._record = turn
             self._fold_reply = None
             self._last = report
+            if turn is not None and replies is not None:
+                turn.set_replies(replies)
         self.stats.turn(report)
 
     @property
@@ -230,7 +237,8 @@ class ConversationState:
             self._fold_reply = fold
 
     def finished(self, plan: TurnPlan, replies: Any) -> None:
-        """Attach the complete reply to the record, unless a later turn has started since."""
+        """Attach the complete reply (of a stream) to the record, unless a later turn has
+        started since."""
         if plan.turn is None or replies is None:
             return
         with self._lock:

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Final
 
 import httpx2
@@ -93,7 +94,7 @@ class StreamFollower:
     every ``FOLD_EVERY`` chunks; the conversation folds the rest before its next turn needs
     the reply. Holds no reference to the response (the response holds it)."""
 
-    __slots__ = ("_assembler", "_extensions", "_plan", "_state", "chunks")
+    __slots__ = ("_assembler", "_extensions", "_lock", "_plan", "_state", "chunks")
 
     def __init__(self, state: ConversationState, plan: TurnPlan,
                  assembler: ChatReplyAssembler | CompletionReplyAssembler,
@@ -102,18 +103,24 @@ class StreamFollower:
         self._state, self._plan = state, plan
         self._assembler = assembler
         self._extensions = extensions
+        # The reading thread folds every FOLD_EVERY chunks, and a turn sent meanwhile from
+        # another thread folds too: one at a time, so no chunk is assembled twice.
+        self._lock = threading.Lock()
 
     def fold(self) -> None:
         """Assemble the queued chunks; once the reply is complete, hand it to the conversation
         and stop following (later chunks, such as usage, are not needed)."""
         chunks = self.chunks
-        count = len(chunks)  # chunks queued meanwhile (another thread reading) stay queued
         try:
-            complete = self._assembler.add_all(chunks[:count])
-            del chunks[:count]
-            if not complete:
-                return
-            self._stop()
+            with self._lock:
+                if self._extensions.get(FOLLOW_KEY) is not self:
+                    return  # stopped: the reply was handed over, or cannot be known
+                count = len(chunks)  # chunks queued meanwhile stay queued
+                complete = self._assembler.add_all(chunks[:count])
+                del chunks[:count]
+                if not complete:
+                    return
+                self._stop()
             replies: Any = self._assembler.replies()
             turn = self._plan.turn
             if isinstance(turn, CompletionTurn) and self._plan.echo:

@@ -18,8 +18,11 @@ def test_a_tiny_run_writes_every_mode(tmp_path: Path) -> None:
     assert [(m["mode"], m["stream"]) for m in data["modes"]] == [
         ("sync", False), ("sync", True), ("async", False), ("async", True)]
     for mode in data["modes"]:
-        assert set(mode) == {"mode", "stream", "plain_us", "kvturn_us", "overhead_us", "own_us"}
+        assert set(mode) == {"mode", "stream", "plain_us", "kvturn_us", "overhead_us", "own_us",
+                             "overhead_pct", "extra_bytecodes"}
         assert mode["plain_us"] > 0 and mode["kvturn_us"] > 0 and mode["own_us"] > 0
+        # kvturn's hooks run on every call: a kvturn call executes more instructions
+        assert mode["extra_bytecodes"] > 0
     assert isinstance(data["within_target"], bool)
     assert data["machine"]["cpus"] >= 1 and len(data["machine"]["load_average_before"]) == 3
     assert "overhead us" in lines[0]

@@ -19,6 +19,13 @@ charged it tens of microseconds that were the order's, not the SDK's.
 the paired calls): the time spent in kvturn's hooks of openai's request loop (``_build_request``,
 ``_process_response``, ``_process_response_data``, once per stream chunk) outside openai's own
 implementations of them.
+
+Times on a shared or virtual host drift by tens of percent between runs, so each mode also
+reports ``extra_bytecodes``: how many more bytecode instructions a kvturn call executes than the
+plain one (counted with ``sys.settrace`` opcode events in a last pass). It does not depend on
+the host's speed or load, so it compares the SDK's work across runs and machines; how long an
+instruction takes does not (kvturn's, straight-line code run once a call, cost several times
+openai's average on the dev host).
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import httpx2
@@ -65,6 +74,8 @@ class ModeResult:
     kvturn_us: float
     overhead_us: float
     own_us: float
+    overhead_pct: float  # overhead_us against plain_us
+    extra_bytecodes: int  # per call, kvturn's over the plain client's (see the docstring)
 
 
 @dataclass(frozen=True)
@@ -196,6 +207,7 @@ class _Samples:
         self.plain: list[int] = []
         self.kvturn: list[int] = []
         self.own: list[int] = []
+        self.extra_bytecodes = 0
 
     def kvturn_first(self) -> bool:
         """Whether the coming pair times the kvturn call first (every other pair)."""
@@ -213,11 +225,50 @@ class _Samples:
     def result(self, mode: str, stream: bool) -> tuple[ModeResult, Spread]:
         paired = self.paired()
         quartiles = [quantile(paired, q) for q in (0.25, 0.5, 0.75)]
-        return (ModeResult(mode=mode, stream=stream, plain_us=_median_us(self.plain),
-                           kvturn_us=_median_us(self.kvturn), overhead_us=_median_us(paired),
-                           own_us=_median_us(self.own)),
+        plain_us, overhead_us = _median_us(self.plain), _median_us(paired)
+        return (ModeResult(mode=mode, stream=stream, plain_us=plain_us,
+                           kvturn_us=_median_us(self.kvturn), overhead_us=overhead_us,
+                           own_us=_median_us(self.own),
+                           overhead_pct=round(100 * overhead_us / plain_us, 2) if plain_us else 0.0,
+                           extra_bytecodes=self.extra_bytecodes),
                 Spread(mode=mode, stream=stream, overhead_p25_us=round(quartiles[0] / 1000, 1),
                        overhead_p75_us=round(quartiles[2] / 1000, 1)))
+
+
+class _Bytecodes:
+    """Counts the bytecode instructions the calls made inside ``counting`` execute, per side."""
+
+    CALLS = 10  # per side: the count is exact, a few calls average the turns of a conversation
+
+    def __init__(self) -> None:
+        self.plain = 0
+        self.kvturn = 0
+        self.calls = 0
+
+    @contextmanager
+    def counting(self, *, kvturn_side: bool) -> Iterator[None]:
+        counted = 0
+
+        def trace(frame: FrameType, event: str, arg: object) -> Any:
+            nonlocal counted
+            frame.f_trace_opcodes = True
+            if event == "opcode":
+                counted += 1
+            return trace
+
+        previous = sys.gettrace()
+        sys.settrace(trace)
+        try:
+            yield
+        finally:
+            sys.settrace(previous)
+            if kvturn_side:
+                self.kvturn += counted
+            else:
+                self.plain += counted
+
+    def extra(self) -> int:
+        return round((self.kvturn - self.plain) / self.calls) if self.calls else 0
 
 
 def _collect_conversation() -> None:
@@ -274,6 +325,18 @@ def _bench_sync(calls: int, stream: bool) -> tuple[ModeResult, Spread]:
                         samples.own.append(timer.take())
                 del conversation
                 _collect_conversation()
+        counter = _Bytecodes()
+        while counter.calls < counter.CALLS:
+            with client.conversation() as conversation:
+                for messages in _turns():
+                    with counter.counting(kvturn_side=False):
+                        call(plain, messages)
+                    with counter.counting(kvturn_side=True):
+                        call(conversation, messages)
+                    counter.calls += 1
+            del conversation
+            _collect_conversation()
+        samples.extra_bytecodes = counter.extra()
     finally:
         client.close()
         plain.close()
@@ -319,6 +382,18 @@ async def _bench_async(calls: int, stream: bool) -> tuple[ModeResult, Spread]:
                         samples.own.append(timer.take())
                 del conversation
                 _collect_conversation()
+        counter = _Bytecodes()
+        while counter.calls < counter.CALLS:
+            async with client.conversation() as conversation:
+                for messages in _turns():
+                    with counter.counting(kvturn_side=False):
+                        await call(plain, messages)
+                    with counter.counting(kvturn_side=True):
+                        await call(conversation, messages)
+                    counter.calls += 1
+            del conversation
+            _collect_conversation()
+        samples.extra_bytecodes = counter.extra()
     finally:
         await client.close()
         await plain.close()
@@ -366,10 +441,11 @@ def run_sdk_bench(calls: int, json_path: Path,
 
 def _table(results: list[ModeResult], spreads: list[Spread]) -> str:
     header = (f"{'client':<7} {'stream':<7} {'openai us':>10} {'kvturn us':>10} "
-              f"{'overhead us':>12} {'p25..p75':>14} {'own us':>8}")
+              f"{'overhead us':>12} {'p25..p75':>14} {'%':>6} {'own us':>8} {'bytecodes':>10}")
     rows = [f"{r.mode:<7} {'yes' if r.stream else 'no':<7} {r.plain_us:>10.1f} "
             f"{r.kvturn_us:>10.1f} {r.overhead_us:>12.1f} "
-            f"{f'{s.overhead_p25_us:.1f}..{s.overhead_p75_us:.1f}':>14} {r.own_us:>8.1f}"
+            f"{f'{s.overhead_p25_us:.1f}..{s.overhead_p75_us:.1f}':>14} "
+            f"{r.overhead_pct:>6.2f} {r.own_us:>8.1f} {r.extra_bytecodes:>+10d}"
             for r, s in zip(results, spreads, strict=True)]
     return "\n".join([header, *rows])
 

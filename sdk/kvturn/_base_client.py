@@ -14,8 +14,8 @@ microseconds in these hooks (``tests/sdk/test_canary.py`` pins each):
 * ``_process_response``: the response of the attempt that succeeded; a scoped client reads the
   router's reuse report there and arranges to see the reply (``_observe``).
 * ``_process_response_data``: openai's decoding of each JSON payload, stream chunks included;
-  a streamed response of a scoped client carries a reply assembler, fed each chunk
-  (``_observe``).
+  a streamed response of a scoped client carries a follower, and each chunk is queued on it
+  (a list append; the follower assembles the queue in batches, ``_observe``).
 * ``copy`` / ``with_options``: carry kvturn's settings and the conversation to the copy; and
   ``__new__`` picks the scoped class when a conversation is handed over.
 * ``user_agent``: openai's own value, whatever the subclass is called.

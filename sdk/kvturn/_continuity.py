@@ -51,8 +51,7 @@ the server generated).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import chain, compress, repeat
-from operator import gt, is_, is_not, itemgetter, methodcaller, or_
+from itertools import chain
 from typing import Any, TypeAlias
 
 import openai
@@ -325,7 +324,7 @@ class _ReplyAssembler:
         """Take one chunk's JSON; True once the reply is complete."""
         return self.add_all((data,))
 
-    def add_all(self, chunks: Sequence[Any]) -> bool:
+    def add_all(self, chunks: Iterable[Any]) -> bool:
         """Take chunks' JSON in order; True once the reply is complete."""
         raise NotImplementedError
 
@@ -348,24 +347,11 @@ class ChatReplyAssembler(_ReplyAssembler):
         super().__init__(choices)
         self._choices: dict[int, _ChoiceParts] = {}
 
-    def add_all(self, chunks: Sequence[Any]) -> bool:
+    def add_all(self, chunks: Iterable[Any]) -> bool:
         """Take chunks' JSON in order; True once the reply is complete."""
+        # Runs over every streamed chunk: the usual delta ({"content": piece}) takes the short
+        # way, and the loop is inline (a call per chunk would cost about as much again).
         parts_of, finished = self._choices, self._finished
-        usual = _single_choice(chunks)
-        if usual is not None:
-            contents, rare, finish = usual
-            if contents or rare or finish:
-                parts = parts_of.get(0)
-                if parts is None:
-                    parts = parts_of[0] = _ChoiceParts()
-                parts.content.extend(contents)
-                for delta in rare:
-                    parts.add_rare(delta)
-                if finish:
-                    finished.add(0)
-            return len(finished) >= self._expected
-        # Any other shape, one chunk at a time: the usual delta ({"content": piece}) takes the
-        # short way, and the loop is inline (a call per chunk would cost about as much again).
         for data in chunks:
             for choice in data.get("choices") or ():
                 index = choice.get("index", 0)
@@ -385,45 +371,6 @@ class ChatReplyAssembler(_ReplyAssembler):
 
     def replies(self) -> list[Message]:
         return [self._choices[index].message() for index in sorted(self._choices)]
-
-
-_CHOICES = itemgetter("choices")
-_FIRST = itemgetter(0)
-_INDEX = methodcaller("get", "index", 0)
-_DELTA = methodcaller("get", "delta")
-_CONTENT = methodcaller("get", "content")
-_FINISH = methodcaller("get", "finish_reason")
-_NONES = repeat(None)
-_ONES = repeat(1)
-
-
-def _single_choice(
-        chunks: Sequence[Any]) -> tuple[list[str], list[dict[str, Any]], bool] | None:
-    """What the usual stream's chunks hold, read in C: every chunk has a ``choices`` list of at
-    most one choice, of index 0, whose ``delta`` is a dict. Returns the non-empty content
-    pieces, the deltas ``ChatReplyAssembler.add_all``'s loop would hand to ``add_rare``
-    (non-empty, with content ``None`` or other fields too), in order, and
-    whether a ``finish_reason`` came; None for any other shape (nothing is changed then).
-
-    Each step is a ``map`` over all the chunks, with no bytecode of ours per chunk: a streamed
-    reply costs kvturn about a fifth of what the loop costs, the difference between the SDK's
-    share of a long stream and most of it.
-    """
-    try:
-        choice_lists = list(map(_CHOICES, chunks))
-        if not set(map(len, choice_lists)) <= {0, 1}:
-            return None
-        firsts = list(map(_FIRST, filter(None, choice_lists)))
-        if not set(map(_INDEX, firsts)) <= {0}:
-            return None
-        deltas = list(map(_DELTA, firsts))
-        contents = list(map(_CONTENT, deltas))
-        rare_flags = map(or_, map(is_, contents, _NONES), map(gt, map(len, deltas), _ONES))
-        rare = [delta for delta in compress(deltas, rare_flags) if delta]  # few: role, finish
-        finish = any(map(is_not, map(_FINISH, firsts), _NONES))
-    except (AttributeError, KeyError, TypeError):  # not a dict, a list, ... where expected
-        return None
-    return list(filter(None, contents)), rare, finish
 
 
 class _ChoiceParts:
@@ -485,7 +432,7 @@ class CompletionReplyAssembler(_ReplyAssembler):
         super().__init__(choices)
         self._texts: dict[int, list[str]] = {}
 
-    def add_all(self, chunks: Sequence[Any]) -> bool:
+    def add_all(self, chunks: Iterable[Any]) -> bool:
         """Take chunks' JSON in order; True once the reply is complete."""
         texts, finished = self._texts, self._finished
         for data in chunks:

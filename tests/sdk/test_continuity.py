@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import copy
-import random
 from typing import Any
 
 import pytest
 from openai.types.chat import ChatCompletionMessage
 
-from kvturn import _continuity
 from kvturn._continuity import (
     ChatReplyAssembler,
     ChatTurn,
@@ -201,50 +199,6 @@ def test_streamed_chunks_are_reassembled_from_their_json() -> None:
     assert assembler.complete
     assert assembler.replies() == [normalise_message(
         {"role": "assistant", "content": "Hello", "reasoning": "think ", "tool_calls": [CALL]})]
-
-
-def _random_chunks(rng: random.Random) -> list[Any]:
-    """Chunks of every shape a stream may send: usual deltas, rare fields, empty and missing
-    deltas, usage chunks, other indexes, several choices, malformed values."""
-    deltas: list[Any] = [
-        {"content": "a"}, {"content": "b "}, {"content": ""}, {"content": None},
-        {"role": "assistant", "content": ""}, {"reasoning": "r"}, {"reasoning_content": "q"},
-        {"content": "c", "reasoning": None}, {"refusal": "no"}, {}, None,
-        {"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f",
-                                                                  "arguments": "{"}}]},
-        {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}]
-
-    def choice(index: int = 0) -> dict[str, Any]:
-        return {"index": index, "delta": rng.choice(deltas),
-                "finish_reason": rng.choice([None, None, None, "stop"])}
-
-    shapes = [lambda: {"choices": [choice()]}] * 8 + [
-        lambda: {"choices": []}, lambda: {"choices": None}, lambda: {},
-        lambda: {"choices": [choice(1)]}, lambda: {"choices": [choice(0), choice(1)]},
-        lambda: {"choices": [{"delta": {"content": "d"}, "finish_reason": None}]}]
-    return [rng.choice(shapes)() for _ in range(rng.randrange(0, 12))]
-
-
-@pytest.mark.parametrize("seed", range(300))
-def test_the_fast_read_of_usual_chunks_equals_the_loop(seed: int,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    # add_all reads a batch of usual chunks with C-level maps; any batch must assemble exactly
-    # as the one-chunk-at-a-time loop does (which runs when that read declines).
-    rng = random.Random(seed)
-    batches = [_random_chunks(rng) for _ in range(rng.randrange(1, 4))]
-
-    def assemble() -> tuple[bool, list[Any]] | str:
-        assembler = ChatReplyAssembler(choices=rng_choices)
-        try:
-            complete = [assembler.add_all(batch) for batch in batches][-1]
-            return complete, assembler.replies()
-        except Exception as error:  # the follower then stops: only that it raised matters
-            return type(error).__name__
-
-    rng_choices = 1 + seed % 2
-    fast = assemble()
-    monkeypatch.setattr(_continuity, "_single_choice", lambda chunks: None)
-    assert fast == assemble()
 
 
 def test_a_reply_with_several_choices_is_whole_when_all_have_finished() -> None:

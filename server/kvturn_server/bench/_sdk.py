@@ -25,7 +25,8 @@ reports ``extra_bytecodes``: how many more bytecode instructions a kvturn call e
 plain one (counted with ``sys.settrace`` opcode events in a last pass). It does not depend on
 the host's speed or load, so it compares the SDK's work across runs and machines; how long an
 instruction takes does not (kvturn's, straight-line code run once a call, cost several times
-openai's average on the dev host).
+openai's average on the dev host), and a call into C counts as one whatever it does: check a
+change that trades loops for C calls with a timer too.
 """
 
 from __future__ import annotations

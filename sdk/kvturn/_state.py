@@ -64,6 +64,13 @@ def _pop_header(headers: MutableMapping[str, Any], name: str) -> Any:
     return value
 
 
+def _multipart(headers: Mapping[str, Any]) -> bool:
+    """Whether openai sends the body as multipart form fields (its own test: a Content-Type
+    starting with ``multipart/form-data``)."""
+    return any(key.lower() == "content-type" and isinstance(value, str)
+               and value.startswith("multipart/form-data") for key, value in headers.items())
+
+
 class ConversationState:
     """Identity, continuity record, reuse counters and lifecycle of one conversation.
 
@@ -168,17 +175,21 @@ class ConversationState:
                 headers = headers if headers is not None else {}
                 headers[HEADER_NO_REUSE] = plan.no_reuse
 
-        if body is None or header_id is not None:
-            # No body to carry it, or the caller named it in a header too: then exactly one
-            # copy of the header goes (two spellings would be sent as a repeated header).
+        # A body with files, or a multipart Content-Type, is sent as form fields (or, files
+        # without that header, not at all), where the router never looks: not a JSON body.
+        json_body = body if body is not None and options.files is None and not (
+            headers and _multipart(headers)) else None
+        if json_body is None or header_id is not None:
+            # No JSON body to carry it, or the caller named it in a header too: then exactly
+            # one copy of the header goes (two spellings would be sent as a repeated header).
             headers = headers if headers is not None else {}
             headers[HEADER_CONVERSATION_ID] = self.id
         # New objects, never the shared ones changed in place: openai's copy is shallow.
         if headers is not None:
             options.headers = headers
-        if body is not None:
+        if json_body is not None:
             # In the body itself: an extra_json makes openai merge the two (a walk of the body).
-            options.json_data = {**body, BODY_CONVERSATION_ID: self.id}
+            options.json_data = {**json_body, BODY_CONVERSATION_ID: self.id}
             if extra and BODY_CONVERSATION_ID in extra:  # None there would win the merge
                 options.extra_json = {**extra, BODY_CONVERSATION_ID: self.id}
         return plan

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import re
 from typing import Any
 
@@ -38,6 +39,23 @@ def test_every_request_carries_the_id_once_in_body_or_header(client: kvturn.Open
     assert router.requests[-1].method == "GET" and router.requests[-1].body is None
     assert router.requests[-1].conversation_header == "trip/42:a#b"
     assert [r.conversation for r in router.requests] == ["trip/42:a#b"] * 4
+
+
+def test_a_form_body_is_no_json_body_and_the_header_carries_the_id(client: kvturn.OpenAI,
+                                                                    router: FakeRouter) -> None:
+    # openai sends a body with files as multipart form fields (with files but no multipart
+    # Content-Type, not at all): the router never reads those, so the header carries the id.
+    conversation = client.conversation("up-1")
+    uploaded = {"id": "file-1", "object": "file", "bytes": 3, "created_at": 1,
+                "filename": "a.jsonl", "purpose": "batch", "status": "processed"}
+    router.script.extend([httpx2.Response(200, json=uploaded) for _ in range(2)])
+    conversation.files.create(file=("a.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+    conversation.post("/uploads", body={"purpose": "batch"}, cast_to=httpx2.Response,
+                      files=[("file", ("a.jsonl", io.BytesIO(b"{}\n")))])
+    for sent in router.requests:
+        assert sent.conversation_header == "up-1"
+        assert b'name="conversation_id"' not in sent.body
+    assert b'name="purpose"' in router.requests[0].body  # the caller's own fields still go
 
 
 def test_a_generated_id_is_random_and_stable(client: kvturn.OpenAI, router: FakeRouter) -> None:

@@ -204,7 +204,10 @@ class ConversationState:
         turn = (describe_chat(body) if api == "chat" else describe_completion(body)
                 if api == "completions" else None)
         with self._lock:
-            previous, fold, self._fold_reply = self._record, self._fold_reply, None
+            # The fold stays set until a turn starts (``started``): this one may still fail,
+            # and the stream's tail is then the next turn's to assemble. A second call
+            # assembles only what was queued since.
+            previous, fold = self._record, self._fold_reply
         if fold is not None:
             fold()  # outside the lock: it ends in finished()
         # The caller's own X-KVTurn-No-Reuse wins: it knows something the SDK cannot see.

@@ -303,6 +303,24 @@ def test_a_stream_abandoned_midway_leaves_only_a_prefix_check(client: kvturn.Ope
     assert router.turns()[-1].no_reuse == "edited"
 
 
+def test_a_turn_refused_mid_stream_leaves_the_streams_reply_to_the_next_turn(
+        client: kvturn.OpenAI, router: FakeRouter) -> None:
+    # The refused turn started nothing: the stream's turn is still the record, and its reply
+    # (assembled when a later turn needs it) is still compared in full.
+    router.stream_reply = lambda r: chat_chunks("Hello there")
+    conversation = client.conversation()
+    messages: list[Any] = [{"role": "user", "content": "Hi"}]
+    stream = ask(conversation, messages, stream=True)
+    next(stream)
+    router.script.append(error(400))
+    with pytest.raises(openai.BadRequestError):
+        ask(conversation, [*messages, {"role": "user", "content": "too soon"}])
+    list(stream)
+    ask(conversation, [*messages, {"role": "assistant", "content": "Hello here"},
+                       {"role": "user", "content": "?"}])
+    assert router.turns()[-1].no_reuse == "reply-changed"
+
+
 def test_a_stream_cut_before_finish_reason_is_not_a_reply(client: kvturn.OpenAI,
                                                           router: FakeRouter) -> None:
     router.stream_reply = lambda r: chat_chunks("Partial answer", finish=False)

@@ -110,26 +110,34 @@ class StreamFollower:
     def fold(self) -> None:
         """Assemble the queued chunks; once the reply is complete, hand it to the conversation
         and stop following (later chunks, such as usage, are not needed)."""
-        chunks = self.chunks
-        try:
-            with self._lock:
-                if self._extensions.get(FOLLOW_KEY) is not self:
-                    return  # stopped: the reply was handed over, or cannot be known
-                count = len(chunks)  # chunks queued meanwhile stay queued
-                complete = self._assembler.add_all(chunks[:count])
-                del chunks[:count]
-                if not complete:
-                    return
+        with self._lock:
+            if self._extensions.get(FOLLOW_KEY) is not self:
+                return  # stopped: the reply was handed over, or cannot be known
+            try:
+                replies = self._assemble()
+            except Exception:  # bookkeeping must never break the caller's iteration
+                replies = None
+                log.debug("kvturn: cannot follow the stream of conversation %s; reply left "
+                          "unknown", self._state.id, exc_info=True)
                 self._stop()
-            replies: Any = self._assembler.replies()
-            turn = self._plan.turn
-            if isinstance(turn, CompletionTurn) and self._plan.echo:
-                replies = strip_echo(replies, str(turn.prompt))
+        if replies is not None:
+            # Outside the lock: finished() takes the conversation's.
             self._state.finished(self._plan, replies)
-        except Exception:  # bookkeeping must never break the caller's iteration
-            self._stop()
-            log.debug("kvturn: cannot follow the stream of conversation %s; reply left "
-                      "unknown", self._state.id, exc_info=True)
+
+    def _assemble(self) -> Any:
+        """The reply, once the queued chunks complete it (following then stops); else None."""
+        chunks = self.chunks
+        count = len(chunks)  # chunks queued meanwhile stay queued
+        complete = self._assembler.add_all(chunks[:count])
+        del chunks[:count]
+        if not complete:
+            return None
+        self._stop()
+        replies: Any = self._assembler.replies()
+        turn = self._plan.turn
+        if isinstance(turn, CompletionTurn) and self._plan.echo:
+            replies = strip_echo(replies, str(turn.prompt))
+        return replies
 
     def _stop(self) -> None:
         self._extensions.pop(FOLLOW_KEY, None)

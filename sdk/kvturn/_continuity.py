@@ -337,8 +337,8 @@ class _ReplyAssembler:
 class ChatReplyAssembler(_ReplyAssembler):
     """Rebuilds the assistant message of each choice from the streamed chunks' JSON.
 
-    Fed each chunk as openai decodes it for the caller; keeps only the pieces of the reply
-    itself.
+    Fed the chunks openai decoded for the caller, in batches (``_observe.StreamFollower``);
+    keeps only the pieces of the reply itself.
     """
 
     __slots__ = ("_choices",)

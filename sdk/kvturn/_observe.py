@@ -90,7 +90,7 @@ def _follow_stream(state: ConversationState, plan: TurnPlan,
 
 class StreamFollower:
     """The reply of one stream, being seen: the client's ``_process_response_data`` queues each
-    chunk's JSON in ``chunks`` (a list append, no call of ours per chunk) and calls ``fold``
+    chunk's JSON in ``chunks`` (a list append; no assembling per chunk) and calls ``fold``
     every ``FOLD_EVERY`` chunks; the conversation folds the rest before its next turn needs
     the reply. Holds no reference to the response (the response holds it)."""
 

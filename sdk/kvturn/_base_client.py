@@ -12,10 +12,8 @@ microseconds in these hooks (``tests/sdk/test_canary.py`` pins each):
 * ``_should_retry`` and ``_sleep_for_retry``: openai's loop asks them whether and when to try
   again; kvturn's ``RetryPolicy`` answers (rules in ``_retry``).
 * ``_process_response``: the response of the attempt that succeeded; a scoped client reads the
-  router's reuse report there and arranges to see the reply (``_observe``).
-* ``_process_response_data``: openai's decoding of each JSON payload, stream chunks included;
-  a streamed response of a scoped client carries a follower, and each chunk is queued on it
-  (a list append; the follower assembles the queue in batches, ``_observe``).
+  router's reuse report there and arranges to see the reply (``_observe``; a stream's chunks
+  reach it through a stand-in client of that one stream, so other calls pay nothing per chunk).
 * ``copy`` / ``with_options``: carry kvturn's settings and the conversation to the copy; and
   ``__new__`` picks the scoped class when a conversation is handed over.
 * ``user_agent``: openai's own value, whatever the subclass is called.
@@ -39,7 +37,7 @@ from kvturn._compat import FinalRequestOptions, get_platform, timeout_exceptions
 from kvturn._constants import DEFAULT_KEEPALIVE_INTERVAL
 from kvturn._endpoints import router_root
 from kvturn._identity import new_conversation_id, validate_conversation_id
-from kvturn._observe import FOLD_EVERY, FOLLOW_KEY, observe_turn
+from kvturn._observe import observe_turn
 from kvturn._retry import RetryPolicy, past_deadline, retry_wait, transient_status
 from kvturn._state import ConversationState, TurnPlan
 
@@ -224,14 +222,3 @@ class KVTurnClientBase(_OpenAIClient):
             observe_turn(state, plan, response, result, attempts=retries_taken + 1,
                          streamed=stream)
         return result
-
-    def _process_response_data(self, *, data: object, cast_to: type[_T],
-                               response: httpx2.Response) -> _T:
-        # Once per streamed chunk: queue it (``_observe.StreamFollower``), fold now and then.
-        follower = response.extensions.get(FOLLOW_KEY)
-        if follower is not None:
-            chunks = follower.chunks
-            chunks.append(data)
-            if len(chunks) >= FOLD_EVERY:
-                follower.fold()
-        return super()._process_response_data(data=data, cast_to=cast_to, response=response)

@@ -142,12 +142,15 @@ def _text_form(items: Iterable[tuple[str, Any]]) -> Message | None:
     A model's fields never start with ``_`` (pydantic), so none is a private attribute."""
     form = {}
     for key, value in items:
-        if type(value) is str:
-            if not value or key == "reasoning_content":
-                return None
-            form[key] = value
-        elif value is not None and not (type(value) is list and not value):
+        if value is None:  # most of a parsed reply's fields
+            continue
+        if type(value) is not str:
+            if type(value) is list and not value:
+                continue
             return None
+        if not value or key == "reasoning_content":
+            return None
+        form[key] = value
     return form
 
 
@@ -264,8 +267,12 @@ def _check_chat(previous: ChatTurn, current: ChatTurn) -> str | None:
         return "regenerate"
     if previous.replies is None:
         return None
-    echoed = current.normalised(before)
     replies = previous.normalised_replies()
+    # The reply as the caller sent it back, when that is already its normal form (the usual
+    # {"role": "assistant", "content": ...}), needs no normalising: it is a fixed point.
+    if current.messages[before] in replies:
+        return None
+    echoed = current.normalised(before)
     if echoed in replies:
         return None
     if echoed.get("role") != "assistant":
@@ -308,143 +315,6 @@ def _check_completion(previous: CompletionTurn, current: CompletionTurn) -> str 
     if any(rest[: len(reply)] == reply for reply in previous.replies):
         return None
     return "reply-changed"
-
-
-class _ReplyAssembler:
-    """Counts the choices that got their ``finish_reason``; ``choices`` is the request's
-    ``n``: the reply is complete once that many have."""
-
-    __slots__ = ("_expected", "_finished")
-
-    def __init__(self, choices: int = 1) -> None:
-        self._finished: set[int] = set()
-        self._expected = max(choices, 1)
-
-    def add(self, data: Any) -> bool:
-        """Take one chunk's JSON; True once the reply is complete."""
-        return self.add_all((data,))
-
-    def add_all(self, chunks: Iterable[Any]) -> bool:
-        """Take chunks' JSON in order; True once the reply is complete."""
-        raise NotImplementedError
-
-    @property
-    def complete(self) -> bool:
-        """Every choice got its ``finish_reason``: the reply is whole, not cut off."""
-        return len(self._finished) >= self._expected
-
-
-class ChatReplyAssembler(_ReplyAssembler):
-    """Rebuilds the assistant message of each choice from the streamed chunks' JSON.
-
-    Fed the chunks openai decoded for the caller, in batches (``_observe.StreamFollower``);
-    keeps only the pieces of the reply itself.
-    """
-
-    __slots__ = ("_choices",)
-
-    def __init__(self, choices: int = 1) -> None:
-        super().__init__(choices)
-        self._choices: dict[int, _ChoiceParts] = {}
-
-    def add_all(self, chunks: Iterable[Any]) -> bool:
-        """Take chunks' JSON in order; True once the reply is complete."""
-        # Runs over every streamed chunk: the usual delta ({"content": piece}) takes the short
-        # way, and the loop is inline (a call per chunk would cost about as much again).
-        parts_of, finished = self._choices, self._finished
-        for data in chunks:
-            for choice in data.get("choices") or ():
-                index = choice.get("index", 0)
-                parts = parts_of.get(index)
-                if parts is None:
-                    parts = parts_of[index] = _ChoiceParts()
-                delta = choice.get("delta")
-                if delta:
-                    content = delta.get("content")
-                    if content:
-                        parts.content.append(content)
-                    if content is None or len(delta) > 1:
-                        parts.add_rare(delta)
-                if choice.get("finish_reason") is not None:
-                    finished.add(index)
-        return len(finished) >= self._expected
-
-    def replies(self) -> list[Message]:
-        return [self._choices[index].message() for index in sorted(self._choices)]
-
-
-class _ChoiceParts:
-    __slots__ = ("content", "reasoning", "refusal", "role", "tool_calls")
-
-    def __init__(self) -> None:
-        self.role = "assistant"
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.refusal: list[str] = []
-        # index -> [id, name, argument pieces]
-        self.tool_calls: dict[int, list[Any]] = {}
-
-    def add_rare(self, delta: dict[str, Any]) -> None:
-        """The fields a delta seldom carries (content is ChatReplyAssembler.add's)."""
-        role = delta.get("role")
-        if role:
-            self.role = role
-        refusal = delta.get("refusal")
-        if refusal:
-            self.refusal.append(refusal)
-        piece = delta.get("reasoning") or delta.get("reasoning_content")
-        if piece:
-            self.reasoning.append(piece)
-        for call in delta.get("tool_calls") or ():
-            slot = self.tool_calls.get(call.get("index", 0))
-            if slot is None:
-                slot = self.tool_calls[call.get("index", 0)] = [None, None, []]
-            if call.get("id"):
-                slot[0] = call["id"]
-            function = call.get("function") or {}
-            if function.get("name"):
-                slot[1] = function["name"]
-            if function.get("arguments"):
-                slot[2].append(function["arguments"])
-
-    def message(self) -> Message:
-        raw: dict[str, Any] = {"role": self.role}
-        if self.content:
-            raw["content"] = "".join(self.content)
-        if self.refusal:
-            raw["refusal"] = "".join(self.refusal)
-        if self.reasoning:
-            raw["reasoning"] = "".join(self.reasoning)
-        if self.tool_calls:
-            calls = (self.tool_calls[index] for index in sorted(self.tool_calls))
-            raw["tool_calls"] = [
-                {"id": call_id, "function": {"name": name, "arguments": "".join(arguments)}}
-                for call_id, name, arguments in calls]
-        return normalise_message(raw)
-
-
-class CompletionReplyAssembler(_ReplyAssembler):
-    """Concatenates the streamed text of each completions choice (from the chunks' JSON)."""
-
-    __slots__ = ("_texts",)
-
-    def __init__(self, choices: int = 1) -> None:
-        super().__init__(choices)
-        self._texts: dict[int, list[str]] = {}
-
-    def add_all(self, chunks: Iterable[Any]) -> bool:
-        """Take chunks' JSON in order; True once the reply is complete."""
-        texts, finished = self._texts, self._finished
-        for data in chunks:
-            for choice in data.get("choices") or ():
-                index = choice.get("index", 0)
-                texts.setdefault(index, []).append(choice.get("text") or "")
-                if choice.get("finish_reason") is not None:
-                    finished.add(index)
-        return len(finished) >= self._expected
-
-    def replies(self) -> list[str]:
-        return ["".join(self._texts[index]) for index in sorted(self._texts)]
 
 
 def strip_echo(texts: list[str], prompt: str) -> list[str]:

@@ -83,17 +83,15 @@ class ConversationState:
     def __init__(self, conversation_id: str, *, keepalive_interval: float) -> None:
         self.id = conversation_id
         self.keepalive_interval = keepalive_interval
-        self.stats = StatsCounter()
+        self._lock = threading.Lock()
+        # One lock for the record and the counters: a turn updates both at once.
+        self.stats = StatsCounter(self._lock)
         self._last: TurnReport | None = None
         self.closed = False
         self.children: dict[str, ConversationState] = {}
         # Created by the first pause() (it needs the client that sends the keepalives).
         self.heartbeat: Any = None
-        self._lock = threading.Lock()
         self._record: TurnRecord | None = None
-        # Assembles what a stream of the recorded turn has queued (_observe.StreamFollower):
-        # called before the next turn is compared with it.
-        self._fold_reply: Callable[[], None] | None = None
         self._seq = 0
 
     # --- structure and lifecycle -------------------------------------------------------------
@@ -146,8 +144,8 @@ class ConversationState:
         later header lookup of the request a step (openai and httpx2 make dozens), which made
         the header the largest single part of the SDK's per-call overhead.
         """
-        given = options.headers  # openai's NotGiven is falsy
-        headers = dict(given) if given else None
+        given = options.headers  # usually openai's NotGiven (falsy, by a method call)
+        headers = dict(given) if type(given) is not NotGiven and given else None
         header_id = None
         if headers:
             header_id = _pop_header(headers, HEADER_CONVERSATION_ID)
@@ -162,7 +160,9 @@ class ConversationState:
             self._check_scope(extra.get(BODY_CONVERSATION_ID), "body")
 
         plan = None
-        api = _TURN_APIS.get(options.url) if options.method.lower() == "post" else None
+        method = options.method
+        api = (_TURN_APIS.get(options.url) if method == "post" or method.lower() == "post"
+               else None)
         if api is not None and body is not None:
             if self.closed:
                 raise ConversationClosedError(
@@ -189,7 +189,10 @@ class ConversationState:
             options.headers = headers
         if json_body is not None:
             # In the body itself: an extra_json makes openai merge the two (a walk of the body).
-            options.json_data = {**json_body, BODY_CONVERSATION_ID: self.id}
+            # Written to the field's storage: pydantic's __setattr__ only adds the name to
+            # the fields set, and json_data is in it (openai constructs every request's
+            # options with it; tests/sdk/test_canary.py).
+            vars(options)["json_data"] = {**json_body, BODY_CONVERSATION_ID: self.id}
             if extra and BODY_CONVERSATION_ID in extra:  # None there would win the merge
                 options.extra_json = {**extra, BODY_CONVERSATION_ID: self.id}
         return plan
@@ -203,13 +206,7 @@ class ConversationState:
     def _plan(self, api: Api, body: Mapping[str, Any], requested: str | None) -> TurnPlan:
         turn = (describe_chat(body) if api == "chat" else describe_completion(body)
                 if api == "completions" else None)
-        with self._lock:
-            # The fold stays set until a turn starts (``started``): this one may still fail,
-            # and the stream's tail is then the next turn's to assemble. A second call
-            # assembles only what was queued since.
-            previous, fold = self._record, self._fold_reply
-        if fold is not None:
-            fold()  # outside the lock: it ends in finished()
+        previous = self._record  # one read: set whole by started() and forget()
         # The caller's own X-KVTurn-No-Reuse wins: it knows something the SDK cannot see.
         reason = requested
         if reason is None and turn is not None:
@@ -227,28 +224,21 @@ class ConversationState:
         report = TurnReport(response.headers, conversation_id=self.id, api=plan.api,
                             no_reuse_reason=plan.no_reuse, attempts=attempts, streamed=streamed)
         turn = plan.turn
-        with self._lock:
+        with self._lock:  # the counters' lock too
             self._seq += 1
             plan.seq = self._seq
             # This turn is now what the router retains (or tried to): the next one is compared
             # with it even if its reply is never seen (prefix-only check then).
             self._record = turn
-            self._fold_reply = None
             self._last = report
             if turn is not None and replies is not None:
                 turn.set_replies(replies)
-        self.stats.turn(report)
+            self.stats.turn_locked(report)
 
     @property
     def last_turn(self) -> TurnInfo | None:
         last = self._last
         return None if last is None else last.info()
-
-    def pending_reply(self, fold: Callable[[], None]) -> None:
-        """The reply of the turn that started last arrives as a stream; ``fold`` assembles
-        what has come of it (the next turn calls it first)."""
-        with self._lock:
-            self._fold_reply = fold
 
     def finished(self, plan: TurnPlan, replies: Any) -> None:
         """Attach the complete reply (of a stream) to the record, unless a later turn has
@@ -262,5 +252,5 @@ class ConversationState:
     def forget(self) -> None:
         """Drop the continuity record (after a release there is nothing to extend)."""
         with self._lock:
-            self._record = self._fold_reply = None
+            self._record = None
             self._seq += 1

@@ -175,8 +175,9 @@ _FOLD_AT = 64
 @dataclass
 class StatsCounter:
     """The mutable counters behind ``ConversationStats``; updated from the caller's thread and
-    from the keepalive thread, hence the lock. Turns are queued as raw reports and counted when
-    a snapshot is taken (or every ``_FOLD_AT`` turns)."""
+    from the keepalive thread, hence the lock (the conversation's own, which it holds when it
+    records a turn). Turns are queued as raw reports and counted when a snapshot is taken (or
+    every ``_FOLD_AT`` turns)."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     turns: int = 0
@@ -189,11 +190,11 @@ class StatsCounter:
     release_failures: int = 0
     pending: list[TurnReport] = field(default_factory=list)
 
-    def turn(self, report: TurnReport) -> None:
-        with self.lock:
-            self.pending.append(report)
-            if len(self.pending) >= _FOLD_AT:
-                self._fold()
+    def turn_locked(self, report: TurnReport) -> None:
+        """Count a turn; the caller holds ``lock``."""
+        self.pending.append(report)
+        if len(self.pending) >= _FOLD_AT:
+            self._fold()
 
     def _fold(self) -> None:
         for report in self.pending:

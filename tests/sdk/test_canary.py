@@ -20,6 +20,7 @@ from openai._legacy_response import LegacyAPIResponse
 from openai._models import FinalRequestOptions
 
 import kvturn
+from kvturn._streams import ChatFollower, CompletionFollower
 
 
 def params(fn: Any) -> list[tuple[str, Any]]:
@@ -89,18 +90,31 @@ def test_final_request_options_fields() -> None:
     assert FinalRequestOptions.construct(method="post", url="/x").get_max_retries(7) == 7
     copied = options.model_copy(update={"max_retries": 0, "headers": {"a": "b"}})
     assert (copied.max_retries, copied.headers, options.max_retries) == (0, {"a": "b"}, 3)
+    # prepare writes json_data to the field's storage, skipping pydantic's __setattr__: the
+    # field lives in vars() and every request's options are constructed with it set
+    body_options = FinalRequestOptions.construct(method="post", url="/x", json_data={"a": 1})
+    assert vars(body_options)["json_data"] == {"a": 1}
+    assert "json_data" in body_options.model_fields_set
+    for verb in ("post", "patch", "put", "delete"):
+        for cls in (SyncAPIClient, AsyncAPIClient):
+            assert "json_data=body" in inspect.getsource(getattr(cls, verb)), (cls, verb)
 
 
 @pytest.mark.parametrize("cls", [Stream, AsyncStream])
 def test_streams_decode_every_chunk_through_the_client(cls: type) -> None:
-    # kvturn._client: _process_response_data feeds a conversation's stream chunks to _observe.
+    # kvturn._streams: a followed stream's _client is a stand-in whose _process_response_data
+    # sees each chunk. The stream reads it from its client when iteration starts, and uses
+    # its client for nothing else after it is built.
     source = inspect.getsource(cls.__stream__)
     assert "process_data = self._client._process_response_data" in source
     assert "response=response" in source
+    methods = [f for f in vars(cls).values() if inspect.isfunction(f)]
+    assert sum(inspect.getsource(f).count("self._client") for f in methods) == 2  # __init__
+    assert "self._decoder = client._make_sse_decoder()" in inspect.getsource(cls.__init__)
     assert params(BaseClient._process_response_data) == [
         ("self", POS), ("data", KW), ("cast_to", KW), ("response", KW)]
-    assert params(kvturn.OpenAI._process_response_data) == params(
-        BaseClient._process_response_data)
+    for follower in (ChatFollower, CompletionFollower):
+        assert params(follower.take) == params(BaseClient._process_response_data)
 
 
 def test_raw_responses_cache_their_parse() -> None:

@@ -9,7 +9,6 @@ import pytest
 from openai.types.chat import ChatCompletionMessage
 
 from kvturn._continuity import (
-    ChatReplyAssembler,
     ChatTurn,
     CompletionTurn,
     check,
@@ -184,27 +183,3 @@ def test_the_normal_form() -> None:
         {"role": "assistant", "content": "x", "tool_calls": [CALL]})) == {
         "role": "assistant", "content": "x",
         "tool_calls": [{"id": "call_1", "function": CALL["function"]}]}
-
-
-def test_streamed_chunks_are_reassembled_from_their_json() -> None:
-    assembler = ChatReplyAssembler(choices=1)
-    for delta in ({"role": "assistant", "content": ""}, {"reasoning": "think "},
-                  {"content": "Hel"}, {"content": "lo", "reasoning": None},
-                  {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
-                                   "function": {"name": "weather", "arguments": '{"city": '}}]},
-                  {"tool_calls": [{"index": 0, "function": {"arguments": '"Lisbon"}'}}]}):
-        assembler.add({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
-        assert not assembler.complete
-    assembler.add({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
-    assert assembler.complete
-    assert assembler.replies() == [normalise_message(
-        {"role": "assistant", "content": "Hello", "reasoning": "think ", "tool_calls": [CALL]})]
-
-
-def test_a_reply_with_several_choices_is_whole_when_all_have_finished() -> None:
-    assembler = ChatReplyAssembler(choices=2)
-    assembler.add({"choices": [{"index": 1, "delta": {"content": "b"}, "finish_reason": "stop"}]})
-    assert not assembler.complete
-    assembler.add({"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": "stop"}]})
-    assert assembler.complete
-    assert [r["content"] for r in assembler.replies()] == ["a", "b"]

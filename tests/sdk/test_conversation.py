@@ -11,7 +11,7 @@ import openai
 import pytest
 
 import kvturn
-from kvturn._observe import FOLD_EVERY, FOLLOW_KEY
+from kvturn._streams import StreamClient, StreamFollower
 from tests.fakes.router import FakeRouter, chat_chunks, chat_completion, completion, error
 
 MODEL = "kvturn-tiny"
@@ -262,21 +262,29 @@ def test_a_streamed_reply_is_reassembled_without_buffering(client: kvturn.OpenAI
     assert router.turns()[-1].no_reuse is None
 
 
-def test_a_long_stream_is_assembled_in_bounded_batches(client: kvturn.OpenAI,
-                                                       router: FakeRouter) -> None:
-    words = [f"w{i}" for i in range(3 * FOLD_EVERY)]
-    router.stream_reply = lambda r: chat_chunks(" ".join(words))
+def follower_of(stream: Any) -> StreamFollower:
+    """The follower of a conversation's stream: the stand-in client's per-chunk hook."""
+    assert isinstance(stream._client, StreamClient)
+    follower = stream._client._process_response_data.__self__
+    assert isinstance(follower, StreamFollower)
+    return follower
+
+
+def test_a_long_stream_is_followed_to_its_finish_and_no_further(client: kvturn.OpenAI,
+                                                               router: FakeRouter) -> None:
+    words = [f"w{i}" for i in range(200)]
+    usage = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+             "model": MODEL, "choices": [],
+             "usage": {"prompt_tokens": 1, "completion_tokens": 200, "total_tokens": 201}}
+    router.stream_reply = lambda r: [*chat_chunks(" ".join(words)), usage]
     conversation = client.conversation()
     messages: list[Any] = [{"role": "user", "content": "Talk"}]
     stream = ask(conversation, messages, stream=True)
-    follower = stream.response.extensions[FOLLOW_KEY]
-    queued = []
-    for _ in stream:
-        if FOLLOW_KEY in stream.response.extensions:
-            queued.append(len(follower.chunks))
-    assert len(queued) > 2 * FOLD_EVERY and max(queued) < FOLD_EVERY  # memory stays bounded
-    assert follower.chunks  # the tail waits (a chunk of ours per chunk would cost more)
-    # the tail is assembled when the next turn is compared: the exact reply extends...
+    follower = follower_of(stream)
+    following = [follower.following for _ in stream]
+    # every chunk but the usage one was needed; the reply was whole at the finish chunk
+    assert following == [True] * (len(following) - 2) + [False, False]
+    # the exact reply extends...
     ask(conversation, [*messages, {"role": "assistant", "content": " ".join(words)},
                        {"role": "user", "content": "More"}])
     assert router.turns()[-1].no_reuse is None
@@ -286,6 +294,23 @@ def test_a_long_stream_is_assembled_in_bounded_batches(client: kvturn.OpenAI,
     ask(conversation, [*messages, {"role": "assistant", "content": " ".join([*words[:-1], "x"])},
                        {"role": "user", "content": "More"}])
     assert router.turns()[-1].no_reuse == "reply-changed"
+
+
+def test_a_stream_the_follower_cannot_read_still_reaches_the_caller(
+        client: kvturn.OpenAI, router: FakeRouter) -> None:
+    # A chunk kvturn cannot make sense of stops the following, never the caller's iteration.
+    router.stream_reply = lambda r: [{"id": "chatcmpl-1", "object": "chat.completion.chunk",
+                                      "created": 1, "model": MODEL, "choices": [7]},
+                                     *chat_chunks("Hi")]
+    conversation = client.conversation()
+    messages: list[Any] = [{"role": "user", "content": "Hi"}]
+    stream = ask(conversation, messages, stream=True)
+    follower = follower_of(stream)
+    assert len(list(stream)) == len(chat_chunks("Hi")) + 1
+    assert not follower.following
+    ask(conversation, [*messages, {"role": "assistant", "content": "anything"},
+                       {"role": "user", "content": "?"}])
+    assert router.turns()[-1].no_reuse is None  # prefix-only check
 
 
 def test_a_stream_abandoned_midway_leaves_only_a_prefix_check(client: kvturn.OpenAI,
@@ -452,7 +477,7 @@ def test_an_abandoned_stream_is_not_kept_alive(client: kvturn.OpenAI) -> None:
     conversation = client.conversation()
     stream = ask(conversation, [{"role": "user", "content": "Hi"}], stream=True)
     response = weakref.ref(stream.response)
-    assert FOLLOW_KEY in stream.response.extensions  # its follower lives on the response
+    follower_of(stream)  # it is followed
     stream.close()
     del stream
     gc.collect()

@@ -17,8 +17,8 @@ differently (caches warmed or cooled by the first), and always timing kvturn sec
 charged it tens of microseconds that were the order's, not the SDK's.
 ``own_us`` is measured more directly, in a separate pass (its timers would otherwise weigh on
 the paired calls): the time spent in kvturn's hooks of openai's request loop (``_build_request``,
-``_process_response``, ``_process_response_data``, once per stream chunk) outside openai's own
-implementations of them.
+``_process_response``, and a followed chat stream's ``take``, once per chunk) outside openai's own
+methods they call.
 
 Times on a shared or virtual host drift by tens of percent between runs, so each mode also
 reports ``extra_bytecodes``: how many more bytecode instructions a kvturn call executes than the
@@ -53,6 +53,7 @@ from openai._base_client import AsyncAPIClient, BaseClient, SyncAPIClient
 
 import kvturn
 from kvturn._base_client import KVTurnClientBase
+from kvturn._streams import ChatFollower
 from kvturn_server.bench._stats import quantile
 
 TARGET_US = 50.0
@@ -136,27 +137,29 @@ def _turns() -> Iterator[list[dict[str, Any]]]:
 
 class _HookTimer:
     """While installed, adds up the time spent in kvturn's hooks outside openai's own
-    implementations of the same hooks (which the hooks call through ``super()``)."""
+    methods the hooks call (``super()``, a stream's decoding)."""
 
     def __init__(self) -> None:
         self.own_ns = 0
         # Per timed frame in progress: the time spent in the timed frames nested in it, so
-        # that each frame is charged only its exclusive time (the hooks nest: openai's
-        # _process_response calls kvturn's _process_response_data).
+        # that each frame is charged only its exclusive time (the hooks nest: kvturn's
+        # _process_response calls openai's, which decodes the body).
         self._nested: list[int] = []
 
     @contextmanager
     def installed(self, is_async: bool) -> Iterator[None]:
         client_cls = kvturn.AsyncOpenAI if is_async else kvturn.OpenAI
         openai_cls = AsyncAPIClient if is_async else SyncAPIClient
-        hooks = [(KVTurnClientBase, BaseClient, "_build_request", False),
-                 (KVTurnClientBase, BaseClient, "_process_response_data", False),
-                 (client_cls, openai_cls, "_process_response", is_async)]
-        saved = [(cls, name, cls.__dict__[name]) for ours, theirs, name, _ in hooks
-                 for cls in (ours, theirs)]
-        for ours, theirs, name, hook_is_async in hooks:
-            setattr(ours, name, self._wrap(ours.__dict__[name], hook_is_async, ours=True))
-            setattr(theirs, name, self._wrap(theirs.__dict__[name], hook_is_async, ours=False))
+        # (class, method, async, kvturn's): kvturn's hooks and the openai methods they call.
+        hooks = [(KVTurnClientBase, "_build_request", False, True),
+                 (BaseClient, "_build_request", False, False),
+                 (client_cls, "_process_response", is_async, True),
+                 (openai_cls, "_process_response", is_async, False),
+                 (ChatFollower, "take", False, True),
+                 (BaseClient, "_process_response_data", False, False)]
+        saved = [(cls, name, cls.__dict__[name]) for cls, name, _, _ in hooks]
+        for cls, name, hook_is_async, ours in hooks:
+            setattr(cls, name, self._wrap(cls.__dict__[name], hook_is_async, ours=ours))
         try:
             yield
         finally:

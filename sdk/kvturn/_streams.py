@@ -1,0 +1,224 @@
+"""Following a streamed reply chunk by chunk: no buffering, no iterator layer, bounded memory.
+
+openai's ``Stream`` / ``AsyncStream`` hands every chunk's JSON to its client's
+``_process_response_data`` as the caller iterates (``Stream.__stream__`` reads that method
+from its client when iteration starts). A followed stream's client is a ``StreamClient``
+standing in for the conversation in that one stream, whose ``_process_response_data`` is a
+follower's ``take``: it adds the chunk to the reply being assembled, then decodes it with the
+conversation's own method. So other streams (a plain client's, a Responses stream) pay nothing
+per chunk, and a followed one pays one call of kvturn's. Only the reply's own pieces are kept.
+
+The reply is handed to the conversation (``ConversationState.finished``) once every choice has
+its ``finish_reason``; following stops there (later chunks, such as usage, pass straight on).
+A stream abandoned or cut before that leaves the reply unknown, and a chunk the follower cannot
+read stops the following, never the caller's iteration.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import httpx2
+
+from kvturn._continuity import CompletionTurn, Message, strip_echo
+
+if TYPE_CHECKING:
+    from openai import AsyncStream, Stream
+
+    from kvturn._state import ConversationState, TurnPlan
+
+log = logging.getLogger("kvturn")
+
+_T = TypeVar("_T")
+
+
+class StreamClient:
+    """The client of one followed stream (``Stream._client``): openai's stream reads only
+    ``_process_response_data`` from it once it is built, and this one is a follower's
+    ``take``. Anything else is the conversation's (a newer openai may read more)."""
+
+    __slots__ = ("_client", "_process_response_data")
+
+    def __init__(self, client: Any, take: Any) -> None:
+        self._client = client
+        self._process_response_data = take
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+class StreamFollower:
+    """What the chat and completions followers share: where the reply goes, when it is
+    complete (``n`` choices finished), and the stream they stand in for. ``take`` runs only
+    in the thread reading the stream, so the follower needs no lock."""
+
+    __slots__ = ("_decode", "_expected", "_finished", "_plan", "_state", "following")
+
+    def __init__(self, state: ConversationState, plan: TurnPlan,
+                 stream: Stream[Any] | AsyncStream[Any]) -> None:
+        self._state, self._plan = state, plan
+        self._finished: set[int] = set()
+        self._expected = max(plan.choices, 1)
+        self.following = True  # False once the reply is whole or cannot be known
+        # The stream binds its client's _process_response_data when the caller starts
+        # iterating, which is after this (openai builds the stream, kvturn's
+        # _process_response sees it, then the caller gets it).
+        client = stream._client
+        self._decode = client._process_response_data
+        stream._client = cast(Any, StreamClient(client, self.take))
+
+    def take(self, *, data: object, cast_to: type[_T], response: httpx2.Response) -> _T:
+        """One chunk's JSON, on its way to openai's decoding: added to the reply."""
+        raise NotImplementedError
+
+    def replies(self) -> list[Any]:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        """Every choice has finished: hand the reply to the conversation, stop following."""
+        self.following = False
+        self._state.finished(self._plan, self.replies())
+
+    def _lost(self) -> None:
+        self.following = False
+        log.debug("kvturn: cannot follow the stream of conversation %s; reply left unknown",
+                  self._state.id, exc_info=True)
+
+
+class ChatFollower(StreamFollower):
+    """Rebuilds the assistant message of each choice of a chat stream."""
+
+    __slots__ = ("_choices",)
+
+    def __init__(self, state: ConversationState, plan: TurnPlan,
+                 stream: Stream[Any] | AsyncStream[Any]) -> None:
+        super().__init__(state, plan, stream)
+        self._choices: dict[int, _ChoiceParts] = {}
+
+    def take(self, *, data: Any, cast_to: type[_T], response: httpx2.Response) -> _T:
+        # Runs for every streamed chunk, inline (a call per chunk costs about as much as the
+        # work): the usual delta ({"content": piece}) takes the short way, and only a chunk
+        # that finishes a choice counts the finished ones. Once all have finished nothing
+        # more of the reply can come, whatever else the chunk holds.
+        if self.following:
+            try:
+                for choice in data.get("choices") or ():
+                    index = choice.get("index", 0)
+                    parts = self._choices.get(index)
+                    if parts is None:
+                        parts = self._choices[index] = _ChoiceParts()
+                    delta = choice.get("delta")
+                    if delta:
+                        content = delta.get("content")
+                        if content and len(delta) == 1:
+                            parts.content.append(content)
+                        else:
+                            parts.add(delta)
+                    if choice.get("finish_reason") is not None:
+                        self._finished.add(index)
+                        if len(self._finished) >= self._expected:
+                            self._finish()
+                            break
+            except Exception:  # bookkeeping must never break the caller's iteration
+                self._lost()
+        result: _T = self._decode(data=data, cast_to=cast_to, response=response)
+        return result
+
+    def replies(self) -> list[Message]:
+        """The assistant message of each choice, as vLLM's non-streamed reply would hold it."""
+        return [self._choices[index].message() for index in sorted(self._choices)]
+
+
+class _ChoiceParts:
+    __slots__ = ("content", "reasoning", "refusal", "role", "tool_calls")
+
+    def __init__(self) -> None:
+        self.role = "assistant"
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.refusal: list[str] = []
+        # index -> [id, name, argument pieces]
+        self.tool_calls: dict[int, list[Any]] = {}
+
+    def add(self, delta: dict[str, Any]) -> None:
+        """Any delta (a lone content piece takes ChatFollower.take's short way)."""
+        for key, value in delta.items():  # the keys it has: usually one or two
+            if not value:
+                continue
+            if key == "content":
+                self.content.append(value)
+            elif key == "role":
+                self.role = value
+            elif key == "reasoning" or (key == "reasoning_content"
+                                        and not delta.get("reasoning")):
+                self.reasoning.append(value)
+            elif key == "refusal":
+                self.refusal.append(value)
+            elif key == "tool_calls":
+                self._add_calls(value)
+
+    def _add_calls(self, calls: list[dict[str, Any]]) -> None:
+        for call in calls:
+            slot = self.tool_calls.get(call.get("index", 0))
+            if slot is None:
+                slot = self.tool_calls[call.get("index", 0)] = [None, None, []]
+            if call.get("id"):
+                slot[0] = call["id"]
+            function = call.get("function") or {}
+            if function.get("name"):
+                slot[1] = function["name"]
+            if function.get("arguments"):
+                slot[2].append(function["arguments"])
+
+    def message(self) -> Message:
+        """The message in the shape of a parsed reply's (the continuity check normalises it
+        when it compares)."""
+        raw: dict[str, Any] = {"role": self.role}
+        if self.content:
+            raw["content"] = "".join(self.content)
+        if self.refusal:
+            raw["refusal"] = "".join(self.refusal)
+        if self.reasoning:
+            raw["reasoning"] = "".join(self.reasoning)
+        if self.tool_calls:
+            calls = (self.tool_calls[index] for index in sorted(self.tool_calls))
+            raw["tool_calls"] = [
+                {"id": call_id, "function": {"name": name, "arguments": "".join(arguments)}}
+                for call_id, name, arguments in calls]
+        return raw
+
+
+class CompletionFollower(StreamFollower):
+    """Concatenates the streamed text of each completions choice (a text prompt's: token-id
+    prompts are not followed, their chunks carry no ids)."""
+
+    __slots__ = ("_texts",)
+
+    def __init__(self, state: ConversationState, plan: TurnPlan,
+                 stream: Stream[Any] | AsyncStream[Any]) -> None:
+        super().__init__(state, plan, stream)
+        self._texts: dict[int, list[str]] = {}
+
+    def take(self, *, data: Any, cast_to: type[_T], response: httpx2.Response) -> _T:
+        if self.following:
+            try:
+                for choice in data.get("choices") or ():
+                    index = choice.get("index", 0)
+                    self._texts.setdefault(index, []).append(choice.get("text") or "")
+                    if choice.get("finish_reason") is not None:
+                        self._finished.add(index)
+                if len(self._finished) >= self._expected:
+                    self._finish()
+            except Exception:  # bookkeeping must never break the caller's iteration
+                self._lost()
+        result: _T = self._decode(data=data, cast_to=cast_to, response=response)
+        return result
+
+    def replies(self) -> list[str]:
+        """What each choice appended to the prompt (with ``echo``, the prompt is cut off)."""
+        texts = ["".join(self._texts[index]) for index in sorted(self._texts)]
+        turn = self._plan.turn
+        if self._plan.echo and isinstance(turn, CompletionTurn):
+            texts = strip_echo(texts, str(turn.prompt))
+        return texts

@@ -1,0 +1,103 @@
+"""Stream followers: a reply rebuilt from the chunks the caller reads, with nothing held back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvturn._continuity import CompletionTurn, normalise_message
+from kvturn._state import TurnPlan
+from kvturn._streams import ChatFollower, CompletionFollower, StreamClient
+
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "weather", "arguments": '{"city": "Lisbon"}'}}
+
+
+class Conversation:
+    """The one method of ConversationState a follower calls, recorded."""
+
+    id = "c"
+
+    def __init__(self) -> None:
+        self.replies: list[Any] = []
+
+    def finished(self, plan: TurnPlan, replies: Any) -> None:
+        self.replies.append(replies)
+
+
+class Client:
+    def _process_response_data(self, *, data: Any, cast_to: Any, response: Any) -> Any:
+        return ("decoded", data)
+
+
+class Stream:
+    def __init__(self) -> None:
+        self._client: Any = Client()
+
+
+def feed(stream: Stream, data: Any) -> Any:
+    # what openai's Stream.__stream__ does with each chunk
+    return stream._client._process_response_data(data=data, cast_to=object, response=None)
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None, index: int = 0) -> dict[str, Any]:
+    return {"choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+
+
+def test_the_stream_gets_a_stand_in_client_whose_hook_is_the_followers() -> None:
+    stream, state = Stream(), Conversation()
+    client = stream._client
+    follower = ChatFollower(state, TurnPlan("chat", None, None), stream)  # type: ignore[arg-type]
+    assert isinstance(stream._client, StreamClient)
+    assert stream._client._process_response_data == follower.take
+    assert stream._client._process_response_data.__self__ is follower
+    assert stream._client.__class__ is StreamClient and stream._client._client is client
+    # the chunk still reaches the caller, decoded by the conversation's own method
+    assert feed(stream, chunk({"content": "x"})) == ("decoded", chunk({"content": "x"}))
+
+
+def test_streamed_chunks_are_reassembled_from_their_json() -> None:
+    stream, state = Stream(), Conversation()
+    follower = ChatFollower(state, TurnPlan("chat", None, None), stream)  # type: ignore[arg-type]
+    for delta in ({"role": "assistant", "content": ""}, {"reasoning": "think "},
+                  {"content": "Hel"}, {"content": "lo", "reasoning": None},
+                  {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                   "function": {"name": "weather", "arguments": '{"city": '}}]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": '"Lisbon"}'}}]}):
+        feed(stream, chunk(delta))
+        assert follower.following and not state.replies
+    feed(stream, chunk({}, "tool_calls"))
+    assert not follower.following
+    [replies] = state.replies
+    assert [normalise_message(reply) for reply in replies] == [normalise_message(
+        {"role": "assistant", "content": "Hello", "reasoning": "think ", "tool_calls": [CALL]})]
+    feed(stream, {"choices": [], "usage": {"total_tokens": 3}})  # not needed
+    assert len(state.replies) == 1
+
+
+def test_a_reply_with_several_choices_is_whole_when_all_have_finished() -> None:
+    stream, state = Stream(), Conversation()
+    follower = ChatFollower(state, TurnPlan("chat", None, None, choices=2),  # type: ignore[arg-type]
+                            stream)
+    feed(stream, chunk({"content": "b"}, "stop", index=1))
+    assert follower.following
+    feed(stream, chunk({"content": "a"}, "stop", index=0))
+    assert [r["content"] for r in state.replies[0]] == ["a", "b"]
+
+
+def test_a_chunk_the_follower_cannot_read_stops_it_but_reaches_the_caller() -> None:
+    stream, state = Stream(), Conversation()
+    follower = ChatFollower(state, TurnPlan("chat", None, None), stream)  # type: ignore[arg-type]
+    assert feed(stream, {"choices": [7]}) == ("decoded", {"choices": [7]})
+    assert not follower.following
+    feed(stream, chunk({"content": "a"}, "stop"))
+    assert state.replies == []  # the reply stays unknown
+
+
+def test_completions_text_is_concatenated_and_an_echoed_prompt_cut() -> None:
+    stream, state = Stream(), Conversation()
+    turn = CompletionTurn(("m",), "Say: ")
+    follower = CompletionFollower(state, TurnPlan("completions", turn, None, echo=True),  # type: ignore[arg-type]
+                                  stream)
+    for text, finish in (("Say: ", None), ("hi", None), (" there", "stop")):
+        feed(stream, {"choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+    assert state.replies == [["hi there"]] and not follower.following

@@ -92,6 +92,9 @@ class ConversationState:
         # Created by the first pause() (it needs the client that sends the keepalives).
         self.heartbeat: Any = None
         self._record: TurnRecord | None = None
+        # Assembles what a stream of the recorded turn has queued (_streams.StreamFollower):
+        # called before the next turn is compared with it.
+        self._fold_reply: Callable[[], None] | None = None
         self._seq = 0
 
     # --- structure and lifecycle -------------------------------------------------------------
@@ -206,7 +209,13 @@ class ConversationState:
     def _plan(self, api: Api, body: Mapping[str, Any], requested: str | None) -> TurnPlan:
         turn = (describe_chat(body) if api == "chat" else describe_completion(body)
                 if api == "completions" else None)
-        previous = self._record  # one read: set whole by started() and forget()
+        with self._lock:
+            # The fold stays set until a turn starts (``started``): this one may still fail,
+            # and the stream's tail is then the next turn's to assemble. A second call
+            # assembles only what was queued since.
+            previous, fold = self._record, self._fold_reply
+        if fold is not None:
+            fold()  # outside the lock: it ends in finished()
         # The caller's own X-KVTurn-No-Reuse wins: it knows something the SDK cannot see.
         reason = requested
         if reason is None and turn is not None:
@@ -230,6 +239,7 @@ class ConversationState:
             # This turn is now what the router retains (or tried to): the next one is compared
             # with it even if its reply is never seen (prefix-only check then).
             self._record = turn
+            self._fold_reply = None
             self._last = report
             if turn is not None and replies is not None:
                 turn.set_replies(replies)
@@ -239,6 +249,12 @@ class ConversationState:
     def last_turn(self) -> TurnInfo | None:
         last = self._last
         return None if last is None else last.info()
+
+    def pending_reply(self, fold: Callable[[], None]) -> None:
+        """The reply of the turn that started last arrives as a stream; ``fold`` assembles
+        what has come of it (the next turn calls it first)."""
+        with self._lock:
+            self._fold_reply = fold
 
     def finished(self, plan: TurnPlan, replies: Any) -> None:
         """Attach the complete reply (of a stream) to the record, unless a later turn has
@@ -252,5 +268,5 @@ class ConversationState:
     def forget(self) -> None:
         """Drop the continuity record (after a release there is nothing to extend)."""
         with self._lock:
-            self._record = None
+            self._record = self._fold_reply = None
             self._seq += 1

@@ -4,20 +4,29 @@ openai's ``Stream`` / ``AsyncStream`` hands every chunk's JSON to its client's
 ``_process_response_data`` as the caller iterates (``Stream.__stream__`` reads that method
 from its client when iteration starts). A followed stream's client is a ``StreamClient``
 standing in for the conversation in that one stream, whose ``_process_response_data`` is a
-follower's ``take``: it adds the chunk to the reply being assembled, then decodes it with the
+follower's ``take``: it queues the chunk (a list append), then decodes it with the
 conversation's own method. So other streams (a plain client's, a Responses stream) pay nothing
-per chunk, and a followed one pays one call of kvturn's. Only the reply's own pieces are kept.
+per chunk, and a followed one the least kvturn can.
+
+The queue is assembled (``fold``) every ``FOLD_EVERY`` chunks, which bounds its memory, and for
+what is left before the conversation's next turn (``ConversationState.pending_reply``). In
+batches, not chunk by chunk: code run once per chunk between openai's thousands of
+instructions per chunk runs cold, and costs several times what the same loop costs over a
+batch (``kvturn bench sdk``: about 11 us a 10-chunk stream). Only the reply's own pieces are
+kept once assembled.
 
 The reply is handed to the conversation (``ConversationState.finished``) once every choice has
-its ``finish_reason``; following stops there (later chunks, such as usage, pass straight on).
-A stream abandoned or cut before that leaves the reply unknown, and a chunk the follower cannot
+its ``finish_reason``; following stops there (later chunks, such as usage, are dropped). A
+stream abandoned or cut before that leaves the reply unknown, and a chunk the follower cannot
 read stops the following, never the caller's iteration.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import httpx2
 
@@ -31,6 +40,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvturn")
 
 _T = TypeVar("_T")
+
+# Chunks queued before they are assembled: bounds the memory a long stream holds, and is large
+# enough that the per-fold cost is spread thin.
+FOLD_EVERY: Final = 64
 
 
 class StreamClient:
@@ -49,41 +62,66 @@ class StreamClient:
 
 
 class StreamFollower:
-    """What the chat and completions followers share: where the reply goes, when it is
-    complete (``n`` choices finished), and the stream they stand in for. ``take`` runs only
-    in the thread reading the stream, so the follower needs no lock."""
+    """What the chat and completions followers share: the queue, the stream they stand in for,
+    where the reply goes, and when it is complete (``n`` choices finished)."""
 
-    __slots__ = ("_decode", "_expected", "_finished", "_plan", "_state", "following")
+    __slots__ = ("_decode", "_expected", "_finished", "_lock", "_plan", "_state", "chunks",
+                 "following")
 
     def __init__(self, state: ConversationState, plan: TurnPlan,
                  stream: Stream[Any] | AsyncStream[Any]) -> None:
         self._state, self._plan = state, plan
+        self.chunks: list[Any] = []
         self._finished: set[int] = set()
         self._expected = max(plan.choices, 1)
         self.following = True  # False once the reply is whole or cannot be known
+        # The reading thread folds every FOLD_EVERY chunks, and a turn sent meanwhile from
+        # another thread folds too: one at a time, so no chunk is assembled twice.
+        self._lock = threading.Lock()
         # The stream binds its client's _process_response_data when the caller starts
         # iterating, which is after this (openai builds the stream, kvturn's
         # _process_response sees it, then the caller gets it).
         client = stream._client
         self._decode = client._process_response_data
         stream._client = cast(Any, StreamClient(client, self.take))
+        state.pending_reply(self.fold)
 
     def take(self, *, data: object, cast_to: type[_T], response: httpx2.Response) -> _T:
-        """One chunk's JSON, on its way to openai's decoding: added to the reply."""
+        """One chunk's JSON, on its way to openai's decoding: queued, folded now and then."""
+        chunks = self.chunks
+        chunks.append(data)
+        if len(chunks) >= FOLD_EVERY:
+            self.fold()
+        result: _T = self._decode(data=data, cast_to=cast_to, response=response)
+        return result
+
+    def fold(self) -> None:
+        """Assemble the queued chunks; once the reply is complete, hand it to the conversation
+        and stop following."""
+        replies = None
+        with self._lock:
+            chunks = self.chunks
+            count = len(chunks)  # chunks queued meanwhile stay queued
+            if self.following:
+                try:
+                    if self._add_all(chunks[:count]):
+                        self.following = False
+                        replies = self.replies()
+                except Exception:  # bookkeeping must never break the caller's iteration
+                    self.following = False
+                    log.debug("kvturn: cannot follow the stream of conversation %s; reply "
+                              "left unknown", self._state.id, exc_info=True)
+            del chunks[:count]
+        if replies is not None:
+            # Outside the lock: finished() takes the conversation's.
+            self._state.finished(self._plan, replies)
+
+    def _add_all(self, chunks: Sequence[Any]) -> bool:
+        """Take chunks' JSON in order; True once the reply is complete."""
         raise NotImplementedError
 
     def replies(self) -> list[Any]:
         raise NotImplementedError
-
-    def _finish(self) -> None:
-        """Every choice has finished: hand the reply to the conversation, stop following."""
-        self.following = False
-        self._state.finished(self._plan, self.replies())
-
-    def _lost(self) -> None:
-        self.following = False
-        log.debug("kvturn: cannot follow the stream of conversation %s; reply left unknown",
-                  self._state.id, exc_info=True)
 
 
 class ChatFollower(StreamFollower):
@@ -93,37 +131,32 @@ class ChatFollower(StreamFollower):
 
     def __init__(self, state: ConversationState, plan: TurnPlan,
                  stream: Stream[Any] | AsyncStream[Any]) -> None:
-        super().__init__(state, plan, stream)
         self._choices: dict[int, _ChoiceParts] = {}
+        super().__init__(state, plan, stream)
 
-    def take(self, *, data: Any, cast_to: type[_T], response: httpx2.Response) -> _T:
-        # Runs for every streamed chunk, inline (a call per chunk costs about as much as the
-        # work): the usual delta ({"content": piece}) takes the short way, and only a chunk
-        # that finishes a choice counts the finished ones. Once all have finished nothing
-        # more of the reply can come, whatever else the chunk holds.
-        if self.following:
-            try:
-                for choice in data.get("choices") or ():
-                    index = choice.get("index", 0)
-                    parts = self._choices.get(index)
-                    if parts is None:
-                        parts = self._choices[index] = _ChoiceParts()
-                    delta = choice.get("delta")
-                    if delta:
-                        content = delta.get("content")
-                        if content and len(delta) == 1:
-                            parts.content.append(content)
-                        else:
-                            parts.add(delta)
-                    if choice.get("finish_reason") is not None:
-                        self._finished.add(index)
-                        if len(self._finished) >= self._expected:
-                            self._finish()
-                            break
-            except Exception:  # bookkeeping must never break the caller's iteration
-                self._lost()
-        result: _T = self._decode(data=data, cast_to=cast_to, response=response)
-        return result
+    def _add_all(self, chunks: Sequence[Any]) -> bool:
+        # The usual delta ({"content": piece}) takes the short way, and only a chunk that
+        # finishes a choice counts the finished ones. Once all have finished nothing more of
+        # the reply can come.
+        parts_of, finished = self._choices, self._finished
+        for data in chunks:
+            for choice in data.get("choices") or ():
+                index = choice.get("index", 0)
+                parts = parts_of.get(index)
+                if parts is None:
+                    parts = parts_of[index] = _ChoiceParts()
+                delta = choice.get("delta")
+                if delta:
+                    content = delta.get("content")
+                    if content and len(delta) == 1:
+                        parts.content.append(content)
+                    else:
+                        parts.add(delta)
+                if choice.get("finish_reason") is not None:
+                    finished.add(index)
+                    if len(finished) >= self._expected:
+                        return True
+        return False
 
     def replies(self) -> list[Message]:
         """The assistant message of each choice, as vLLM's non-streamed reply would hold it."""
@@ -142,7 +175,7 @@ class _ChoiceParts:
         self.tool_calls: dict[int, list[Any]] = {}
 
     def add(self, delta: dict[str, Any]) -> None:
-        """Any delta (a lone content piece takes ChatFollower.take's short way)."""
+        """Any delta (a lone content piece takes ChatFollower._add_all's short way)."""
         for key, value in delta.items():  # the keys it has: usually one or two
             if not value:
                 continue
@@ -197,23 +230,20 @@ class CompletionFollower(StreamFollower):
 
     def __init__(self, state: ConversationState, plan: TurnPlan,
                  stream: Stream[Any] | AsyncStream[Any]) -> None:
-        super().__init__(state, plan, stream)
         self._texts: dict[int, list[str]] = {}
+        super().__init__(state, plan, stream)
 
-    def take(self, *, data: Any, cast_to: type[_T], response: httpx2.Response) -> _T:
-        if self.following:
-            try:
-                for choice in data.get("choices") or ():
-                    index = choice.get("index", 0)
-                    self._texts.setdefault(index, []).append(choice.get("text") or "")
-                    if choice.get("finish_reason") is not None:
-                        self._finished.add(index)
-                if len(self._finished) >= self._expected:
-                    self._finish()
-            except Exception:  # bookkeeping must never break the caller's iteration
-                self._lost()
-        result: _T = self._decode(data=data, cast_to=cast_to, response=response)
-        return result
+    def _add_all(self, chunks: Sequence[Any]) -> bool:
+        texts, finished = self._texts, self._finished
+        for data in chunks:
+            for choice in data.get("choices") or ():
+                index = choice.get("index", 0)
+                texts.setdefault(index, []).append(choice.get("text") or "")
+                if choice.get("finish_reason") is not None:
+                    finished.add(index)
+                    if len(finished) >= self._expected:
+                        return True
+        return False
 
     def replies(self) -> list[str]:
         """What each choice appended to the prompt (with ``echo``, the prompt is cut off)."""

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 import kvturn
-from kvturn._streams import StreamClient, StreamFollower
+from kvturn._streams import FOLD_EVERY, StreamClient, StreamFollower
 from tests.fakes.router import FakeRouter, chat_chunks, chat_completion, completion, error
 
 MODEL = "kvturn-tiny"
@@ -270,47 +270,28 @@ def follower_of(stream: Any) -> StreamFollower:
     return follower
 
 
-def test_a_long_stream_is_followed_to_its_finish_and_no_further(client: kvturn.OpenAI,
-                                                               router: FakeRouter) -> None:
-    words = [f"w{i}" for i in range(200)]
-    usage = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
-             "model": MODEL, "choices": [],
-             "usage": {"prompt_tokens": 1, "completion_tokens": 200, "total_tokens": 201}}
-    router.stream_reply = lambda r: [*chat_chunks(" ".join(words)), usage]
+def test_a_long_stream_is_assembled_in_bounded_batches(client: kvturn.OpenAI,
+                                                       router: FakeRouter) -> None:
+    words = [f"w{i}" for i in range(3 * FOLD_EVERY)]
+    router.stream_reply = lambda r: chat_chunks(" ".join(words))
     conversation = client.conversation()
     messages: list[Any] = [{"role": "user", "content": "Talk"}]
     stream = ask(conversation, messages, stream=True)
     follower = follower_of(stream)
-    following = [follower.following for _ in stream]
-    # every chunk but the usage one was needed; the reply was whole at the finish chunk
-    assert following == [True] * (len(following) - 2) + [False, False]
-    # the exact reply extends...
+    queued = [len(follower.chunks) for _ in stream]
+    assert len(queued) > 2 * FOLD_EVERY and max(queued) < FOLD_EVERY  # memory stays bounded
+    assert follower.chunks and follower.following  # the tail waits for the next turn
+    # the tail is assembled when the next turn is compared: the exact reply extends...
     ask(conversation, [*messages, {"role": "assistant", "content": " ".join(words)},
                        {"role": "user", "content": "More"}])
     assert router.turns()[-1].no_reuse is None
+    assert not follower.following and not follower.chunks
     # ...and one word changed near its end does not
     conversation = client.conversation()
     list(ask(conversation, messages, stream=True))
     ask(conversation, [*messages, {"role": "assistant", "content": " ".join([*words[:-1], "x"])},
                        {"role": "user", "content": "More"}])
     assert router.turns()[-1].no_reuse == "reply-changed"
-
-
-def test_a_stream_the_follower_cannot_read_still_reaches_the_caller(
-        client: kvturn.OpenAI, router: FakeRouter) -> None:
-    # A chunk kvturn cannot make sense of stops the following, never the caller's iteration.
-    router.stream_reply = lambda r: [{"id": "chatcmpl-1", "object": "chat.completion.chunk",
-                                      "created": 1, "model": MODEL, "choices": [7]},
-                                     *chat_chunks("Hi")]
-    conversation = client.conversation()
-    messages: list[Any] = [{"role": "user", "content": "Hi"}]
-    stream = ask(conversation, messages, stream=True)
-    follower = follower_of(stream)
-    assert len(list(stream)) == len(chat_chunks("Hi")) + 1
-    assert not follower.following
-    ask(conversation, [*messages, {"role": "assistant", "content": "anything"},
-                       {"role": "user", "content": "?"}])
-    assert router.turns()[-1].no_reuse is None  # prefix-only check
 
 
 def test_a_stream_abandoned_midway_leaves_only_a_prefix_check(client: kvturn.OpenAI,

@@ -1,4 +1,4 @@
-"""Stream followers: a reply rebuilt from the chunks the caller reads, with nothing held back."""
+"""Stream followers: a reply rebuilt from the chunks the caller reads, in bounded batches."""
 
 from __future__ import annotations
 
@@ -6,19 +6,23 @@ from typing import Any
 
 from kvturn._continuity import CompletionTurn, normalise_message
 from kvturn._state import TurnPlan
-from kvturn._streams import ChatFollower, CompletionFollower, StreamClient
+from kvturn._streams import FOLD_EVERY, ChatFollower, CompletionFollower, StreamClient
 
 CALL = {"id": "call_1", "type": "function",
         "function": {"name": "weather", "arguments": '{"city": "Lisbon"}'}}
 
 
 class Conversation:
-    """The one method of ConversationState a follower calls, recorded."""
+    """The methods of ConversationState a follower calls, recorded."""
 
     id = "c"
 
     def __init__(self) -> None:
         self.replies: list[Any] = []
+        self.fold: Any = None
+
+    def pending_reply(self, fold: Any) -> None:
+        self.fold = fold
 
     def finished(self, plan: TurnPlan, replies: Any) -> None:
         self.replies.append(replies)
@@ -58,20 +62,40 @@ def test_the_stream_gets_a_stand_in_client_whose_hook_is_the_followers() -> None
 def test_streamed_chunks_are_reassembled_from_their_json() -> None:
     stream, state = Stream(), Conversation()
     follower = ChatFollower(state, TurnPlan("chat", None, None), stream)  # type: ignore[arg-type]
+    assert state.fold == follower.fold  # the next turn assembles what was queued
     for delta in ({"role": "assistant", "content": ""}, {"reasoning": "think "},
                   {"content": "Hel"}, {"content": "lo", "reasoning": None},
                   {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
                                    "function": {"name": "weather", "arguments": '{"city": '}}]},
                   {"tool_calls": [{"index": 0, "function": {"arguments": '"Lisbon"}'}}]}):
         feed(stream, chunk(delta))
-        assert follower.following and not state.replies
+        follower.fold()
+        assert follower.following and not state.replies and not follower.chunks
     feed(stream, chunk({}, "tool_calls"))
-    assert not follower.following
+    feed(stream, {"choices": [], "usage": {"total_tokens": 3}})  # not needed
+    follower.fold()
+    assert not follower.following and not follower.chunks
     [replies] = state.replies
     assert [normalise_message(reply) for reply in replies] == [normalise_message(
         {"role": "assistant", "content": "Hello", "reasoning": "think ", "tool_calls": [CALL]})]
-    feed(stream, {"choices": [], "usage": {"total_tokens": 3}})  # not needed
-    assert len(state.replies) == 1
+
+
+def test_a_long_stream_is_assembled_in_bounded_batches() -> None:
+    stream, state = Stream(), Conversation()
+    follower = ChatFollower(state, TurnPlan("chat", None, None), stream)  # type: ignore[arg-type]
+    queued = []
+    words = 3 * FOLD_EVERY + 5
+    for i in range(words):
+        feed(stream, chunk({"content": f"w{i} "}))
+        queued.append(len(follower.chunks))
+    assert max(queued) < FOLD_EVERY and follower.chunks  # bounded; the tail waits
+    feed(stream, chunk({}, "stop"))
+    follower.fold()
+    assert state.replies == [[{"role": "assistant",
+                               "content": "".join(f"w{i} " for i in range(words))}]]
+    for _ in range(3 * FOLD_EVERY):  # chunks after the reply are dropped too
+        feed(stream, {"choices": [], "usage": {}})
+        assert len(follower.chunks) < FOLD_EVERY
 
 
 def test_a_reply_with_several_choices_is_whole_when_all_have_finished() -> None:
@@ -79,8 +103,10 @@ def test_a_reply_with_several_choices_is_whole_when_all_have_finished() -> None:
     follower = ChatFollower(state, TurnPlan("chat", None, None, choices=2),  # type: ignore[arg-type]
                             stream)
     feed(stream, chunk({"content": "b"}, "stop", index=1))
+    follower.fold()
     assert follower.following
     feed(stream, chunk({"content": "a"}, "stop", index=0))
+    follower.fold()
     assert [r["content"] for r in state.replies[0]] == ["a", "b"]
 
 
@@ -88,8 +114,9 @@ def test_a_chunk_the_follower_cannot_read_stops_it_but_reaches_the_caller() -> N
     stream, state = Stream(), Conversation()
     follower = ChatFollower(state, TurnPlan("chat", None, None), stream)  # type: ignore[arg-type]
     assert feed(stream, {"choices": [7]}) == ("decoded", {"choices": [7]})
-    assert not follower.following
     feed(stream, chunk({"content": "a"}, "stop"))
+    follower.fold()
+    assert not follower.following
     assert state.replies == []  # the reply stays unknown
 
 
@@ -100,4 +127,5 @@ def test_completions_text_is_concatenated_and_an_echoed_prompt_cut() -> None:
                                   stream)
     for text, finish in (("Say: ", None), ("hi", None), (" there", "stop")):
         feed(stream, {"choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+    follower.fold()
     assert state.replies == [["hi there"]] and not follower.following

@@ -17,7 +17,7 @@ differently (caches warmed or cooled by the first), and always timing kvturn sec
 charged it tens of microseconds that were the order's, not the SDK's.
 ``own_us`` is measured more directly, in a separate pass (its timers would otherwise weigh on
 the paired calls): the time spent in kvturn's hooks of openai's request loop (``_build_request``,
-``_process_response``, and a followed chat stream's ``take``, once per chunk) outside openai's own
+``_process_response``, and a followed stream's ``take``, once per chunk) outside openai's own
 methods they call.
 
 Times on a shared or virtual host drift by tens of percent between runs, so each mode also
@@ -53,7 +53,7 @@ from openai._base_client import AsyncAPIClient, BaseClient, SyncAPIClient
 
 import kvturn
 from kvturn._base_client import KVTurnClientBase
-from kvturn._streams import ChatFollower
+from kvturn._streams import StreamFollower
 from kvturn_server.bench._stats import quantile
 
 TARGET_US = 50.0
@@ -155,7 +155,7 @@ class _HookTimer:
                  (BaseClient, "_build_request", False, False),
                  (client_cls, "_process_response", is_async, True),
                  (openai_cls, "_process_response", is_async, False),
-                 (ChatFollower, "take", False, True),
+                 (StreamFollower, "take", False, True),
                  (BaseClient, "_process_response_data", False, False)]
         saved = [(cls, name, cls.__dict__[name]) for cls, name, _, _ in hooks]
         for cls, name, hook_is_async, ours in hooks:

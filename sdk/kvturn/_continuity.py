@@ -267,10 +267,15 @@ def _check_chat(previous: ChatTurn, current: ChatTurn) -> str | None:
         return "regenerate"
     if previous.replies is None:
         return None
+    echoed = current.messages[before]
+    if type(echoed) is dict:
+        for reply in previous.replies:
+            if _same_fields(echoed, reply):
+                return None
     replies = previous.normalised_replies()
-    # The reply as the caller sent it back, when that is already its normal form (the usual
-    # {"role": "assistant", "content": ...}), needs no normalising: it is a fixed point.
-    if current.messages[before] in replies:
+    # The reply as the caller sent it back, when that is already its normal form, needs no
+    # normalising: it is a fixed point.
+    if echoed in replies:
         return None
     echoed = current.normalised(before)
     if echoed in replies:
@@ -280,6 +285,22 @@ def _check_chat(previous: ChatTurn, current: ChatTurn) -> str | None:
     if any(_without_reasoning(reply) == echoed for reply in replies if "reasoning" in reply):
         return "reasoning-stripped"
     return "reply-changed"
+
+
+def _same_fields(echoed: Message, reply: Any) -> bool:
+    """Whether ``echoed`` holds exactly the fields of ``reply`` that are not None (a parsed
+    message's) or all of them (an assembled one's): then the two normalise alike, whatever
+    they hold (normalising drops None fields first). The common case (the caller appends the
+    reply, or ``{"role": "assistant", "content": text}``) is settled here with a few C-level
+    comparisons instead of normalising both; any other answer means "compare normal forms"."""
+    if type(reply) is dict:
+        return echoed == reply
+    # echoed's items are among the reply's fields, none of them None, and as many as the
+    # reply's fields that are not None: so they are exactly those.
+    fields = getattr(reply, "__dict__", None)
+    return (fields is not None and not getattr(reply, "__pydantic_extra__", True)
+            and echoed.items() <= fields.items() and None not in echoed.values()
+            and len(fields) - list(fields.values()).count(None) == len(echoed))
 
 
 def _classify_edit(previous: ChatTurn, current: ChatTurn, index: int) -> str:
@@ -328,6 +349,8 @@ def chat_replies(completion: Any) -> list[Any] | None:
     choices = getattr(completion, "choices", None)
     if not choices:
         return None
+    if len(choices) == 1:  # the usual n=1 (no comprehension to set up)
+        return [choices[0].message]
     return [choice.message for choice in choices]
 
 

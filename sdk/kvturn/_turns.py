@@ -172,7 +172,7 @@ class TurnReport:
 _FOLD_AT = 64
 
 
-@dataclass
+@dataclass(slots=True)
 class StatsCounter:
     """The mutable counters behind ``ConversationStats``; updated from the caller's thread and
     from the keepalive thread, hence the lock (the conversation's own, which it holds when it

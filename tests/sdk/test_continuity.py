@@ -183,3 +183,34 @@ def test_the_normal_form() -> None:
         {"role": "assistant", "content": "x", "tool_calls": [CALL]})) == {
         "role": "assistant", "content": "x",
         "tool_calls": [{"id": "call_1", "function": CALL["function"]}]}
+
+
+@pytest.mark.parametrize("echoed", [
+    {"role": "assistant", "content": "x"},
+    {"role": "assistant", "content": "x", "tool_calls": None},
+    {"role": "assistant", "content": "x", "refusal": ""},
+    {"role": "assistant", "content": "y"},
+    {"role": "assistant", "content": [{"type": "text", "text": "x"}]},
+    {"role": "assistant"},
+    {"role": "assistant", "content": "x", "name": "bot"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+])
+@pytest.mark.parametrize("reply", [
+    {"role": "assistant", "content": "x"},
+    {"role": "assistant", "content": "x", "refusal": ""},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "assistant", "content": "x", "reasoning_content": "r"},
+    {"role": "assistant", "content": "x", "annotations": []},
+])
+def test_the_reply_shortcut_only_says_equal_when_the_normal_forms_are(
+        echoed: dict[str, Any], reply: dict[str, Any]) -> None:
+    # _check_chat settles the common reply slot without normalising; it must never say
+    # "the same" where the normal forms differ (it may say "compare them" where they agree).
+    from kvturn._continuity import _same_fields
+
+    parsed = ChatCompletionMessage.model_validate(reply)
+    for form in (parsed, reply):
+        if _same_fields(echoed, form):
+            assert normalise_message(echoed) == normalise_message(form), (echoed, form)
+    if echoed == {"role": "assistant", "content": "x"} and reply == echoed:
+        assert _same_fields(echoed, parsed) and _same_fields(echoed, reply)  # the usual case

@@ -13,7 +13,7 @@ from pathlib import Path
 from kvturn_server.bench._fleet import add_fleet_bench_parser
 from kvturn_server.bench._reuse_cli import add_reuse_bench_parser
 from kvturn_server.bench._router import add_router_bench_parser
-from kvturn_server.bench._sdk import add_sdk_bench_parser
+from kvturn_server.bench._sdk_run import add_sdk_bench_parser
 from kvturn_server.bench.agent import add_agent_bench_parser
 from kvturn_server.local import (
     SIZES,

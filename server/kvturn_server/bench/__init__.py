@@ -9,7 +9,7 @@ from kvturn_server.bench._router import (
     add_router_bench_parser,
     run_router_bench,
 )
-from kvturn_server.bench._sdk import add_sdk_bench_parser, run_sdk_bench
+from kvturn_server.bench._sdk_run import add_sdk_bench_parser, run_sdk_bench
 from kvturn_server.bench.agent import (
     AgentBenchSettings,
     add_agent_bench_parser,

@@ -7,8 +7,11 @@ Each measured call is a turn of a 5-turn conversation that extends the previous 
 (the common, fully checked path), sync and async, non-streaming and streaming (the stream is
 read to the end).
 
-Calls of the two clients alternate and the reported overhead is the median of the paired
-differences, which cancels most of the drift of a busy machine; their quartiles are the spread.
+Calls of the two clients alternate and a round's overhead is the median of the paired
+differences, which cancels most of the drift of a busy machine. One process's memory layout
+and the host's state shift a whole round, though (by tens of microseconds on the dev host), so
+``kvturn bench sdk`` runs several rounds, each in a fresh process (``_sdk_run``), and reports
+the median of their medians, each round's value and the quartiles of all pairs pooled.
 Calls are timed in CPU time of the calling thread (``time.thread_time_ns``): on an idle machine
 that is the wall time (the mock transport never waits), and on a shared one it leaves out the
 time the thread spends descheduled by other work, the largest noise in the pairs. Which client
@@ -35,15 +38,12 @@ import argparse
 import asyncio
 import gc
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -82,12 +82,23 @@ class ModeResult:
 
 @dataclass(frozen=True)
 class Spread:
-    """Quartiles of one mode's paired differences (kvturn call minus openai call), in us."""
+    """Quartiles of one mode's paired differences (kvturn call minus openai call), in us, and
+    the overhead each round measured (``kvturn bench sdk --rounds``)."""
 
     mode: str
     stream: bool
     overhead_p25_us: float
     overhead_p75_us: float
+    rounds_us: list[float]
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """One process's measurement of the four modes, with each mode's paired differences (ns,
+    kvturn call minus openai call) for pooling across rounds."""
+
+    modes: list[ModeResult]
+    paired_ns: list[list[int]]
 
 
 def _chat_body() -> bytes:
@@ -226,17 +237,26 @@ class _Samples:
     def paired(self) -> list[int]:
         return [k - p for k, p in zip(self.kvturn, self.plain, strict=True)]
 
-    def result(self, mode: str, stream: bool) -> tuple[ModeResult, Spread]:
+    def result(self, mode: str, stream: bool) -> tuple[ModeResult, list[int]]:
         paired = self.paired()
-        quartiles = [quantile(paired, q) for q in (0.25, 0.5, 0.75)]
         plain_us, overhead_us = _median_us(self.plain), _median_us(paired)
         return (ModeResult(mode=mode, stream=stream, plain_us=plain_us,
                            kvturn_us=_median_us(self.kvturn), overhead_us=overhead_us,
                            own_us=_median_us(self.own),
-                           overhead_pct=round(100 * overhead_us / plain_us, 2) if plain_us else 0.0,
-                           extra_bytecodes=self.extra_bytecodes),
-                Spread(mode=mode, stream=stream, overhead_p25_us=round(quartiles[0] / 1000, 1),
-                       overhead_p75_us=round(quartiles[2] / 1000, 1)))
+                           overhead_pct=_pct(overhead_us, plain_us),
+                           extra_bytecodes=self.extra_bytecodes), paired)
+
+
+def _pct(overhead_us: float, plain_us: float) -> float:
+    return round(100 * overhead_us / plain_us, 2) if plain_us else 0.0
+
+
+def spread(mode: str, stream: bool, paired_ns: list[int], rounds_us: list[float]) -> Spread:
+    """The quartiles of ``paired_ns`` and the rounds' overheads, for one mode."""
+    return Spread(mode=mode, stream=stream,
+                  overhead_p25_us=round(quantile(paired_ns, 0.25) / 1000, 1),
+                  overhead_p75_us=round(quantile(paired_ns, 0.75) / 1000, 1),
+                  rounds_us=rounds_us)
 
 
 class _Bytecodes:
@@ -290,7 +310,7 @@ def _median_us(values: list[int]) -> float:
     return round(statistics.median(values) / 1000, 1) if values else 0.0
 
 
-def _bench_sync(calls: int, stream: bool) -> tuple[ModeResult, Spread]:
+def _bench_sync(calls: int, stream: bool) -> tuple[ModeResult, list[int]]:
     transport = httpx2.MockTransport(_router())
     plain = openai.OpenAI(base_url=_BASE_URL, api_key="bench", max_retries=0,
                           http_client=httpx2.Client(transport=transport))
@@ -347,7 +367,7 @@ def _bench_sync(calls: int, stream: bool) -> tuple[ModeResult, Spread]:
     return samples.result("sync", stream)
 
 
-async def _bench_async(calls: int, stream: bool) -> tuple[ModeResult, Spread]:
+async def _bench_async(calls: int, stream: bool) -> tuple[ModeResult, list[int]]:
     transport = httpx2.MockTransport(_router())
     plain = openai.AsyncOpenAI(base_url=_BASE_URL, api_key="bench", max_retries=0,
                                http_client=httpx2.AsyncClient(transport=transport))
@@ -404,14 +424,10 @@ async def _bench_async(calls: int, stream: bool) -> tuple[ModeResult, Spread]:
     return samples.result("async", stream)
 
 
-def run_sdk_bench(calls: int, json_path: Path,
-                  say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Measure ``calls`` turns per mode, print a table, write ``json_path``; return the data."""
+def measure_round(calls: int) -> RoundResult:
+    """Measure ``calls`` turns of each mode in this process."""
     if calls < 1:
         raise ValueError(f"calls must be at least 1, got {calls}")
-    # Both clients run the same openai code, so a busy machine inflates the difference too;
-    # the load is recorded next to the numbers.
-    load_before = os.getloadavg()
     gc_was_enabled = gc.isenabled()
     # A collection inside one client's call would land on one side of a pair; the garbage of
     # each closed conversation is collected between calls instead (_collect_conversation).
@@ -423,55 +439,46 @@ def run_sdk_bench(calls: int, json_path: Path,
     finally:
         if gc_was_enabled:
             gc.enable()
-    results = [result for result, _ in measured]
-    spreads = [spread for _, spread in measured]
-    worst = max(r.overhead_us for r in results)
-    data: dict[str, Any] = {
-        "calls_per_mode": calls, "turns_per_conversation": TURNS, "target_us": TARGET_US,
-        "python": platform.python_version(), "openai": openai.__version__,
-        "kvturn": kvturn.__version__,
-        "machine": {"cpus": os.cpu_count(), "load_average_before": list(load_before),
-                    "load_average_after": list(os.getloadavg())},
-        "modes": [asdict(r) for r in results],
-        "spread": [asdict(s) for s in spreads],
-        "max_overhead_us": worst, "within_target": worst <= TARGET_US}
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(data, indent=2) + "\n")
-    say(_table(results, spreads))
-    say(f"max overhead {worst:.1f} us per call (target <= {TARGET_US:.0f} us); "
-        f"wrote {json_path}")
-    return data
+    return RoundResult(modes=[result for result, _ in measured],
+                       paired_ns=[paired for _, paired in measured])
 
 
-def _table(results: list[ModeResult], spreads: list[Spread]) -> str:
-    header = (f"{'client':<7} {'stream':<7} {'openai us':>10} {'kvturn us':>10} "
-              f"{'overhead us':>12} {'p25..p75':>14} {'%':>6} {'own us':>8} {'bytecodes':>10}")
-    rows = [f"{r.mode:<7} {'yes' if r.stream else 'no':<7} {r.plain_us:>10.1f} "
-            f"{r.kvturn_us:>10.1f} {r.overhead_us:>12.1f} "
-            f"{f'{s.overhead_p25_us:.1f}..{s.overhead_p75_us:.1f}':>14} "
-            f"{r.overhead_pct:>6.2f} {r.own_us:>8.1f} {r.extra_bytecodes:>+10d}"
-            for r, s in zip(results, spreads, strict=True)]
-    return "\n".join([header, *rows])
+def round_from_json(data: dict[str, Any]) -> RoundResult:
+    return RoundResult(modes=[ModeResult(**mode) for mode in data["modes"]],
+                       paired_ns=data["paired_ns"])
 
 
-def _cmd_sdk_bench(args: argparse.Namespace) -> int:
-    run_sdk_bench(args.calls, args.json)
+def aggregate(rounds: list[RoundResult]) -> tuple[list[ModeResult], list[Spread]]:
+    """Each mode across rounds: the median of the rounds' medians (one process's memory layout
+    and the host's state at that moment shift a whole round by tens of microseconds), the
+    quartiles of all rounds' pairs pooled, and every round's overhead."""
+    results, spreads = [], []
+    for index, first in enumerate(rounds[0].modes):
+        modes = [round_.modes[index] for round_ in rounds]
+
+        def median(field: str, of: list[ModeResult] = modes) -> float:
+            values: list[float] = [getattr(mode, field) for mode in of]
+            return round(statistics.median(values), 1)
+
+        plain_us, overhead_us = median("plain_us"), median("overhead_us")
+        results.append(ModeResult(
+            mode=first.mode, stream=first.stream, plain_us=plain_us,
+            kvturn_us=median("kvturn_us"), overhead_us=overhead_us, own_us=median("own_us"),
+            overhead_pct=_pct(overhead_us, plain_us), extra_bytecodes=first.extra_bytecodes))
+        pooled = [diff for round_ in rounds for diff in round_.paired_ns[index]]
+        spreads.append(spread(first.mode, first.stream, pooled,
+                              [mode.overhead_us for mode in modes]))
+    return results, spreads
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One round in its own process (``kvturn bench sdk --rounds``): JSON on stdout."""
+    parser = argparse.ArgumentParser(prog="python -m kvturn_server.bench._sdk")
+    parser.add_argument("calls", type=int)
+    args = parser.parse_args(argv)
+    sys.stdout.write(json.dumps(asdict(measure_round(args.calls))) + "\n")
     return 0
 
 
-def add_sdk_bench_parser(subparsers: Any) -> None:
-    """Register ``sdk`` on the ``kvturn bench`` subparsers (``func`` runs it, returns 0)."""
-    sdk = subparsers.add_parser(
-        "sdk", help="per-call overhead of the kvturn SDK vs the plain openai client",
-        description="Times chat turns through a scoped kvturn client and through the plain "
-                    "openai client over the same in-process mock transport (sync and async, "
-                    "streaming and not) and reports the per-call overhead (median of paired "
-                    f"differences, and their quartiles; target <= {TARGET_US:.0f} us), as a "
-                    "share of openai's call, and the extra bytecode instructions a kvturn call "
-                    "executes (a count that does not drift with the host's speed). No "
-                    "servers, no network.")
-    sdk.add_argument("--calls", type=int, default=3000,
-                     help="measured calls per client and mode (default: %(default)s)")
-    sdk.add_argument("--json", type=Path, default=Path(".kvturn/bench/sdk.json"),
-                     help="where to write the results (default: %(default)s)")
-    sdk.set_defaults(func=_cmd_sdk_bench)
+if __name__ == "__main__":
+    sys.exit(main())

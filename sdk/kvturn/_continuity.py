@@ -122,11 +122,11 @@ def normalise_message(message: Any) -> Message:
         # Not a message the server would accept; keep it comparable instead of failing here.
         return {"": plain}
     content = plain.get("content")
-    if content == "":
+    if (isinstance(content, list) and len(content) == 1 and isinstance(content[0], dict)
+            and content[0].keys() == {"type", "text"} and content[0]["type"] == "text"):
+        content = plain["content"] = content[0]["text"]
+    if content == "":  # after the part became a string: a normal form normalises to itself
         del plain["content"]
-    elif (isinstance(content, list) and len(content) == 1 and isinstance(content[0], dict)
-          and content[0].keys() == {"type", "text"} and content[0]["type"] == "text"):
-        plain["content"] = content[0]["text"]
     if "reasoning_content" in plain:
         reasoning = plain.pop("reasoning_content")
         plain.setdefault("reasoning", reasoning)
@@ -274,7 +274,7 @@ def _check_chat(previous: ChatTurn, current: ChatTurn) -> str | None:
                 return None
     replies = previous.normalised_replies()
     # The reply as the caller sent it back, when that is already its normal form, needs no
-    # normalising: it is a fixed point.
+    # normalising: normalising a normal form changes nothing.
     if echoed in replies:
         return None
     echoed = current.normalised(before)

@@ -2,7 +2,7 @@
 
 * parsed ``ChatCompletion`` / ``Completion``: the reply is recorded at once;
 * ``Stream`` / ``AsyncStream``: followed chunk by chunk as the caller iterates, the reply
-  recorded once every choice has its ``finish_reason`` (``_streams``);
+  recorded once the chunks assembled give every choice its ``finish_reason`` (``_streams``);
 * ``with_raw_response`` (``LegacyAPIResponse``): parsed now (openai caches the result, so the
   caller's ``parse()`` returns the same object), then as above;
 * ``with_streaming_response`` (``APIResponse``): the body is the caller's to read, so the reply

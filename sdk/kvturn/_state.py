@@ -77,7 +77,8 @@ class ConversationState:
     The continuity record changes only when the router has answered a turn (a failed or retried
     attempt leaves it untouched): ``started`` records the request as soon as the response
     starts, with the reply still unknown; ``finished`` adds the reply once it is complete (at
-    once for a plain response, at the end of a stream).
+    once for a plain response; for a stream, when the batch of chunks that completes it is
+    assembled: every 64 chunks, and at the latest before the next turn is compared).
     """
 
     # Slots: a turn touches these a few times each, between openai's much larger work, where
@@ -255,11 +256,13 @@ class ConversationState:
         last = self._last
         return None if last is None else last.info()
 
-    def pending_reply(self, fold: Callable[[], None]) -> None:
-        """The reply of the turn that started last arrives as a stream; ``fold`` assembles
-        what has come of it (the next turn calls it first)."""
+    def pending_reply(self, plan: TurnPlan, fold: Callable[[], None]) -> None:
+        """The reply of turn ``plan`` arrives as a stream; ``fold`` assembles what has come
+        of it (the next turn calls it first). Ignored when a later turn has started since (two
+        threads streaming on one conversation): the fold of the newer turn stays."""
         with self._lock:
-            self._fold_reply = fold
+            if plan.seq == self._seq:
+                self._fold_reply = fold
 
     def finished(self, plan: TurnPlan, replies: Any) -> None:
         """Attach the complete reply (of a stream) to the record, unless a later turn has

@@ -15,8 +15,9 @@ instructions per chunk runs cold, and costs several times what the same loop cos
 batch (``kvturn bench sdk``: about 11 us a 10-chunk stream). Only the reply's own pieces are
 kept once assembled.
 
-The reply is handed to the conversation (``ConversationState.finished``) once every choice has
-its ``finish_reason``; following stops there (later chunks, such as usage, are dropped). A
+The reply is handed to the conversation (``ConversationState.finished``) by the fold that sees
+every choice's ``finish_reason``; following stops there (later chunks, such as usage, are
+dropped). A
 stream abandoned or cut before that leaves the reply unknown, and a chunk the follower cannot
 read stops the following, never the caller's iteration.
 """
@@ -49,16 +50,19 @@ FOLD_EVERY: Final = 64
 class StreamClient:
     """The client of one followed stream (``Stream._client``): openai's stream reads only
     ``_process_response_data`` from it once it is built, and this one is a follower's
-    ``take``. Anything else is the conversation's (a newer openai may read more)."""
+    ``take``. Every other attribute is the conversation's (a newer openai may read more, and
+    code that reaches the HTTP client through ``stream._client._client`` still finds it)."""
 
-    __slots__ = ("_client", "_process_response_data")
+    __slots__ = ("_kvturn_target", "_process_response_data")
 
     def __init__(self, client: Any, take: Any) -> None:
-        self._client = client
+        self._kvturn_target = client
         self._process_response_data = take
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
+        if name == "_kvturn_target":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self._kvturn_target, name)
 
 
 class StreamFollower:
@@ -84,7 +88,7 @@ class StreamFollower:
         client = stream._client
         self._decode = client._process_response_data
         stream._client = cast(Any, StreamClient(client, self.take))
-        state.pending_reply(self.fold)
+        state.pending_reply(plan, self.fold)
 
     def take(self, *, data: object, cast_to: type[_T], response: httpx2.Response) -> _T:
         """One chunk's JSON, on its way to openai's decoding: queued, folded now and then."""

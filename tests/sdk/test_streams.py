@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+import httpx2
+
 from kvturn._continuity import CompletionTurn, normalise_message
-from kvturn._state import TurnPlan
+from kvturn._state import ConversationState, TurnPlan
 from kvturn._streams import FOLD_EVERY, ChatFollower, CompletionFollower, StreamClient
 
 CALL = {"id": "call_1", "type": "function",
@@ -21,7 +24,7 @@ class Conversation:
         self.replies: list[Any] = []
         self.fold: Any = None
 
-    def pending_reply(self, fold: Any) -> None:
+    def pending_reply(self, plan: TurnPlan, fold: Any) -> None:
         self.fold = fold
 
     def finished(self, plan: TurnPlan, replies: Any) -> None:
@@ -29,6 +32,8 @@ class Conversation:
 
 
 class Client:
+    _client = "the http client"
+
     def _process_response_data(self, *, data: Any, cast_to: Any, response: Any) -> Any:
         return ("decoded", data)
 
@@ -54,7 +59,10 @@ def test_the_stream_gets_a_stand_in_client_whose_hook_is_the_followers() -> None
     assert isinstance(stream._client, StreamClient)
     assert stream._client._process_response_data == follower.take
     assert stream._client._process_response_data.__self__ is follower
-    assert stream._client.__class__ is StreamClient and stream._client._client is client
+    assert stream._client._kvturn_target is client
+    # everything else is the conversation's, its HTTP client included; a copy does not recurse
+    assert stream._client._client == "the http client"
+    assert copy.copy(stream._client)._client == "the http client"
     # the chunk still reaches the caller, decoded by the conversation's own method
     assert feed(stream, chunk({"content": "x"})) == ("decoded", chunk({"content": "x"}))
 
@@ -129,3 +137,24 @@ def test_completions_text_is_concatenated_and_an_echoed_prompt_cut() -> None:
         feed(stream, {"choices": [{"index": 0, "text": text, "finish_reason": finish}]})
     follower.fold()
     assert state.replies == [["hi there"]] and not follower.following
+
+
+def test_a_late_follower_does_not_replace_a_newer_turns_fold() -> None:
+    # Two threads streaming on one conversation: turn 2's follower registers after turn 3
+    # started; the next turn must assemble turn 3's reply, not turn 2's.
+    state = ConversationState("c", keepalive_interval=60)
+    older = TurnPlan("chat", None, None)
+    newer = TurnPlan("chat", None, None)
+    state.started(older, httpx2.Response(200), attempts=1, streamed=True)
+    state.started(newer, httpx2.Response(200), attempts=1, streamed=True)
+    folds: list[str] = []
+    state.pending_reply(newer, lambda: folds.append("newer"))
+    state.pending_reply(older, lambda: folds.append("older"))
+    state.prepare(_options({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
+    assert folds == ["newer"]
+
+
+def _options(body: dict[str, Any]) -> Any:
+    from openai._models import FinalRequestOptions
+
+    return FinalRequestOptions.construct(method="post", url="/chat/completions", json_data=body)

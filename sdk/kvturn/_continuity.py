@@ -273,10 +273,6 @@ def _check_chat(previous: ChatTurn, current: ChatTurn) -> str | None:
             if _same_fields(echoed, reply):
                 return None
     replies = previous.normalised_replies()
-    # The reply as the caller sent it back, when that is already its normal form, needs no
-    # normalising: normalising a normal form changes nothing.
-    if echoed in replies:
-        return None
     echoed = current.normalised(before)
     if echoed in replies:
         return None
@@ -349,8 +345,6 @@ def chat_replies(completion: Any) -> list[Any] | None:
     choices = getattr(completion, "choices", None)
     if not choices:
         return None
-    if len(choices) == 1:  # the usual n=1 (no comprehension to set up)
-        return [choices[0].message]
     return [choice.message for choice in choices]
 
 

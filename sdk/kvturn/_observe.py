@@ -27,8 +27,8 @@ def observe_turn(state: ConversationState, plan: TurnPlan, response: httpx2.Resp
     """Record the turn the router answered with ``response`` and arrange for ``state`` to
     learn the reply carried by ``result``, openai's processed response."""
     if isinstance(result, BaseModel):  # the usual case first: a parsed completion
-        replies = chat_replies(result) if plan.api == "chat" else _parsed_replies(plan, result)
-        state.started(plan, response, attempts=attempts, streamed=streamed, replies=replies)
+        state.started(plan, response, attempts=attempts, streamed=streamed,
+                      replies=_parsed_replies(plan, result))
         return
     if isinstance(result, LegacyAPIResponse):
         try:

@@ -12,14 +12,14 @@ The queue is assembled (``fold``) every ``FOLD_EVERY`` chunks, which bounds its 
 what is left before the conversation's next turn (``ConversationState.pending_reply``). In
 batches, not chunk by chunk: code run once per chunk between openai's thousands of
 instructions per chunk runs cold, and costs several times what the same loop costs over a
-batch (``kvturn bench sdk``: about 11 us a 10-chunk stream). Only the reply's own pieces are
+batch (assembling each chunk as it passed cost about 11 us more a 10-chunk stream, measured in
+one process against this design; docs/sdk.md, session 10). Only the reply's own pieces are
 kept once assembled.
 
 The reply is handed to the conversation (``ConversationState.finished``) by the fold that sees
 every choice's ``finish_reason``; following stops there (later chunks, such as usage, are
-dropped). A
-stream abandoned or cut before that leaves the reply unknown, and a chunk the follower cannot
-read stops the following, never the caller's iteration.
+dropped). A stream abandoned or cut before that leaves the reply unknown, and a chunk the
+follower cannot read stops the following, never the caller's iteration.
 """
 
 from __future__ import annotations

@@ -224,8 +224,8 @@ def test_the_reply_shortcut_only_says_equal_when_the_normal_forms_are(
                                               {"type": "text", "text": "b"}]},
 ])
 def test_a_normal_form_normalises_to_itself(message: dict[str, Any]) -> None:
-    # _check_chat compares the echoed message with the replies' normal forms before
-    # normalising it: sound only if normalising a normal form changes nothing.
+    # Normal forms are compared with ==: normalising one again must change nothing (a lone
+    # empty text part once became "" on the first pass and was dropped only on the second).
     once = normalise_message(message)
     assert normalise_message(once) == once
     if message["content"] == [{"type": "text", "text": ""}]:

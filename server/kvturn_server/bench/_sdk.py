@@ -251,7 +251,7 @@ def _pct(overhead_us: float, plain_us: float) -> float:
     return round(100 * overhead_us / plain_us, 2) if plain_us else 0.0
 
 
-def spread(mode: str, stream: bool, paired_ns: list[int], rounds_us: list[float]) -> Spread:
+def _spread(mode: str, stream: bool, paired_ns: list[int], rounds_us: list[float]) -> Spread:
     """The quartiles of ``paired_ns`` and the rounds' overheads, for one mode."""
     return Spread(mode=mode, stream=stream,
                   overhead_p25_us=round(quantile(paired_ns, 0.25) / 1000, 1),
@@ -466,7 +466,7 @@ def aggregate(rounds: list[RoundResult]) -> tuple[list[ModeResult], list[Spread]
             kvturn_us=median("kvturn_us"), overhead_us=overhead_us, own_us=median("own_us"),
             overhead_pct=_pct(overhead_us, plain_us), extra_bytecodes=first.extra_bytecodes))
         pooled = [diff for round_ in rounds for diff in round_.paired_ns[index]]
-        spreads.append(spread(first.mode, first.stream, pooled,
+        spreads.append(_spread(first.mode, first.stream, pooled,
                               [mode.overhead_us for mode in modes]))
     return results, spreads
 

@@ -69,8 +69,8 @@ class StreamFollower:
     """What the chat and completions followers share: the queue, the stream they stand in for,
     where the reply goes, and when it is complete (``n`` choices finished)."""
 
-    __slots__ = ("_decode", "_expected", "_finished", "_lock", "_plan", "_state", "chunks",
-                 "following")
+    __slots__ = ("_decode", "_expected", "_finished", "_lock", "_parts", "_plan", "_state",
+                 "chunks", "following")
 
     def __init__(self, state: ConversationState, plan: TurnPlan,
                  stream: Stream[Any] | AsyncStream[Any]) -> None:
@@ -78,6 +78,8 @@ class StreamFollower:
         self.chunks: list[Any] = []
         self._finished: set[int] = set()
         self._expected = max(plan.choices, 1)
+        # Per choice index, what has come of its reply (the subclass's kind of pieces).
+        self._parts: dict[int, Any] = {}
         self.following = True  # False once the reply is whole or cannot be known
         # The reading thread folds every FOLD_EVERY chunks, and a turn sent meanwhile from
         # another thread folds too: one at a time, so no chunk is assembled twice.
@@ -131,18 +133,13 @@ class StreamFollower:
 class ChatFollower(StreamFollower):
     """Rebuilds the assistant message of each choice of a chat stream."""
 
-    __slots__ = ("_choices",)
-
-    def __init__(self, state: ConversationState, plan: TurnPlan,
-                 stream: Stream[Any] | AsyncStream[Any]) -> None:
-        self._choices: dict[int, _ChoiceParts] = {}
-        super().__init__(state, plan, stream)
+    __slots__ = ()
 
     def _add_all(self, chunks: Sequence[Any]) -> bool:
         # The usual delta ({"content": piece}) takes the short way, and only a chunk that
         # finishes a choice counts the finished ones. Once all have finished nothing more of
         # the reply can come.
-        parts_of, finished = self._choices, self._finished
+        parts_of, finished = self._parts, self._finished
         for data in chunks:
             for choice in data.get("choices") or ():
                 index = choice.get("index", 0)
@@ -164,7 +161,7 @@ class ChatFollower(StreamFollower):
 
     def replies(self) -> list[Message]:
         """The assistant message of each choice, as vLLM's non-streamed reply would hold it."""
-        return [self._choices[index].message() for index in sorted(self._choices)]
+        return [self._parts[index].message() for index in sorted(self._parts)]
 
 
 class _ChoiceParts:
@@ -230,15 +227,10 @@ class CompletionFollower(StreamFollower):
     """Concatenates the streamed text of each completions choice (a text prompt's: token-id
     prompts are not followed, their chunks carry no ids)."""
 
-    __slots__ = ("_texts",)
-
-    def __init__(self, state: ConversationState, plan: TurnPlan,
-                 stream: Stream[Any] | AsyncStream[Any]) -> None:
-        self._texts: dict[int, list[str]] = {}
-        super().__init__(state, plan, stream)
+    __slots__ = ()
 
     def _add_all(self, chunks: Sequence[Any]) -> bool:
-        texts, finished = self._texts, self._finished
+        texts, finished = self._parts, self._finished
         for data in chunks:
             for choice in data.get("choices") or ():
                 index = choice.get("index", 0)
@@ -251,7 +243,7 @@ class CompletionFollower(StreamFollower):
 
     def replies(self) -> list[str]:
         """What each choice appended to the prompt (with ``echo``, the prompt is cut off)."""
-        texts = ["".join(self._texts[index]) for index in sorted(self._texts)]
+        texts = ["".join(self._parts[index]) for index in sorted(self._parts)]
         turn = self._plan.turn
         if self._plan.echo and isinstance(turn, CompletionTurn):
             texts = strip_echo(texts, str(turn.prompt))

@@ -41,6 +41,7 @@ from kvturn_server.local._process import (
 )
 from kvturn_server.local._secret import ensure_control_secret
 from kvturn_server.local._supervise import Backoff, Say, Supervisor
+from kvturn_server.offload import with_offloading
 
 STATE_FILE = "stack.json"
 # Seconds `kvturn down` waits for the supervising process to stop the members itself.
@@ -96,6 +97,13 @@ class StackConfig:
     docs/connector.md); they override the stack's own."""
     decode_connector_extra: dict[str, Any] = field(default_factory=dict)
     """The same for the decode's."""
+    kv_offload_gib: float = 0.0
+    """Host memory (GiB) for vLLM's own CPU KV offloading on the prefill and the decode: vLLM's
+    ``OffloadingConnector`` beside the kvturn connector in a ``MultiConnector``
+    (``kvturn_server.offload``, docs/cpu-stack.md). 0: off. The reference never offloads."""
+    kv_offload_extra: dict[str, Any] = field(default_factory=dict)
+    """More keys for the offloading connector's ``kv_connector_extra_config``
+    (``offload_prompt_only``, ``eviction_policy``, ...); they override the stack's own."""
 
     @property
     def model_path(self) -> Path:
@@ -201,7 +209,9 @@ MEMBERS: dict[str | None, str] = {"kv_producer": "prefill", "kv_consumer": "deco
 
 
 def kv_transfer_config(cfg: StackConfig, role: str) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` of the prefill (``kv_producer``) or decode (``kv_consumer``)."""
+    """The ``--kv-transfer-config`` of the prefill (``kv_producer``) or decode (``kv_consumer``):
+    the kvturn connector, in a ``MultiConnector`` with vLLM's CPU offloading when
+    ``kv_offload_gib`` is set."""
     extra: dict[str, Any] = {
         "kv_read_timeout": cfg.kv_read_timeout,
         # The connector's default is 127.0.0.1: routers on other hosts could not reach it.
@@ -226,6 +236,8 @@ def kv_transfer_config(cfg: StackConfig, role: str) -> dict[str, Any]:
     }
     if cfg.kv_buffer_device is not None:
         config["kv_buffer_device"] = cfg.kv_buffer_device
+    if cfg.kv_offload_gib > 0:
+        return with_offloading(config, int(cfg.kv_offload_gib * 2**30), cfg.kv_offload_extra)
     return config
 
 

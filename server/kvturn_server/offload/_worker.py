@@ -1,0 +1,84 @@
+"""The host tier's copies on vLLM's CPU platform, where the "device" KV cache is host memory too.
+
+vLLM's own ``CPUOffloadingWorker`` copies with CUDA streams, events and a CUDA kernel
+(``ops.swap_blocks_batch``) and refuses any other platform. Here both sides are ordinary host
+tensors, so a copy is a slice copy per run of consecutive blocks (``_rows.py``), done when submitted: the connector submits stores at the start of the
+engine step after the one that computed the blocks and loads before the forward that needs them,
+both on the worker's own thread, so a copy done in place is ordered before anything that could
+change its blocks, and ``wait`` has nothing left to wait for. Each copy's time is reported with
+its result, which is what vLLM's ``vllm:kv_offload_*`` metrics show.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
+
+from kvturn_server.offload._rows import transfer_rows
+
+log = logging.getLogger("kvturn.offload")
+
+
+class HostCopyWorker(OffloadingWorker):  # type: ignore[misc]
+    """Copies block pages between the engine's KV tensors and a host tensor per KV tensor."""
+
+    def __init__(self, kv_caches: Any, blocks_per_chunk: int, num_chunks: int) -> None:
+        self._blocks_per_chunk = blocks_per_chunk
+        # One (num_blocks, page bytes) int8 view per KV tensor, as vLLM's connector built them.
+        self._device: list[torch.Tensor] = [t.tensor for t in kv_caches.tensors]
+        # Allocated and touched up front, as vLLM's own worker does (cpu_bytes_to_use is a budget
+        # the operator gives away): a store into pages the kernel has not committed yet pays
+        # their page faults, measured at half the copy speed.
+        self._host: list[torch.Tensor] = [
+            torch.zeros((num_chunks * blocks_per_chunk, t.page_size_bytes), dtype=torch.int8)
+            for t in kv_caches.tensors]
+        # Per KV-cache group: (tensor index, bytes of each block page that hold KV).
+        self._refs: list[list[tuple[int, int]]] = [
+            [(r.tensor_idx, r.page_size_bytes) for r in refs]
+            for refs in kv_caches.group_data_refs]
+        self._finished: list[TransferResult] = []
+        log.info("host KV tier: %d chunks of %d block(s), %.1f MiB in %d tensor(s)",
+                 num_chunks, blocks_per_chunk,
+                 sum(h.numel() for h in self._host) / 2**20, len(self._host))
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        self._finished.append(self._copy(job_id, src_spec, dst_spec.block_ids, to_host=True))
+        return True
+
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        self._finished.append(self._copy(job_id, dst_spec, src_spec.block_ids, to_host=False))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self._finished = self._finished, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        return  # every copy completed when it was submitted
+
+    def shutdown(self) -> None:
+        self._host.clear()
+        self._device.clear()
+
+    def _copy(self, job_id: int, device_spec: Any, host_chunks: Any,
+              *, to_host: bool) -> TransferResult:
+        started = time.perf_counter()
+        moved = 0
+        for part in transfer_rows(device_spec.block_ids.tolist(), host_chunks.tolist(),
+                                  device_spec.group_sizes, device_spec.block_indices,
+                                  self._blocks_per_chunk):
+            runs = part.runs()
+            for tensor_idx, page in self._refs[part.group]:
+                device, host = self._device[tensor_idx], self._host[tensor_idx]
+                for d, h, n in runs:
+                    if to_host:
+                        host[h:h + n, :page].copy_(device[d:d + n, :page])
+                    else:
+                        device[d:d + n, :page].copy_(host[h:h + n, :page])
+                moved += len(part.device) * page
+        return TransferResult(job_id=job_id, success=True, transfer_size=moved,
+                              transfer_time=time.perf_counter() - started)

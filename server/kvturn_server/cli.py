@@ -63,6 +63,10 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
                         "off (default: %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=d.startup_timeout,
                    help="seconds to wait for the servers to become healthy (default: %(default)s)")
+    p.add_argument("--kv-offload-gib", type=float, default=d.kv_offload_gib, metavar="GIB",
+                   help="host memory per instance for vLLM's own CPU KV offloading (its "
+                        "OffloadingConnector beside kvturn's in a MultiConnector, on the prefill "
+                        "and the decode; docs/cpu-stack.md); 0: off (default: %(default)s)")
 
 
 def _stack_config(args: argparse.Namespace) -> StackConfig:
@@ -75,7 +79,8 @@ def _stack_config(args: argparse.Namespace) -> StackConfig:
         prefill_control_port=args.prefill_port + 1, decode_control_port=args.decode_port + 1,
         max_model_len=args.max_model_len, kv_read_timeout=args.kv_read_timeout,
         decoder_kv_blocks_ttl=args.retention_ttl, retention_budget=args.retention_budget,
-        startup_timeout=args.startup_timeout, served_model_name=f"kvturn-{args.size}")
+        startup_timeout=args.startup_timeout, served_model_name=f"kvturn-{args.size}",
+        kv_offload_gib=args.kv_offload_gib)
 
 
 def _print_endpoints(cfg: StackConfig) -> None:

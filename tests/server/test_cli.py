@@ -55,3 +55,16 @@ def test_up_puts_each_member_on_the_address_given(tmp_path: Path,
         "http://127.0.0.4:8101")
     assert main(["up", "--state-dir", str(tmp_path), "--decode-host", "10.0.0.21"]) == 1
     assert "loopback only" in capsys.readouterr().err
+
+
+def test_up_serves_with_vllms_cpu_offloading_when_given_a_size(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]
+                                                               ) -> None:
+    from kvturn_server.cli import _stack_config, build_parser
+
+    parse = build_parser().parse_args
+    assert _stack_config(parse(["up", "--state-dir", str(tmp_path)])).kv_offload_gib == 0
+    cfg = _stack_config(parse(["up", "--state-dir", str(tmp_path), "--kv-offload-gib", "1.5"]))
+    assert cfg.kv_offload_gib == 1.5
+    assert main(["up", "--state-dir", str(tmp_path), "--kv-offload-gib", "-1"]) == 1
+    assert "kv_offload_gib" in capsys.readouterr().err

@@ -75,6 +75,19 @@ def test_an_instance_is_the_stacks_prefill_or_decode_with_its_block_count(
         instance_spec(cfg, "x", "reference", 1, 2, 3)
 
 
+def test_every_instance_offloads_as_the_stacks_do_when_asked(tmp_path: Path) -> None:
+    cfg = FleetConfig(state_dir=tmp_path, prefills=1, decodes=1, kv_offload_gib=0.25,
+                      kv_offload_extra={"offload_prompt_only": False})
+    for instance in plan_instances(cfg, _ports()):
+        kv = _kv(list(instance.spec.argv))
+        assert kv["kv_connector"] == "MultiConnector"
+        inner, offload = kv["kv_connector_extra_config"]["connectors"]  # type: ignore[index]
+        assert inner["kv_connector"] == "KVTurnConnector"
+        assert offload["kv_connector_extra_config"]["cpu_bytes_to_use"] == 1 << 28
+        assert offload["kv_connector_extra_config"]["offload_prompt_only"] is False
+    assert cfg.describe()["kv_offload_gib"] == 0.25
+
+
 def test_the_router_argv_names_every_backend_and_parses_as_the_router(tmp_path: Path) -> None:
     fleet = Fleet(FleetConfig(state_dir=tmp_path, prefills=2, decodes=2),
                   port=_ports())
@@ -93,7 +106,7 @@ def test_the_router_argv_names_every_backend_and_parses_as_the_router(tmp_path: 
 
 def test_a_fleet_refuses_nonsense_and_stops_cleanly_before_it_starts(tmp_path: Path) -> None:
     for bad in ({"prefills": 0}, {"decodes": 0}, {"model_size": "huge"},
-                {"prefill_num_blocks": 1}):
+                {"prefill_num_blocks": 1}, {"kv_offload_gib": -1}):
         with pytest.raises(StackError):
             FleetConfig(state_dir=tmp_path, **bad)
     cfg = FleetConfig(state_dir=tmp_path)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -106,3 +107,22 @@ def _check_supported(transfer: Any) -> None:
             "KVTurnConnector needs the KV cache registered in place (kv_buffer_device = the "
             "accelerator): with a host staging buffer vLLM 0.32 never reads a decode's KV "
             "back into a prefill")
+
+
+def _register_by_name() -> None:
+    """Make ``KVTurnConnector`` known to vLLM's connector registry by name.
+
+    vLLM loads the class by module path, but ``MultiConnector`` rebuilds each child's stats in
+    the API server from the child's class name alone (``KVConnectorFactory.
+    get_connector_class_by_name``), which knows only registered names: beside vLLM's CPU
+    offloading (docs/cpu-stack.md) the first stats then killed the API server's output handler
+    ("Connector 'KVTurnConnector' is not registered"). Every process that resolves the class
+    imports this module first, the API server included (it builds the children's metrics).
+    """
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    with contextlib.suppress(ValueError):  # registered already: this module imported twice
+        KVConnectorFactory.register_connector("KVTurnConnector", __name__, "KVTurnConnector")
+
+
+_register_by_name()

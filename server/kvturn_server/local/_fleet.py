@@ -80,6 +80,10 @@ class FleetConfig:
     retention_budget: float = CONNECTOR_DEFAULTS.retention_budget
     startup_timeout: float = 600.0
     extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
+    kv_offload_gib: float = 0.0
+    """Host memory (GiB) of every instance for vLLM's CPU KV offloading, as
+    ``StackConfig.kv_offload_gib``; 0: off."""
+    kv_offload_extra: dict[str, Any] = field(default_factory=dict)
     hosts: tuple[str, ...] = ()
     """One loopback address per instance in plan order (``prefill0..``, then ``decode0..``);
     empty: every instance on 127.0.0.1."""
@@ -97,6 +101,9 @@ class FleetConfig:
                 raise StackError(f"a local fleet listens on loopback only, not {host!r}")
         if self.model_size not in SIZES:
             raise StackError(f"unknown model size {self.model_size!r}; one of {sorted(SIZES)}")
+        if self.kv_offload_gib < 0:
+            raise StackError(f"kv_offload_gib must be 0 (off) or positive, got "
+                             f"{self.kv_offload_gib:g}")
         for name in ("prefill_num_blocks", "decode_num_blocks"):
             value = getattr(self, name)
             if value is not None and value < 2:
@@ -125,7 +132,8 @@ class FleetConfig:
             decoder_kv_blocks_ttl=self.decoder_kv_blocks_ttl,
             retention_max_hold=self.retention_max_hold, retention_budget=self.retention_budget,
             startup_timeout=self.startup_timeout, with_router=False,
-            decode_num_blocks=self.decode_num_blocks, extra_vllm_args=self.extra_vllm_args)
+            decode_num_blocks=self.decode_num_blocks, extra_vllm_args=self.extra_vllm_args,
+            kv_offload_gib=self.kv_offload_gib, kv_offload_extra=self.kv_offload_extra)
 
     def describe(self) -> dict[str, Any]:
         return {"prefills": self.prefills, "decodes": self.decodes, "model": self.model_size,
@@ -137,6 +145,8 @@ class FleetConfig:
                 "decoder_kv_blocks_ttl": self.decoder_kv_blocks_ttl,
                 "retention_budget": self.retention_budget,
                 "kv_read_timeout": self.kv_read_timeout,
+                "kv_offload_gib": self.kv_offload_gib,
+                "kv_offload_extra": dict(self.kv_offload_extra),
                 "extra_vllm_args": list(self.extra_vllm_args)}
 
 

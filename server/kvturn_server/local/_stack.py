@@ -166,6 +166,9 @@ class StackConfig:
             if not is_loopback(self.host_of(member)):
                 raise StackError(f"the local stack listens on loopback only, not "
                                  f"{self.host_of(member)!r} ({member})")
+        if self.kv_offload_gib < 0:
+            raise StackError(f"kv_offload_gib must be 0 (off) or positive, got "
+                             f"{self.kv_offload_gib:g}")
         # Members on different addresses may share port numbers, as hosts of a fleet do.
         binds = self.binds()
         if len(set(binds.values())) != len(binds):

@@ -31,7 +31,7 @@ def with_offloading(config: dict[str, Any], cpu_bytes: int,
                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """``config`` (a connector's ``--kv-transfer-config``) and vLLM's CPU offloading, in one
     ``MultiConnector`` that keeps ``config``'s role, failure policy and buffer device."""
-    outer = {key: config[key] for key in ("kv_role", "kv_load_failure_policy",
+    outer: dict[str, Any] = {key: config[key] for key in ("kv_role", "kv_load_failure_policy",
                                           "kv_buffer_device") if key in config}
     return {"kv_connector": "MultiConnector", **outer,
             "kv_connector_extra_config": {

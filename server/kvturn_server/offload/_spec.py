@@ -22,6 +22,8 @@ from kvturn_server.offload._worker import HostCopyWorker
 class HostOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
     """``CPUOffloadingSpec`` with a worker for the CPU platform."""
 
+    _worker: Any  # vLLM's slot for the worker it builds once (None until then)
+
     def get_worker(self, kv_caches: Any) -> Any:
         if current_platform.device_type != "cpu":
             return super().get_worker(kv_caches)

@@ -1,5 +1,5 @@
 """``kvturn bench fleet``: several prefills and decodes, prefix caching on everywhere, concurrent
-tool-using agents, and four ways to run them, side by side in one run.
+tool-using agents, and several ways to run them, side by side in one run.
 
 The modes (``MODE_TABLE`` in ``_fleet_plan.py``: the router's flags and what the client sends):
 
@@ -8,6 +8,11 @@ The modes (``MODE_TABLE`` in ``_fleet_plan.py``: the router's flags and what the
 - ``stock-affinity``: stock P/D with session affinity to a prefill (the client sends
   ``X-Conversation-ID``; the router uses it for placement only): what Dynamo, llm-d and
   production-stack offer.
+- ``stock-cond`` (and ``stock-cond-2k`` on request): stock conditional disaggregation
+  (``--no-kv-reuse --conditional-disagg 512``, or 2048): a short follow-up runs on the decode
+  that served the conversation, alone, on its plain prefix cache (llm-d's
+  prefix-based-pd-decider, NVIDIA Dynamo's conditional disaggregation); the client sends
+  ``X-Conversation-ID``.
 - ``kvturn-ll``: kvturn conversations (the SDK, paused during tool gaps), least-loaded prefill.
 - ``kvturn-kv``: kvturn conversations with the router's defaults (kv-aware placement).
 
@@ -22,7 +27,8 @@ chunks), prompt tokens computed (``vllm:prompt_tokens_by_source_total{source="lo
 summed over every instance, and per instance), tokens the prefills read from decodes
 (``kvturn:reused_tokens_total``, and the ``X-KVTurn-Reused-Tokens`` headers), the decodes'
 retained memory (``/kvturn/v1/stats``), turns per second; the routers' ``X-KVTurn-Route`` and
-``X-KVTurn-Prefill-Choice`` per turn. Reported per mode as the median and range over repeats.
+``X-KVTurn-Prefill-Choice`` per turn. Reported per mode as the median and range over repeats,
+and each kvturn mode against the strongest stock mode (the lowest TTFT p50 of turns 2+).
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ from kvturn_server.bench._fleet_plan import (
 )
 from kvturn_server.bench._fleet_report import build_results, scenario_result, table, write_plot
 from kvturn_server.bench._sampling import loadavg
-from kvturn_server.bench.agent._loop import Live
+from kvturn_server.bench.agent._loop import PROMPT_DETAILS_ARGS, Live
 from kvturn_server.bench.agent._records import AgentOutcome
 from kvturn_server.bench.agent._workload import AgentBenchSettings, GapDistribution, build_scripts
 from kvturn_server.local._progress import ProgressLine
@@ -92,7 +98,8 @@ def fleet_config(settings: FleetBenchSettings, scenario: Scenario) -> Any:
         decoder_kv_blocks_ttl=settings.retention_ttl,
         # On a GPU vLLM's default (the accelerator's memory): the connector refuses a host
         # buffer there (docs/connector.md).
-        kv_buffer_device=None if settings.gpu else "cpu", extra_vllm_args=settings.vllm_args)
+        kv_buffer_device=None if settings.gpu else "cpu",
+        extra_vllm_args=(*PROMPT_DETAILS_ARGS, *settings.vllm_args))
 
 
 def _client(url: str, settings: FleetBenchSettings) -> kvturn.AsyncOpenAI:
@@ -294,7 +301,8 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                       f"{' '.join(m.router_args) or 'with no flags'})" for m in MODE_TABLE)
     p: argparse.ArgumentParser = bench_subparsers.add_parser(
         "fleet", help="several prefills and decodes, prefix caching on: stock P/D "
-                      "(round-robin, session affinity) against kvturn (least-loaded, kv-aware)",
+                      "(round-robin, session affinity) and stock conditional disaggregation "
+                      "against kvturn (least-loaded, kv-aware)",
         description="Start N prefills + M decodes on 127.0.0.1 (prefix caching on everywhere) "
                     "and run concurrent tool-using agents (tool gaps from production traces, "
                     "scaled by --time-scale) in each mode, each through a router of its own, "
@@ -305,9 +313,11 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "fresh fleet each. Prints per mode TTFT p50/p90/p99, inter-token latency "
                     "p50/p99, prompt tokens computed (all instances), tokens read from decodes, "
                     "retained memory and turns/s (median and range over repeats) with the "
-                    "configuration; writes JSON and a PNG. The defaults (tool and long on "
-                    "tight, 2 repeats: 16 runs) take about 20 minutes on a 2-core machine; "
-                    "each scenario adds about 8 (tool) or 11 (long) minutes per 2 repeats.")
+                    "configuration, and each kvturn mode against the strongest stock mode "
+                    "(the lowest TTFT p50 of turns 2+, all repeats pooled); writes JSON and a "
+                    "PNG. The defaults (" + ",".join(d.modes) + "; tool and long on tight, 2 "
+                    "repeats: 20 runs) take about 24 minutes on a 2-core machine; each "
+                    "scenario adds about 9 (tool) or 12 (long) minutes per 2 repeats.")
     add_agents_args(p, d, seeded="sizes, gaps, reply lengths and words",
                     state="model, logs (per scenario) of the fleet")
     p.add_argument("--prefills", type=int, default=d.prefills,

@@ -26,14 +26,20 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvturn_server.bench._stats import MIB, fmt, percentile
 from kvturn_server.bench.agent._records import AgentOutcome
-from kvturn_server.bench.agent._workload import AgentScript, Message
 
 if TYPE_CHECKING:
     import kvturn
 
+    # Types only: the workload's settings check the mode table (``_modes``), which names this
+    # module's client kinds.
+    from kvturn_server.bench.agent._workload import AgentScript, Message
+
 PLAIN, IDS, KVTURN = "plain", "ids", "kvturn"
 CLIENT_KINDS = (PLAIN, IDS, KVTURN)
 HEADER_CONVERSATION_ID = "X-Conversation-ID"
+# What the benchmarks start vLLM with so that each streamed reply's usage says how many prompt
+# tokens the serving instance's cache supplied (prompt_tokens_details.cached_tokens).
+PROMPT_DETAILS_ARGS = ("--enable-prompt-tokens-details",)
 
 
 @dataclass
@@ -55,6 +61,7 @@ class TurnFields(Protocol):
     """What the loop fills in every turn record (both benchmarks' records have these)."""
 
     prompt_tokens: int | None
+    cached_tokens: int | None
     completion_tokens: int | None
     ttft_ms: float | None
     total_ms: float | None
@@ -87,8 +94,10 @@ async def stream_turn(target: Any, model: str, messages: list[Message], max_toke
                       headers: dict[str, str] | None = None,
                       extra_body: dict[str, Any] | None = None) -> str:
     """One streamed turn: fills ``record``'s timings (TTFT: request start to the first content
-    chunk), usage and the router's reports; appends each content chunk's time to ``chunks`` as
-    it arrives (a turn that fails midway keeps the ones it had); returns the text."""
+    chunk), usage (with the serving instance's ``prompt_tokens_details.cached_tokens`` where
+    vLLM runs with ``--enable-prompt-tokens-details``) and the router's reports; appends each
+    content chunk's time to ``chunks`` as it arrives (a turn that fails midway keeps the ones
+    it had); returns the text."""
     started = clock()
     stream = await target.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
@@ -103,6 +112,9 @@ async def stream_turn(target: Any, model: str, messages: list[Message], max_toke
     async for chunk in stream:
         if chunk.usage is not None:
             record.prompt_tokens = chunk.usage.prompt_tokens
+            details = chunk.usage.prompt_tokens_details
+            if details is not None and details.cached_tokens is not None:
+                record.cached_tokens = details.cached_tokens
             record.completion_tokens = chunk.usage.completion_tokens
         for choice in chunk.choices:
             content = choice.delta.content

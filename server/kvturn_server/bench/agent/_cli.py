@@ -73,9 +73,9 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "was never slower, headlined against the strongest stock mode (lowest "
                     "pooled TTFT p50 of turns 2+). Writes every turn and sample as JSON and a "
                     "PNG plot. The default run (3 modes, 3 repeats) takes about 10 minutes on "
-                    "a 2-core machine; --profile long several times that. The issue's "
-                    "scenarios: the defaults (64-token replies), --max-tokens 256, and "
-                    "--decode-blocks 320 --agents 16 (a decode short of KV).")
+                    "a 2-core machine; --profile long several times that. The three standard "
+                    "scenarios: the defaults (a roomy decode, 64-token replies), --max-tokens "
+                    "256, and --decode-blocks 320 --agents 16 (a decode short of KV).")
     add_agents_args(p, d, seeded="the gaps and the generated text",
                     state="model, logs and state of the benchmark stack")
     p.add_argument("--turns", type=int, default=d.turns,

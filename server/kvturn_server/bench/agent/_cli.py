@@ -46,8 +46,8 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
 
     d = AgentBenchSettings()
     modes = "; ".join(
-        f"'{m.name}' ({m.label}): {m.stands_for} (router "
-        f"{' '.join(m.router_args) or 'with its defaults'}; client {m.client})"
+        f"'{m.name}'" + ("" if m.label == m.name else f" ({m.label})") + f": {m.stands_for} "
+        f"(router {' '.join(m.router_args) or 'with its defaults'}; client {m.client})"
         for m in MODE_TABLE)
     p: argparse.ArgumentParser = bench_subparsers.add_parser(
         "agent", help="concurrent tool-using agents: TTFT, inter-token latency, prompt tokens "

@@ -51,12 +51,21 @@ class AgentMode:
     def kvturn(self) -> bool:
         return self.client == KVTURN
 
+    @property
+    def title(self) -> str:
+        """The name, with the shared label where it differs (``off (stock-pd)``)."""
+        return titled(self.name, self.label)
+
     def describe(self, extra_router_args: tuple[str, ...] = ()) -> dict[str, object]:
         """The mode as the JSON's mode table states it (``extra_router_args``: ``--router-arg``
         values, which every mode's router gets)."""
         return {"mode": self.name, "label": self.label,
                 "router_args": [*self.router_args, *extra_router_args], "client": self.client,
                 "stands_for": self.stands_for, "sources": list(self.sources)}
+
+
+def titled(name: str, label: str | None) -> str:
+    return name if label in (None, name) else f"{name} ({label})"
 
 
 _STOCK_COND = (

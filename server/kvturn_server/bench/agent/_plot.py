@@ -23,7 +23,7 @@ def write_plot(results: dict[str, Any], path: Path) -> bool:
         return False
     colors = {"off": "tab:red", "stock-cond": "tab:orange", "stock-cond-2k": "tab:brown",
               "on": "tab:blue"}
-    labels = {m.name: f"{m.name} ({m.label})" for m in MODE_TABLE}
+    labels = {m.name: m.title for m in MODE_TABLE}
     fig, (ax_ttft, ax_itl, ax_mem, ax_tok) = plt.subplots(1, 4, figsize=(21, 4.8))
     for mode, summary in results["modes"].items():
         color, name = colors.get(mode, "tab:gray"), labels.get(mode, mode)

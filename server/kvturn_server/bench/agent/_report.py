@@ -13,7 +13,7 @@ from typing import Any
 
 from kvturn_server.bench._host import describe_cpu
 from kvturn_server.bench._stats import fmt
-from kvturn_server.bench.agent._modes import MODES_BY_NAME
+from kvturn_server.bench.agent._modes import MODES_BY_NAME, titled
 from kvturn_server.bench.agent._summary import (
     BASE,
     ITL_P99_TOLERANCE,
@@ -49,7 +49,7 @@ def configuration_line(results: dict[str, Any]) -> str:
 def _mode_rows(results: dict[str, Any]) -> list[str]:
     rows = []
     for m in results.get("mode_table") or []:
-        rows.append(f"{m['mode']} ({m['label']}): router "
+        rows.append(f"{titled(m['mode'], m['label'])}: router "
                     f"{' '.join(m['router_args']) or '(defaults)'}; client {m['client']}: "
                     f"{m['stands_for']} [{'; '.join(m['sources'])}]")
     return rows
@@ -94,8 +94,8 @@ def table(results: dict[str, Any]) -> str:
     order = sorted(comparisons, key=lambda base: base != (top or {}).get("against"))
     for base in order:
         tag = BASE if results.get("comparisons") else LEGACY
-        rows.append(f"kvturn (on) against {base}"
-                    + (f" ({MODES_BY_NAME[base].label})" if base in MODES_BY_NAME else "")
+        title = MODES_BY_NAME[base].title if base in MODES_BY_NAME else base
+        rows.append(f"kvturn (on) against {title}"
                     + (", the strongest stock mode:" if top and top["against"] == base
                        else ":"))
         rows.extend(_comparison_rows(comparisons[base], base, tag))
@@ -134,7 +134,8 @@ def _decode_turn_rows(modes: dict[str, Any]) -> list[str]:
 
 def _headline_rows(top: dict[str, Any]) -> list[str]:
     p50 = ", ".join(f"{m} {fmt(v)}" for m, v in top["ttft_ms_turn2plus_p50_pooled"].items())
-    rows = [f"strongest stock mode: {top['against']} ({top['label']}), by {top['chosen_by']}; "
+    rows = [f"strongest stock mode: {titled(top['against'], top['label'])}, by "
+            f"{top['chosen_by']}; "
             f"turns 2+ TTFT p50 pooled, ms: {p50}"]
     labels = {"ttft_never_slower_pooled": "TTFT p50/p90/p99 base/on, pooled, lowest",
               "ttft_never_slower_every_repeat": "TTFT p50/p90/p99 and turns 2+ p50 base/on "

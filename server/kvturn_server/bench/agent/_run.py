@@ -378,7 +378,7 @@ def run_agent_bench(settings: AgentBenchSettings,
         + (f"; every router also {' '.join(settings.router_args)}" if settings.router_args
            else ""))
     for mode in settings.modes:
-        say(f"  {mode} ({MODES_BY_NAME[mode].label}): router "
+        say(f"  {MODES_BY_NAME[mode].title}: router "
             f"{' '.join(router_args(mode, settings)) or '(defaults)'}; "
             f"{MODES_BY_NAME[mode].stands_for}")
     say(f"starting 1 prefill + 1 decode ({settings.size} model); logs in "

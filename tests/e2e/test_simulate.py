@@ -52,6 +52,7 @@ COMPUTED_TOLERANCE = 0.15
 class _Record:
     turn: int
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None
     completion_tokens: int | None = None
     ttft_ms: float | None = None
     total_ms: float | None = None

@@ -100,6 +100,21 @@ def test_the_mode_table_gives_each_mode_its_router_flags_client_and_peer() -> No
     assert MODES_BY_NAME["off"].describe(("--x",))["router_args"] == ["--no-kv-reuse", "--x"]
 
 
+def test_every_mode_s_flags_make_a_router_the_router_accepts() -> None:
+    from kvturn_server.router import add_router_args, router_config_from_args
+
+    configs = {}
+    for mode in MODE_TABLE:
+        parser = argparse.ArgumentParser()
+        add_router_args(parser)
+        configs[mode.name] = router_config_from_args(parser.parse_args(
+            ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+             *mode.router_args]))
+    assert {m: (c.kv_reuse, c.conditional_disagg) for m, c in configs.items()} == {
+        "off": (False, 0), "stock-cond": (False, 512), "stock-cond-2k": (False, 2048),
+        "on": (True, 0)}
+
+
 # The gap distribution.
 
 def test_the_gap_fit_puts_p50_and_p90_on_the_trace_and_scales_them() -> None:

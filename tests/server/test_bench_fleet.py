@@ -581,3 +581,18 @@ def test_the_http_probe_reads_counters_retention_and_cache_info() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_every_mode_s_flags_make_a_router_the_router_accepts() -> None:
+    from kvturn_server.router import add_router_args, router_config_from_args
+
+    configs = {}
+    for mode in MODE_TABLE:
+        parser = argparse.ArgumentParser()
+        add_router_args(parser)
+        configs[mode.name] = router_config_from_args(parser.parse_args(
+            ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+             *FleetBenchSettings(decode_continue_tokens=0).router_args(mode.name)]))
+    assert {m: (c.kv_reuse, c.conditional_disagg) for m, c in configs.items()} == {
+        "stock-rr": (False, 0), "stock-affinity": (False, 0), "stock-cond": (False, 512),
+        "stock-cond-2k": (False, 2048), "kvturn-ll": (True, 0), "kvturn-kv": (True, 0)}

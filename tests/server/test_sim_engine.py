@@ -11,15 +11,19 @@ from typing import Any
 
 from kvturn_server.connector._retention import RetentionTable
 from kvturn_server.sim import (
+    H200,
     PROFILES,
+    QWEN3_32B,
     THIS_MACHINE,
     Conversation,
+    Efficiency,
     FleetSpec,
     Policy,
     RouterSpec,
     SimSettings,
     Simulation,
     WorkloadSpec,
+    prefill_seconds,
     simulate,
     standard_policies,
     synthetic,
@@ -99,14 +103,20 @@ def test_the_budget_evicts_least_recently_used_first() -> None:
     assert result["later_turns_reused"] == 1
 
 
-def test_published_profile_reproduces_its_cold_and_warm_ttft() -> None:
-    # llm-d, Red Hat Summit 2026: Qwen3-32B, a 10k-token prompt, 4.3 s cold and 0.6 s warm.
+def test_default_profile_times_a_turn_as_its_roofline_says() -> None:
+    """A cold 10k-token turn costs a prefill leg (overhead, compute), the pull of its KV and one
+    ITL; the warm turn the decode continues costs its overhead, a few tokens and one ITL."""
     profile = PROFILES["qwen3-32b-h200"]
     c = Conversation("c", 0.0, 10000 - 34, (10, 10), (2, 2), (1.0,))
     assert c.prompt_tokens(0) == 10000
     recorder = Simulation(SimSettings(fleet=SMALL, cost=profile), [c]).run()
     cold, warm = recorder.ttfts
-    assert abs(cold - 4.3) < 0.1 * 4.3 and abs(warm - 0.6) < 0.1 * 0.6
+    prefill = prefill_seconds(QWEN3_32B, H200, 1, Efficiency(), 10000)
+    pull = profile.read_fixed_ms / 1e3 + 10000 * QWEN3_32B.kv_bytes_per_token \
+        / (profile.read_gbps * 1e9)
+    expected = profile.leg_overhead_ms / 1e3 + prefill + pull + profile.itl_ms / 1e3
+    assert abs(cold - expected) < 0.01 * expected
+    assert warm < profile.leg_overhead_ms / 1e3 + 0.05 + profile.itl_ms / 1e3
 
 
 def test_this_machine_profile_fits_bench_reuse() -> None:

@@ -66,8 +66,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     g = p.add_argument_group("fleet")
     g.add_argument("--prefills", type=int, default=f.prefills, help="default: %(default)s")
     g.add_argument("--decodes", type=int, default=f.decodes, help="default: %(default)s")
-    g.add_argument("--memory-gib", type=float, default=f.memory_gib,
-                   help="accelerator memory per instance (default: %(default)s, an H200)")
+    g.add_argument("--memory-gib", type=float, default=None,
+                   help="accelerator memory per instance, GiB (default: the profile's: "
+                        f"{f.memory_gib:g} for one H200)")
     g.add_argument("--memory-utilization", type=float, default=f.memory_utilization,
                    help="vLLM's gpu_memory_utilization (default: %(default)s)")
     g.add_argument("--weights-gib", type=float, default=f.weights_gib,
@@ -79,8 +80,10 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="tokens per KV block (default: %(default)s)")
     g.add_argument("--max-num-seqs", type=int, default=f.max_num_seqs,
                    help="requests one decode runs at once (default: %(default)s)")
-    g.add_argument("--profile", choices=sorted(PROFILES), default="qwen3-32b-h200",
-                   help="the cost model's numbers (docs/simulate.md; default: %(default)s)")
+    g.add_argument("--profile", choices=sorted(PROFILES), default=SimSettings().cost.name,
+                   help="the cost model's numbers: a roofline of Qwen3-32B on one H200 or two "
+                        "H100s (tensor parallel), or this machine's fit (docs/simulate.md; "
+                        "default: %(default)s)")
     g = p.add_argument_group("policies and outputs")
     g.add_argument("--policies", default=",".join(standard_policies()), metavar="NAME,...",
                    help=f"which to compare, of {names} (default: all)")
@@ -117,8 +120,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             message_tokens=args.message_tokens, reply_tokens=args.reply_tokens,
             gap_p50_s=args.gap_p50, gap_p90_s=args.gap_p90, gap_cap_s=args.gap_cap,
             seed=args.seed)
+        profile = PROFILES[args.profile]
+        memory = args.memory_gib if args.memory_gib is not None else (
+            profile.memory_gib or FleetSpec().memory_gib)
         fleet = FleetSpec(prefills=args.prefills, decodes=args.decodes,
-                          memory_gib=args.memory_gib,
+                          memory_gib=memory,
                           memory_utilization=args.memory_utilization,
                           weights_gib=args.weights_gib,
                           kv_bytes_per_token=args.kv_bytes_per_token,
@@ -134,7 +140,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"kvturn simulate: {exc}\n")
         return 2
-    base = SimSettings(fleet=fleet, cost=PROFILES[args.profile], ttft_slo_s=args.ttft_slo)
+    base = SimSettings(fleet=fleet, cost=profile, ttft_slo_s=args.ttft_slo)
     progress = None if args.quiet else sys.stderr
     turns = sum(c.turns for c in conversations)
     if progress is not None:

@@ -11,6 +11,17 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvturn_server.router._config import RouterConfig
+from kvturn_server.sim._roofline import (
+    H100_SXM,
+    H200,
+    QWEN3_32B,
+    Accelerator,
+    Efficiency,
+    ModelShape,
+    itl_seconds,
+    prefill_seconds,
+    prefill_tokens_per_s,
+)
 
 GIB = 1024 ** 3
 UNLIMITED_S = 1e9
@@ -25,22 +36,24 @@ class CostProfile:
     token at context ``c``) at ``compute_tokens_per_s`` units per second; a read (prefill reading
     a retention, or a decode pulling a prefill's KV) costs ``read_fixed_ms`` plus its bytes at
     ``read_gbps``; every decoded token ``itl_ms``; every leg ``leg_overhead_ms`` (HTTP, scheduling).
+    A host tier (``stock-cond-offload``) reads back at ``host_read_gbps``. The same form is what
+    the connector's ``CostModel`` is configured with, so a profile can be given to it as is.
     """
 
-    # Calibrated so that a 10k-token prompt's first token takes 4.3 s cold and 0.6 s warm
-    # (the published figures in ``source``): warm = overhead + one ITL, so overhead 575 ms;
-    # cold adds 10k tokens of work, 10000 * (1 + 4999.5 / A) = 11,627 units with A = 6 x 5120
-    # (Qwen3-32B's hidden size), in 3.7 s: 3,140 units/s. A test checks both.
-    name: str = "qwen3-32b-h200"
-    compute_tokens_per_s: float = 3140.0
-    attention_tokens: int = 30720
-    read_fixed_ms: float = 5.0
-    read_gbps: float = 25.0
-    itl_ms: float = 25.0
-    leg_overhead_ms: float = 575.0
-    source: str = ("compute and overhead: llm-d talk, Red Hat Summit 2026 (Qwen3-32B, 10k-token "
-                   "prompt: 4.3 s cold, 0.6 s warm); ITL: Dynamo Qwen3-32B FP8 on H200 "
-                   "(39.9 tok/s per user at concurrency 100); read: EFA share per GPU, assumed")
+    name: str
+    compute_tokens_per_s: float
+    attention_tokens: int
+    read_fixed_ms: float
+    read_gbps: float
+    itl_ms: float
+    leg_overhead_ms: float
+    source: str
+    host_read_gbps: float | None = None
+    """Host-to-device bandwidth of a host KV tier; None: the profile states none."""
+    memory_gib: float | None = None
+    """Accelerator memory of one instance (all its GPUs): the fleet's default."""
+    gpus: int = 1
+    """GPUs one instance runs on (tensor parallel)."""
 
     def __post_init__(self) -> None:
         for name in ("compute_tokens_per_s", "read_gbps", "itl_ms"):
@@ -51,7 +64,46 @@ class CostProfile:
                 raise ValueError(f"cost profile {name} must be >= 0, got {getattr(self, name)}")
         if self.attention_tokens < 1:
             raise ValueError(f"attention_tokens must be >= 1, got {self.attention_tokens}")
+        if self.host_read_gbps is not None and not self.host_read_gbps > 0:
+            raise ValueError(f"host_read_gbps must be positive, got {self.host_read_gbps}")
+        if self.gpus < 1:
+            raise ValueError(f"gpus must be >= 1, got {self.gpus}")
 
+
+def roofline_profile(name: str, model: ModelShape, gpu: Accelerator, gpus: int = 1,
+                     eff: Efficiency | None = None) -> CostProfile:
+    """The profile of ``model`` on ``gpus`` x ``gpu`` (tensor parallel), derived from their
+    specifications at the stated efficiencies (``sim/_roofline.py``); ``source`` says how."""
+    eff = eff or Efficiency()
+    rate = prefill_tokens_per_s(model, gpu, gpus, eff)
+    itl = itl_seconds(model, gpu, gpus, eff, eff.decode_batch_tokens)
+    read = eff.link * gpu.nic_gbps * gpus
+    host = eff.pcie * gpu.pcie_gbps * gpus
+    ten_k = prefill_seconds(model, gpu, gpus, eff, 10000)
+    source = (
+        f"roofline: {model.name} bf16 on {gpus} x {gpu.name} ({gpu.bf16_tflops:g} TFLOPS, "
+        f"{gpu.hbm_tbps:g} TB/s, {gpu.memory_gib:g} GiB each); prefill "
+        f"{2 * model.matmul_params / 1e9:.1f} GFLOP/token + attention "
+        f"(A = {model.attention_tokens:,}) at MFU {eff.mfu:g}: "
+        f"{rate:,.0f} tokens/s at context 0, a 10k-token prompt {ten_k:.2f} s; decode: "
+        f"{model.step_read_bytes / 1e9:.1f} GB of weights + {eff.decode_batch_tokens:,} tokens "
+        f"of KV per step at {eff.hbm:g} of HBM: ITL {itl * 1e3:.1f} ms; KV reads over the NIC "
+        f"({gpu.nic_gbps:g} GB/s per GPU) at {eff.link:g}: {read:g} GB/s + "
+        f"{eff.read_fixed_ms:g} ms (assumed); host tier over PCIe ({gpu.pcie_gbps:g} GB/s) at "
+        f"{eff.pcie:g}: {host:g} GB/s; leg overhead {eff.leg_overhead_ms:g} ms (assumed). "
+        "Checked against published measurements: docs/simulate.md")
+    return CostProfile(
+        name=name, compute_tokens_per_s=round(rate, 1), attention_tokens=model.attention_tokens,
+        read_fixed_ms=eff.read_fixed_ms, read_gbps=read, itl_ms=round(itl * 1e3, 2),
+        leg_overhead_ms=eff.leg_overhead_ms, source=source, host_read_gbps=host,
+        memory_gib=round(gpu.memory_gib * gpus, 1), gpus=gpus)
+
+
+QWEN3_32B_H200 = roofline_profile("qwen3-32b-h200", QWEN3_32B, H200)
+"""The default: one H200 per instance (61 GiB of weights leave 65 GiB of KV at 0.9)."""
+QWEN3_32B_H100 = roofline_profile("qwen3-32b-h100-tp2", QWEN3_32B, H100_SXM, gpus=2)
+"""Two H100s per instance (tensor parallel): one H100's 80 GB holds the 61 GiB of weights with
+10 GiB of KV, less than one 100k-token agent context."""
 
 THIS_MACHINE = CostProfile(
     name="this-machine-cpu",
@@ -61,7 +113,7 @@ THIS_MACHINE = CostProfile(
     read_fixed_ms=4.0, read_gbps=5.0, itl_ms=36.0, leg_overhead_ms=40.0,
     source="kvturn bench reuse on this 2-core machine (docs/bench/reuse.json), bench model")
 
-PROFILES = {p.name: p for p in (CostProfile(), THIS_MACHINE)}
+PROFILES = {p.name: p for p in (QWEN3_32B_H200, QWEN3_32B_H100, THIS_MACHINE)}
 
 
 @dataclass(frozen=True)
@@ -75,10 +127,10 @@ class FleetSpec:
 
     prefills: int = 8
     decodes: int = 8
-    memory_gib: float = 141.0
+    memory_gib: float = H200.memory_gib
     memory_utilization: float = 0.9
-    weights_gib: float = 61.0
-    kv_bytes_per_token: int = 262144  # Qwen3-32B: 64 layers x 8 KV heads x 128 x 2 x 2 bytes
+    weights_gib: float = round(QWEN3_32B.weight_bytes / GIB, 1)
+    kv_bytes_per_token: int = QWEN3_32B.kv_bytes_per_token  # 64 layers x 8 KV heads x 128 x 2 x 2
     block_size: int = 64
     max_num_seqs: int = 256
     prefill_blocks: int | None = None
@@ -184,7 +236,7 @@ class SimSettings:
     """One simulation run: the fleet, costs, router, the policy and what to measure."""
 
     fleet: FleetSpec = field(default_factory=FleetSpec)
-    cost: CostProfile = field(default_factory=CostProfile)
+    cost: CostProfile = QWEN3_32B_H200
     router: RouterSpec = field(default_factory=RouterSpec)
     policy: Policy = field(default_factory=lambda: standard_policies()["kvturn-lease"])
     ttft_slo_s: float = 2.0

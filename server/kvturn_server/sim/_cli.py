@@ -11,6 +11,7 @@ from typing import Any
 
 from kvturn_server._cli_common import add_output_args, int_range, number_list, plot_path, write_json
 from kvturn_server.sim._config import (
+    HOST_GIB,
     PROFILES,
     FleetSpec,
     SimSettings,
@@ -33,7 +34,8 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "conversations (drawn from production tool-gap quantiles, or read from "
                     "--trace). The decodes run the connector's own retention table, the "
                     "prefills its verified-reuse and cost decision, the router its placement "
-                    "code. Compares retention policies on the same conversations (" + names
+                    "code; the stock baselines run the stock router's decision. Compares "
+                    "policies on the same conversations (" + names
                     + "), sweeps kvturn's lease over --sweep-budgets x --sweep-ttls, prints "
                     "Markdown tables and writes JSON and a PNG. See docs/simulate.md.")
     g = p.add_argument_group("workload")
@@ -90,6 +92,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--budget", type=float, default=0.5,
                    help="retention budget of kvturn-lease and lru-budget, a fraction of each "
                         "decode's KV (default: %(default)s)")
+    g.add_argument("--host-gib", type=float, default=HOST_GIB,
+                   help="stock-cond-offload's host KV tier on every instance, GiB (vLLM's CPU "
+                        "offloading, read back over PCIe; default: %(default)s)")
     g.add_argument("--lease-ttl", type=float, default=480.0,
                    help="kvturn-lease's lease, seconds; clients renew every eighth of it "
                         "(default: %(default)s)")
@@ -129,7 +134,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                           weights_gib=args.weights_gib,
                           kv_bytes_per_token=args.kv_bytes_per_token,
                           block_size=args.block_size, max_num_seqs=args.max_num_seqs)
-        known = standard_policies(budget=args.budget, ttl_s=args.lease_ttl)
+        known = standard_policies(budget=args.budget, ttl_s=args.lease_ttl,
+                                  host_gib=args.host_gib)
         wanted = [n for n in args.policies.split(",") if n]
         unknown = [n for n in wanted if n not in known]
         if unknown or not wanted:

@@ -181,20 +181,38 @@ class RouterSpec:
     min_read_tokens: int = _ROUTER["min_read_tokens"]
     pin_ttl_s: float = 30.0
     recompute_threshold: int = 0
+    record_ttl_s: float = _ROUTER["retention_ttl"]
+    """A stock record's lifetime (the router's ``retention_ttl``)."""
+    remember_expired_s: float = _ROUTER["remember_expired"]
+    """The router forgets a record this long after it expired (then no affinity, no
+    continuation)."""
 
 
 @dataclass(frozen=True)
 class Policy:
-    """How decodes retain a finished turn's KV, and what clients do about it.
+    """How decodes retain a finished turn's KV, how the router places turns, and what clients
+    do about it.
 
     Attributes:
         name: the label in tables.
-        retain: False keeps nothing (plain P/D).
+        retain: kvturn's retention (router ``kv_reuse`` on); False is stock: no retention, no
+            pins, no continuation by kvturn's rules (every instance's plain prefix cache, LRU,
+            still works).
         ttl_s: the lease; ``max_hold_s`` caps renewals.
         keepalive_s: clients renew every this many seconds of a tool gap (None: never).
         release: clients release the lease when the conversation ends.
         budget: fraction of each decode's blocks retentions may hold (live requests evict
             retentions whatever the budget: the connector never starves live decoding).
+        conversation_ids: clients name the conversation (``X-Conversation-ID``); without, the
+            router keeps no record and gives no affinity (stock P/D).
+        conditional_disagg: stock conditional disaggregation (``kvturn router --no-kv-reuse
+            --conditional-disagg N``): a follow-up whose estimated uncached part on the decode
+            that served the conversation is at most this many tokens runs on that decode alone
+            (``router/_placement.py`` ``conditional_decode``); 0: off.
+        host_gib: a host KV tier of this many GiB on every instance (vLLM's CPU offloading):
+            copies of finished requests' blocks, least recently used first, read back over
+            PCIe at the profile's ``host_read_gbps``; 0: none.
+        peer: the peer configuration the policy stands for, with sources.
     """
 
     name: str
@@ -204,6 +222,10 @@ class Policy:
     keepalive_s: float | None = None
     release: bool = False
     budget: float = 0.5
+    conversation_ids: bool = True
+    conditional_disagg: int = 0
+    host_gib: float = 0.0
+    peer: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.budget <= 1:
@@ -212,22 +234,66 @@ class Policy:
             raise ValueError(f"policy {self.name}: need 0 < ttl <= max_hold")
         if self.keepalive_s is not None and not self.keepalive_s > 0:
             raise ValueError(f"policy {self.name}: keepalive interval must be positive")
+        if self.conditional_disagg < 0 or self.host_gib < 0:
+            raise ValueError(f"policy {self.name}: conditional_disagg and host_gib must be >= 0")
+        if self.conditional_disagg and (self.retain or not self.conversation_ids):
+            raise ValueError(f"policy {self.name}: conditional disaggregation is the stock "
+                             "baseline: no retention, and clients that name the conversation")
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "retain": self.retain, "ttl_s": self.ttl_s,
                 "max_hold_s": self.max_hold_s, "keepalive_s": self.keepalive_s,
-                "release": self.release, "budget": self.budget}
+                "release": self.release, "budget": self.budget,
+                "conversation_ids": self.conversation_ids,
+                "conditional_disagg": self.conditional_disagg, "host_gib": self.host_gib,
+                "peer": self.peer}
 
 
-def standard_policies(*, budget: float = 0.5, ttl_s: float = 480.0) -> dict[str, Policy]:
-    """The five policies every comparison runs (``budget``/``ttl_s``: kvturn's lease)."""
+CONTINUE_TOKENS: int = _ROUTER["decode_continue_tokens"]
+"""kvturn's own continuation threshold, which stock-cond's N equals (issue: the same N)."""
+DYNAMO_THRESHOLD = 2048
+"""Dynamo's conditional disaggregation default (``isl_bounding``)."""
+HOST_GIB = 128.0
+"""stock-cond-offload's host tier per instance: llm-d's guides give each rank 100-150 GiB."""
+
+_STOCK_COND = ("llm-d's prefix-based-pd-decider (llm-d-router pkg/epp/framework/plugins/"
+               "scheduling/profilehandler/disagg/prefix_based_pd_decider.go, nonCachedTokens) "
+               "with approximate prefix matching, and NVIDIA Dynamo's --router-conditional-disagg "
+               "(docs/components/router/router-disaggregated-serving.md, isl_bounding): "
+               "decode-only below the threshold, vLLM's LRU prefix cache on the decode, nothing "
+               "held through tool gaps")
+
+
+def standard_policies(*, budget: float = 0.5, ttl_s: float = 480.0,
+                      host_gib: float = HOST_GIB) -> dict[str, Policy]:
+    """The policies every comparison runs (``budget``/``ttl_s``: kvturn's lease; ``host_gib``:
+    stock-cond-offload's host tier per instance)."""
     return {p.name: p for p in (
-        Policy("vllm-ttl-480", ttl_s=480.0, max_hold_s=480.0, budget=1.0),
+        Policy("vllm-ttl-480", ttl_s=480.0, max_hold_s=480.0, budget=1.0,
+               peer="vLLM's multi-turn P/D proxy: retained decode blocks with a fixed 480 s "
+                    "TTL (decoder_kv_blocks_ttl), not renewable"),
         Policy("kvturn-lease", ttl_s=ttl_s, max_hold_s=max(3600.0, ttl_s),
-               keepalive_s=ttl_s / 8, release=True, budget=budget),
-        Policy("lru-budget", ttl_s=UNLIMITED_S, max_hold_s=UNLIMITED_S, budget=budget),
-        Policy("evict-before-starve", ttl_s=UNLIMITED_S, max_hold_s=UNLIMITED_S, budget=1.0),
-        Policy("none", retain=False),
+               keepalive_s=ttl_s / 8, release=True, budget=budget,
+               peer="kvturn: leases the SDK renews during tool gaps and releases at the end"),
+        Policy("lru-budget", ttl_s=UNLIMITED_S, max_hold_s=UNLIMITED_S, budget=budget,
+               peer="retention with no lease, least recently used out past the budget"),
+        Policy("evict-before-starve", ttl_s=UNLIMITED_S, max_hold_s=UNLIMITED_S, budget=1.0,
+               peer="retain everything; only live requests evict"),
+        Policy("stock-pd", retain=False, conversation_ids=False,
+               peer="stock P/D: kvturn router --no-kv-reuse, no conversation id (llm-d's "
+                    "always-disagg-pd-decider, vLLM's disaggregated proxy); every turn takes "
+                    "a prefill leg, least loaded instances, plain LRU prefix caches"),
+        Policy("stock-cond", retain=False, conditional_disagg=CONTINUE_TOKENS,
+               peer=f"stock conditional disaggregation at N = {CONTINUE_TOKENS} (kvturn's own "
+                    f"continuation threshold; llm-d's docs use 8 or 512): {_STOCK_COND}"),
+        Policy("stock-cond-2k", retain=False, conditional_disagg=DYNAMO_THRESHOLD,
+               peer=f"the same at N = {DYNAMO_THRESHOLD}, Dynamo's default: {_STOCK_COND}"),
+        Policy("stock-cond-offload", retain=False, conditional_disagg=CONTINUE_TOKENS,
+               host_gib=host_gib,
+               peer=f"stock-cond with vLLM's CPU KV offloading on every instance, {host_gib:g} "
+                    "GiB of host memory each, least recently used out, read back over PCIe "
+                    "(llm-d's P2P KV sharing guide: 100-150 GiB of CPU tier per rank; LMCache "
+                    "and Dynamo KVBM keep tool-gap KV in host memory the same way)"),
     )}
 
 

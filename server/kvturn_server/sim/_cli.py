@@ -18,7 +18,8 @@ from kvturn_server.sim._config import (
     standard_policies,
 )
 from kvturn_server.sim._report import compare, describe, plot, sweep, sweep_table, table
-from kvturn_server.sim._workload import WorkloadSpec, load_trace, synthetic
+from kvturn_server.sim._traces import load_conversations, replicate
+from kvturn_server.sim._workload import WorkloadSpec, synthetic
 
 _floats = number_list(float, empty=True)
 
@@ -61,9 +62,18 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="tool gap p90, seconds (default: %(default)s)")
     g.add_argument("--gap-cap", type=float, default=w.gap_cap_s,
                    help="longest tool gap, seconds: the traces' p99 (default: %(default)s)")
-    g.add_argument("--trace", type=Path, default=None,
-                   help="read conversations from this file instead (kvturn JSONL, or vLLM "
-                        "benchmarks/multi_turn / ShareGPT JSON; docs/simulate.md)")
+    g.add_argument("--trace", type=Path, action="append", default=None, metavar="PATH",
+                   help="replay conversations from this file or directory instead, at full "
+                        "scale (repeatable): agent traces (the shared Claude Code JSON, "
+                        "kvturn's request JSONL; subagents as conversations of their own, the "
+                        "trace's prompts, blocks, replies and gaps), kvturn's conversation "
+                        "JSONL, or vLLM benchmarks/multi_turn / ShareGPT JSON (docs/simulate.md)")
+    g.add_argument("--trace-copies", type=int, default=1, metavar="K",
+                   help="replay K copies of the traces, each its own users (no shared "
+                        "blocks), copy k starting k x --trace-shift later: a realistic load "
+                        "from a few sessions (default: %(default)s)")
+    g.add_argument("--trace-shift", type=float, default=60.0, metavar="SECONDS",
+                   help="start of each copy after the one before (default: %(default)s)")
     g.add_argument("--seed", type=int, default=w.seed, help="default: %(default)s")
     g = p.add_argument_group("fleet")
     g.add_argument("--prefills", type=int, default=f.prefills, help="default: %(default)s")
@@ -140,9 +150,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         unknown = [n for n in wanted if n not in known]
         if unknown or not wanted:
             raise ValueError(f"unknown policies {unknown}; choose from {', '.join(known)}")
-        conversations = (load_trace(args.trace, window_s=args.window, gaps=workload.gaps,
-                                    seed=args.seed)
-                         if args.trace is not None else synthetic(workload))
+        conversations = replicate(
+            load_conversations(args.trace, block_size=fleet.block_size, window_s=args.window,
+                               gaps=workload.gaps, seed=args.seed),
+            args.trace_copies, args.trace_shift) if args.trace else synthetic(workload)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"kvturn simulate: {exc}\n")
         return 2
@@ -162,7 +173,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     data = {"benchmark": "kvturn simulate", "config": {
         **describe(base), "workload": None if args.trace else {
             **workload.__dict__, "gaps": workload.gaps.describe()},
-        "trace": None if args.trace is None else str(args.trace),
+        "trace": None if not args.trace else [str(p) for p in args.trace],
+        "trace_copies": args.trace_copies if args.trace else None,
+        "trace_shift_s": args.trace_shift if args.trace else None,
         "conversations": len(conversations), "turns": turns,
         "sweep_conversations": min(args.sweep_conversations, len(conversations))},
         "policies": results, "sweep": rows, "wall_s": wall}

@@ -43,9 +43,10 @@ def prompt_hashes(first: bytes, full_blocks: int) -> list[bytes]:
 
 
 def trace_hashes(scope: int, ids: Sequence[int]) -> list[bytes]:
-    """A trace's hash ids as block hashes: equal ids of one scope are equal blocks."""
-    base = scope << 64
-    return [(base | i).to_bytes(HASH_SIZE, "little") for i in ids]
+    """A trace's hash ids as block hashes: equal ids of one scope are equal blocks (ids are 64-bit;
+    a reader's made-up ids are negative)."""
+    base, mask = scope << 64, (1 << 64) - 1
+    return [(base | (i & mask)).to_bytes(HASH_SIZE, "little") for i in ids]
 
 
 def unique_hashes(name: str, start: int, stop: int) -> list[bytes]:

@@ -1,23 +1,30 @@
-"""Recorded agent traces as simulated conversations, at full scale.
+"""Trace files as simulated conversations (``kvturn simulate --trace``), at full scale.
 
-:func:`kvturn_server.traces.read_traces` reads the files (the shared Claude Code JSON, kvturn's
-request JSONL); this turns each of its conversations (a session, or a subagent: a conversation
-of its own) into a :class:`Conversation` with nothing scaled: every prompt's size and blocks as
+Agent traces (:func:`kvturn_server.traces.read_traces`: the shared Claude Code JSON, kvturn's
+request JSONL, or a directory of them) become one :class:`Conversation` per session and per
+subagent (a conversation of its own), nothing scaled: every prompt's size and blocks as
 recorded (the trace's hash ids, so that shared prefixes, compaction and edits are exactly the
 trace's), every reply's size, and every gap before a request (the tool or the user), replayed
-after the previous reply as the client waited then.
+after the previous reply as the client waited then. The simulator's own formats (kvturn's
+conversation JSONL, vLLM ``multi_turn`` / ShareGPT JSON) are read by
+:func:`~kvturn_server.sim._workload.load_trace`; :func:`load_conversations` tells them apart by
+content.
 
-A handful of sessions is a light load for a fleet; ``copies`` replays ``K`` copies of them, copy
-``k`` starting ``k x shift_s`` later, each its own users (its own cids and hash scope: no copy
-shares a block with another).
+A handful of sessions is a light load for a fleet; :func:`replicate` replays ``K`` copies of
+them, copy ``k`` starting ``k x shift_s`` later, each its own users (its own cids and hash
+scope: no copy shares a block with another).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
 
-from kvturn_server.sim._workload import Conversation
-from kvturn_server.traces import TraceConversation, TraceRequest
+from kvturn_server.bench.agent._workload import GapDistribution
+from kvturn_server.sim._workload import Conversation, load_trace
+from kvturn_server.traces import TraceConversation, TraceRequest, read_traces
 
 
 def _history(previous: TraceRequest, request: TraceRequest) -> int:
@@ -57,23 +64,69 @@ def _conversation(trace: TraceConversation, cid: str, offset_s: float, scope: in
         versions=tuple(versions), scope=scope)
 
 
-def from_traces(traces: Sequence[TraceConversation], *, block_size: int, copies: int = 1,
-                shift_s: float = 60.0) -> list[Conversation]:
-    """The traces' conversations, ``copies`` times (copy ``k`` shifted by ``k x shift_s``),
-    sorted by start. ``block_size`` is the simulated fleet's: it must be the traces' (their
-    hash ids name blocks of that size)."""
-    if copies < 1 or shift_s < 0:
-        raise ValueError(f"need copies >= 1 and a shift >= 0, got {copies} and {shift_s}")
+def from_traces(traces: Sequence[TraceConversation], *, block_size: int) -> list[Conversation]:
+    """The traces' conversations, sorted by start. ``block_size`` is the simulated fleet's: it
+    must be the traces' (their hash ids name blocks of that size)."""
     sizes = {r.block_size for t in traces for r in t.requests}
     if sizes - {block_size}:
         raise ValueError(f"the traces' blocks are {sorted(sizes)} tokens, the fleet's "
                          f"{block_size}: run with --block-size {min(sizes)}")
-    scopes: dict[tuple[str, int], int] = {}
-    out = []
-    for k in range(copies):
-        for trace in traces:
-            scope = scopes.setdefault((trace.scope, k), len(scopes) + 1)
-            cid = trace.cid if copies == 1 else f"{trace.cid}#{k}"
-            out.append(_conversation(trace, cid, k * shift_s, scope))
+    scopes: dict[str, int] = {}
+    out = [_conversation(trace, trace.cid, 0.0, scopes.setdefault(trace.scope, len(scopes) + 1))
+           for trace in traces]
+    out.sort(key=lambda c: c.start_s)
+    return out
+
+
+def replicate(conversations: Sequence[Conversation], copies: int, shift_s: float
+              ) -> list[Conversation]:
+    """``copies`` copies of ``conversations``, copy ``k`` shifted by ``k x shift_s``, each with
+    its own cids (``cid#k``) and hash scopes; sorted by start. One copy is the input."""
+    if copies < 1 or not shift_s >= 0:
+        raise ValueError(f"need copies >= 1 and a shift >= 0, got {copies} and {shift_s}")
+    if copies == 1:
+        return sorted(conversations, key=lambda c: c.start_s)
+    stride = max((c.scope for c in conversations), default=0) + 1
+    out = [replace(c, cid=f"{c.cid}#{k}", start_s=c.start_s + k * shift_s,
+                   scope=c.scope + k * stride)
+           for k in range(copies) for c in conversations]
+    out.sort(key=lambda c: c.start_s)
+    return out
+
+
+def is_agent_trace(path: Path) -> bool:
+    """A directory, the shared agent-trace JSON (one session object with ``requests``), or
+    kvturn's request JSONL (lines naming a ``conversation``); else one of the simulator's own
+    formats."""
+    if path.is_dir():
+        return True
+    with path.open(encoding="utf-8") as f:
+        if path.suffix == ".jsonl":
+            for line in f:
+                if line.strip() and not line.lstrip().startswith("#"):
+                    return '"turns"' not in line and '"conversation"' in line
+            return False
+        head = f.read(4096).lstrip()
+    if not head.startswith("{"):
+        return False
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return False
+    return isinstance(data, dict) and isinstance(data.get("requests"), list)
+
+
+def load_conversations(paths: Sequence[Path], *, block_size: int, window_s: float = 3600.0,
+                       gaps: GapDistribution | None = None, seed: int = 0
+                       ) -> list[Conversation]:
+    """Every conversation of ``paths`` (files or directories, any supported format), sorted by
+    start."""
+    agent = [p for p in paths if is_agent_trace(p)]
+    out = from_traces(read_traces(agent), block_size=block_size) if agent else []
+    for path in paths:
+        if path not in agent:
+            out.extend(load_trace(path, window_s=window_s, gaps=gaps, seed=seed))
+    if not out:
+        raise ValueError("no conversation in " + ", ".join(str(p) for p in paths))
     out.sort(key=lambda c: c.start_s)
     return out

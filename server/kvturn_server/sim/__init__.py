@@ -32,6 +32,7 @@ from kvturn_server.sim._roofline import (
     itl_seconds,
     prefill_seconds,
 )
+from kvturn_server.sim._traces import from_traces, load_conversations, replicate
 from kvturn_server.sim._workload import (
     Conversation,
     WorkloadSpec,
@@ -66,9 +67,12 @@ __all__ = [
     "add_simulate_parser",
     "compare",
     "from_agent_bench",
+    "from_traces",
     "itl_seconds",
+    "load_conversations",
     "load_trace",
     "prefill_seconds",
+    "replicate",
     "roofline_profile",
     "simulate",
     "standard_policies",

@@ -105,6 +105,15 @@ class PrefixCache:
         entry = self._entries.get(key)
         return 0 if entry is None else verified_prefix_blocks(hashes, entry.hashes)
 
+    def ids(self) -> list[int]:
+        """Every cached block (for checks)."""
+        return [b for entry in self._entries.values() for b in entry.ids]
+
+    def hashes(self, key: str) -> tuple[bytes, ...]:
+        """The hashes cached under ``key`` (empty when none)."""
+        entry = self._entries.get(key)
+        return () if entry is None else entry.hashes
+
     def evict(self, needed: int) -> list[int]:
         """Up to ``needed`` blocks, the least recently used conversation's tail first."""
         out: list[int] = []
@@ -194,7 +203,7 @@ class SimDecode:
 
     def free_ids(self) -> list[int]:
         """The blocks not owned by a request or a retention (for checks)."""
-        return list(self._free) + [b for e in self.cache._entries.values() for b in e.ids]
+        return list(self._free) + self.cache.ids()
 
     def give_back(self, retentions: list[Retention]) -> None:
         """Dropped retentions' blocks fall back into the prefix cache (what the connector's
@@ -258,7 +267,7 @@ class SimDecode:
             for block in shared:
                 self._owners[block] = self._owners.get(block, 1) + 1
         else:
-            entry_hashes = self._cached_hashes(key)
+            entry_hashes = self.cache.hashes(key)
             cached, stale = self.cache.take(key, hashes)
             self._free.extend(stale)
             verified = len(cached)
@@ -277,10 +286,6 @@ class SimDecode:
         ids = shared + tuple(cached) + tuple(self._take(new))
         self.live += 1
         return Admission(ids, verified, retention is not None)
-
-    def _cached_hashes(self, key: str) -> tuple[bytes, ...]:
-        entry = self.cache._entries.get(key)
-        return () if entry is None else entry.hashes
 
     def _take(self, n: int) -> list[int]:
         free = self._free

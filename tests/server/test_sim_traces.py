@@ -113,3 +113,17 @@ def test_the_shared_claude_code_traces_replay() -> None:
     result = simulate(SimSettings(policy=standard_policies()["kvturn-lease"]),
                       conversations).summary()
     assert result["turns"] == 24 and result["hit_rate"] is not None
+
+
+def test_the_simulators_own_formats_still_load(tmp_path: Path) -> None:
+    own = tmp_path / "own.jsonl"
+    own.write_text(json.dumps({"id": "x", "turns": [
+        {"input_tokens": 10, "output_tokens": 3, "gap_s": 7.5},
+        {"input_tokens": 20, "output_tokens": 4}]}) + "\n")
+    multi = tmp_path / "multi.json"
+    multi.write_text(json.dumps([{"id": "m", "messages": [
+        {"role": "user", "content": "u" * 40}, {"role": "assistant", "content": "r" * 8}]}]))
+    assert not is_agent_trace(own) and not is_agent_trace(multi)
+    loaded = load_conversations([own, multi], block_size=64)
+    assert {c.cid for c in loaded} == {"x", "m"}
+    assert all(c.hash_ids is None for c in loaded)

@@ -100,11 +100,11 @@ def add_trace_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=d.repeats,
                    help="rounds of every mode (default: %(default)s)")
     p.add_argument("--token-divisor", type=float, default=s.token_divisor,
-                   help="trace tokens per replayed token: prompts, replies, shared prefixes "
-                        "and the deployment's KV are divided by it; the default makes the "
-                        "traces' 100k-token contexts 4k and their longest (about 150k in the "
-                        "first 40 requests) fit the tiny model's 8,192 positions with the "
-                        "chat template's framing (default: %(default)s)")
+                   help="trace tokens per replayed token: prompts, replies, shared prefixes, "
+                        "the routers' thresholds and the deployment's KV are divided by it; "
+                        "the default makes the traces' 100k-token contexts 4k and fits the "
+                        "longest of the shared traces (198k tokens) in the tiny model's 8,192 "
+                        "positions with the chat template's framing (default: %(default)s)")
     p.add_argument("--time-scale", type=float, default=s.time_scale,
                    help="factor on the traces' gaps (after --max-gap) and on the 480 s lease "
                         "(default: %(default)s)")

@@ -40,8 +40,8 @@ MODE_TABLE: tuple[FleetMode, ...] = (
               "the same at 2,048 tokens, NVIDIA Dynamo's default (--router-conditional-disagg, "
               "isl_bounding)"),
     FleetMode("kvturn", (), KVTURN,
-              "kvturn: the router's defaults, each conversation a kvturn SDK conversation "
-              "(leases kept through tool gaps, released at the end)"),
+              "kvturn's reuse with the router's defaults, each conversation a kvturn SDK "
+              "conversation (leases kept through tool gaps, released at the end)"),
 )
 MODES: dict[str, FleetMode] = {m.name: m for m in MODE_TABLE}
 STOCK_MODES = tuple(m.name for m in MODE_TABLE if not m.kvturn)

@@ -377,6 +377,9 @@ def test_the_results_compare_kvturn_with_the_best_stock_mode(
     pooled = cmp["kvturn"]["pooled"]["ttft_all_p50"]
     assert pooled["best_stock"] == "stock-cond" and pooled["ratio"] == round(105 / 57.5, 3)
     assert pooled["low"] is not None and pooled["low"] <= pooled["ratio"] <= pooled["high"]
+    # the fake turns all say 100 prompt tokens: off the plan by what it planned
+    check = data["plan_check"]["kvturn"]
+    assert check["turns"] == 8 and check["off_plan"] == 8 and check["max_abs_diff"] > 0
     turn = data["turns"][0]
     assert turn["conversation"] == "s" and turn["trace_request"] == 0
     assert data["plan"]["conversations"][1]["parent"] == "s"
@@ -387,6 +390,7 @@ def test_the_results_compare_kvturn_with_the_best_stock_mode(
     assert "tokens x1/8" in text and "85 blocks x 128" in text and "test CPU" in text
     assert "stands for: a 32B model" in text
     assert "TTFT p50 1.83 (" in text and "vs stock-cond" in text
+    assert "kvturn 8 of 8 turns off" in text
     latency, tokens = [line.split() for line in text.splitlines()
                        if line.startswith("  kvturn ") and "router" not in line]
     assert latency[:5] == ["kvturn", "8", "0", "58", "[58-58]"] and "180" in latency

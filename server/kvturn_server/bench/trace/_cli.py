@@ -86,9 +86,9 @@ def add_trace_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "prompt tokens computed (every instance), tokens moved from decodes, "
                     "retained memory, turns/s and errors (median and range over repeats), and "
                     "the best stock mode against kvturn per repeat and pooled with 95 % "
-                    "bootstrap intervals; writes JSON and a PNG. With the defaults a run of "
-                    "the nine shared traces takes about 5 minutes a mode and repeat on a "
-                    "2-core machine.")
+                    "bootstrap intervals; writes JSON and a PNG. With the defaults the nine "
+                    "shared traces take 1.3-1.7 minutes a run on a 2-core machine: about 16 "
+                    "minutes in all for three modes, about 21 for all four.")
     p.add_argument("traces", nargs="+", type=Path, metavar="TRACE",
                    help="trace files (.json: the shared agent-trace format; .jsonl: kvturn's "
                         "request lines) or folders of them, e.g. ../shared/traces/claude-code")

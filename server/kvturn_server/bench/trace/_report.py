@@ -81,6 +81,13 @@ def table(results: dict[str, Any]) -> str:
                   [[mode, _cell(m["computed_tokens"]), _cell(m["moved_tokens"]),
                     _cell(m["transferred_tokens"]), _cell(m["retained_mib_max"], ".1f"),
                     _cell(m["retained_mib_mean"], ".1f")] for mode, m in modes.items()])
+    checks = results.get("plan_check")
+    if checks:
+        off = {m: c for m, c in checks.items() if c["off_plan"]}
+        rows.append("  prompts as planned (vLLM's usage): " + (
+            "every turn" if not off else "; ".join(
+                f"{m} {c['off_plan']} of {c['turns']} turns off, by up to "
+                f"{c['max_abs_diff']} tokens" for m, c in off.items())))
     for run in results["runs"]:
         rows.append(f"  r{run['repeat']} {run['mode']}: routes {run['routes']}, reuse "
                     f"{run['reuse']}")

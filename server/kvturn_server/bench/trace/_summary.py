@@ -152,6 +152,23 @@ def compare(modes: dict[str, Any], summaries: Sequence[dict[str, Any]],
     return out
 
 
+def plan_check(runs: Sequence[ModeRun], plan: ReplayPlan) -> dict[str, Any]:
+    """Per mode, the turns whose prompt (vLLM's own count, ``usage``) differs from the plan's:
+    the replay sends the sizes it states only where there are none."""
+    out: dict[str, Any] = {}
+    for run in runs:
+        entry = out.setdefault(run.mode, {"turns": 0, "off_plan": 0, "max_abs_diff": 0})
+        for r in run.records:
+            if not r.ok or r.prompt_tokens is None:
+                continue
+            planned = plan.conversations[r.agent].requests[r.turn - 1].planned_tokens
+            entry["turns"] += 1
+            if r.prompt_tokens != planned:
+                entry["off_plan"] += 1
+                entry["max_abs_diff"] = max(entry["max_abs_diff"], abs(r.prompt_tokens - planned))
+    return out
+
+
 def _turn(record: FleetTurn, plan: ReplayPlan) -> dict[str, Any]:
     conversation = plan.conversations[record.agent]
     request = conversation.requests[record.turn - 1]
@@ -205,6 +222,7 @@ def build_results(settings: TraceBenchSettings, plan: ReplayPlan, runs: Sequence
         **(extra or {}),
         "modes": modes,
         "comparison": compare(modes, summaries, runs),
+        "plan_check": plan_check(runs, plan),
         "runs": summaries,
         "agents": [{"mode": r.mode, "repeat": r.repeat, **asdict(a)} for r in runs
                    for a in r.agents],

@@ -44,6 +44,7 @@ from kvturn_server.bench.agent._workload import (
     AgentBenchSettings,
     AgentScript,
     GapDistribution,
+    HistoryCut,
     Message,
     build_scripts,
     mode_order,
@@ -51,7 +52,8 @@ from kvturn_server.bench.agent._workload import (
 
 __all__ = ["FRAMING_TOKENS", "MIN_RETENTION_TTL_S", "MODES", "TRACE_KEEPALIVE_PER_TTL",
            "TRACE_RETENTION_TTL_S", "AgentBenchSettings", "AgentOutcome", "AgentScript",
-           "GapDistribution", "HttpProbe", "Message", "ModeRun", "Probe", "Sample", "Sampler",
+           "GapDistribution", "HistoryCut", "HttpProbe", "Message", "ModeRun", "Probe",
+           "Sample", "Sampler",
            "TurnRecord", "add_agent_bench_parser", "agent_stack_config", "aggregate_comparison",
            "build_results", "build_scripts", "cmd_bench_agent", "compare", "measure",
            "mode_order", "pooled_comparison", "run_agent", "run_agent_bench", "run_mode",

@@ -1,6 +1,6 @@
-"""The agent benchmarks' fake routers (``test_bench_agent.py``, ``test_bench_fleet.py``): a
-router's conversation endpoints, a streamed chat completion, a turn that fails, the client, and
-one router per benchmark.
+"""The agent benchmarks' fake routers (``test_bench_agent.py``, ``test_bench_fleet.py``,
+``test_bench_trace.py``): a router's conversation endpoints, a streamed chat completion, a turn
+that fails, the client, one router per benchmark, and the fleet's probe over a fake router.
 
 Not ``RouterAPI``: the benchmarks' tests are async and wait on an ``asyncio.Event`` for
 keepalives, and their routers renew any conversation (a benchmark measures the client, not
@@ -18,7 +18,9 @@ from urllib.parse import unquote
 import httpx2
 
 import kvturn
+from kvturn_server.bench._fleet_agents import Counters
 
+MIB = 1024 * 1024
 Handler = Callable[[httpx2.Request], httpx2.Response]
 CONVERSATIONS = "/kvturn/v1/conversations/"
 
@@ -231,3 +233,22 @@ class FleetBenchRouter(ConversationEndpoints):
         pieces = [f" t{i}" for i in range(body["max_tokens"])]
         return httpx2.Response(200, headers=headers,
                                content=chat_stream(body["model"], pieces, prompt))
+
+
+class FleetBenchProbe:
+    """``bench/_fleet_agents.FleetProbe`` over a ``FleetBenchRouter``: one prefill whose
+    counters are what the router computed and read, one decode retaining 1 MiB per live
+    conversation."""
+
+    def __init__(self, router: FleetBenchRouter) -> None:
+        self.router = router
+
+    def counters(self) -> dict[str, Counters | None]:
+        return {"prefill0": Counters(self.router.computed, 0.0, 0.0, self.router.reused),
+                "decode0": Counters(0.0, 0.0, 0.0, 0.0)}
+
+    def retained(self) -> dict[str, int | None]:
+        return {"decode0": len(self.router.live) * MIB}
+
+    def cache_info(self) -> dict[str, dict[str, Any] | None]:
+        return {"prefill0": {"block_size": "128", "num_gpu_blocks": "66"}}

@@ -52,8 +52,8 @@ from kvturn_server.bench._fleet_report import (
 )
 from kvturn_server.bench.agent._records import AgentOutcome
 from kvturn_server.local import free_port
+from tests.fakes.bench_router import FleetBenchProbe, failing_turn, mock_client
 from tests.fakes.bench_router import FleetBenchRouter as FakeRouter
-from tests.fakes.bench_router import failing_turn, mock_client
 
 MIB = 1024 * 1024
 
@@ -415,21 +415,6 @@ def test_the_command_line_maps_onto_the_settings(tmp_path: Path) -> None:
 
 # The agents against a fake router.
 
-class FakeProbe:
-    def __init__(self, router: FakeRouter) -> None:
-        self.router = router
-
-    def counters(self) -> dict[str, Counters | None]:
-        return {"prefill0": Counters(self.router.computed, 0.0, 0.0, self.router.reused),
-                "decode0": Counters(0.0, 0.0, 0.0, 0.0)}
-
-    def retained(self) -> dict[str, int | None]:
-        return {"decode0": len(self.router.live) * MIB}
-
-    def cache_info(self) -> dict[str, dict[str, Any] | None]:
-        return {"prefill0": {"block_size": "128", "num_gpu_blocks": "66"}}
-
-
 async def _run_mode(mode: str, sc: Scenario, router: FakeRouter) -> ModeRun:
     client = mock_client(router.handle)
 
@@ -438,7 +423,7 @@ async def _run_mode(mode: str, sc: Scenario, router: FakeRouter) -> ModeRun:
 
     try:
         return await run_mode(MODES[mode], sc.name, 1, 0, sc.agents(mode, 1), client,
-                              "kvturn-tiny", FakeProbe(router), keepalive_interval=6.0,
+                              "kvturn-tiny", FleetBenchProbe(router), keepalive_interval=6.0,
                               sample_interval=3600.0, progress_interval=0, settle_s=0,
                               drain_timeout=1.0, say=lambda _: None, sleep=instant)
     finally:

@@ -39,7 +39,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvturn_server._cli_common import (
     add_device_args,
@@ -50,6 +50,7 @@ from kvturn_server._cli_common import (
 )
 from kvturn_server.bench._cli import add_agents_args, bench_client, write_plot_and_say
 from kvturn_server.bench._fleet_agents import (
+    FleetProbe,
     FleetTurn,
     HttpFleetProbe,
     ModeRun,
@@ -102,11 +103,24 @@ def fleet_config(settings: FleetBenchSettings, scenario: Scenario) -> Any:
         extra_vllm_args=(*PROMPT_DETAILS_ARGS, *settings.vllm_args))
 
 
-def _client(url: str, settings: FleetBenchSettings) -> kvturn.AsyncOpenAI:
+class ClientSettings(Protocol):
+    """What the warm-up reads of a benchmark's settings (the fleet's, the trace bench's)."""
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def request_timeout_s(self) -> float: ...
+
+    @property
+    def max_retries(self) -> int: ...
+
+
+def _client(url: str, settings: ClientSettings) -> kvturn.AsyncOpenAI:
     return bench_client(url, settings.request_timeout_s, settings.max_retries)
 
 
-def warm_up_plan(settings: FleetBenchSettings) -> AgentPlan:
+def warm_up_plan(settings: ClientSettings) -> AgentPlan:
     """A two-turn conversation long enough that its second turn reads from the decode."""
     small = AgentBenchSettings(agents=1, turns=2, system_tokens=600, message_tokens=(50, 50),
                                stagger_s=0.0, seed=settings.seed)
@@ -115,7 +129,7 @@ def warm_up_plan(settings: FleetBenchSettings) -> AgentPlan:
     return AgentPlan(script, (8, 8))
 
 
-async def _warm_pair(url: str, plan: AgentPlan, settings: FleetBenchSettings,
+async def _warm_pair(url: str, plan: AgentPlan, settings: ClientSettings,
                      model: str) -> tuple[AgentOutcome, list[FleetTurn]]:
     records: list[FleetTurn] = []
     client = _client(url, settings)
@@ -127,7 +141,7 @@ async def _warm_pair(url: str, plan: AgentPlan, settings: FleetBenchSettings,
     return result, records
 
 
-def warm_up(fleet: Fleet, settings: FleetBenchSettings, say: Callable[[str], None]) -> dict[
+def warm_up(fleet: Fleet, settings: ClientSettings, say: Callable[[str], None]) -> dict[
         str, Any]:
     """One kvturn conversation on every prefill/decode pair, each through a router of its own
     that knows only that pair: NIXL handshakes both ways and first-request costs, before any
@@ -152,6 +166,59 @@ def warm_up(fleet: Fleet, settings: FleetBenchSettings, say: Callable[[str], Non
     return out
 
 
+class RunSettings(ClientSettings, Protocol):
+    """What one run reads of a benchmark's settings (the fleet's, the trace bench's)."""
+
+    @property
+    def keepalive_interval(self) -> float: ...
+
+    @property
+    def sample_interval_s(self) -> float: ...
+
+    @property
+    def progress_interval_s(self) -> float: ...
+
+    @property
+    def settle_s(self) -> float: ...
+
+    @property
+    def drain_timeout_s(self) -> float: ...
+
+
+def run_on_router(fleet: Fleet, mode: FleetMode, args: tuple[str, ...], scenario: str,
+                  repeat: int, position: int, plans: list[AgentPlan], probe: FleetProbe,
+                  settings: RunSettings, say: Callable[[str], None], table: str) -> ModeRun:
+    """One run: a router started for it on every instance with ``args``, every plan sent
+    through it as ``mode``'s client (``run_mode``), the router stopped. ``table``: the module
+    whose mode table gave the flags, named where the router does not start."""
+    from kvturn_server.local._process import StackError
+
+    try:
+        router = fleet.start_router(f"router-{mode.name}-r{repeat}", args)
+    except StackError as error:
+        raise StackError(f"{error}\n(the {mode.name} mode starts its router with "
+                         f"{' '.join(args) or 'no flags'}; see MODE_TABLE in {table})") from error
+
+    async def main() -> ModeRun:
+        client = _client(router.url, settings)
+        try:
+            return await run_mode(
+                mode, scenario, repeat, position, plans, client, fleet.config.model_name, probe,
+                keepalive_interval=settings.keepalive_interval,
+                sample_interval=settings.sample_interval_s,
+                progress_interval=settings.progress_interval_s, settle_s=settings.settle_s,
+                drain_timeout=settings.drain_timeout_s, router_args=args, say=say)
+        finally:
+            await client.close()
+
+    try:
+        run = asyncio.run(main())
+    finally:
+        fleet.stop_router(router.name)
+    run.extra["router_startup_s"] = round(router.startup_s, 3)
+    return run
+
+
 def _instance_blocks(info: dict[str, dict[str, Any] | None]) -> dict[str, int | None]:
     out: dict[str, int | None] = {}
     for name, labels in info.items():
@@ -167,7 +234,6 @@ def run_scenario(scenario: Scenario, settings: FleetBenchSettings, counter: list
                                                                        list[ModeRun]]:
     """Start the scenario's fleet, warm it up, run every repeat of every mode, stop it."""
     from kvturn_server.local._fleet import Fleet
-    from kvturn_server.local._process import StackError
 
     cfg = fleet_config(settings, scenario)
     say(f"[{scenario.name}] starting {cfg.prefills} prefill(s) + {cfg.decodes} decode(s) "
@@ -197,37 +263,10 @@ def run_scenario(scenario: Scenario, settings: FleetBenchSettings, counter: list
                 args = settings.router_args(mode_name)
                 say(f"run {counter[0]}/{total_runs}: {scenario.name} repeat {repeat} "
                     f"{mode_name} (router {' '.join(args) or 'defaults'})")
-                try:
-                    router = fleet.start_router(f"router-{mode_name}-r{repeat}", args)
-                except StackError as error:
-                    raise StackError(f"{error}\n(the {mode_name} mode starts its router with "
-                                     f"{' '.join(args) or 'no flags'}; see MODE_TABLE in "
-                                     "kvturn_server/bench/_fleet_plan.py)") from error
-                plans = scenario.agents(mode_name, repeat)
-
-                async def main(url: str = router.url, mode: FleetMode = mode,
-                               repeat: int = repeat, position: int = position,
-                               plans: list[AgentPlan] = plans,
-                               args: tuple[str, ...] = args) -> ModeRun:
-                    client = _client(url, settings)
-                    try:
-                        return await run_mode(
-                            mode, scenario.name, repeat, position, plans, client,
-                            cfg.model_name, probe,
-                            keepalive_interval=settings.keepalive_interval,
-                            sample_interval=settings.sample_interval_s,
-                            progress_interval=settings.progress_interval_s,
-                            settle_s=settings.settle_s, drain_timeout=settings.drain_timeout_s,
-                            router_args=args, say=say)
-                    finally:
-                        await client.close()
-
-                try:
-                    run = asyncio.run(main())
-                finally:
-                    fleet.stop_router(router.name)
-                run.extra["router_startup_s"] = round(router.startup_s, 3)
-                runs.append(run)
+                runs.append(run_on_router(
+                    fleet, mode, args, scenario.name, repeat, position,
+                    scenario.agents(mode_name, repeat), probe, settings, say,
+                    "kvturn_server/bench/_fleet_plan.py"))
         doc = scenario_result(
             scenario.name, asdict(scenario.profile), scenario.sizing, kv,
             {**cfg.describe(), "startup_s": fleet.startup_seconds},

@@ -153,7 +153,9 @@ async def run_agent(script: AgentScript, kind: str, client: kvturn.AsyncOpenAI, 
                     clock: Callable[[], float] = time.perf_counter) -> AgentOutcome:
     """Run one agent's turns and tool gaps as a ``kind`` client (``conversation_id``: what an
     ``ids`` client sends; ``reply_tokens``: each turn's ``max_tokens``, the script's unless
-    given). Per turn, ``new_record(turn index, conversation id, seconds since t0)`` makes the
+    given). Each prompt is the previous one, the reply as received and the turn's message,
+    unless the script cuts the history before the turn (``AgentScript.cuts``). Per turn,
+    ``new_record(turn index, conversation id, seconds since t0)`` makes the
     record, appended to ``records`` before the turn is sent; after the turn, failed or not,
     ``timed(record, its content-chunk times, the SDK's report of the turn)`` (the report: None
     unless a kvturn client's turn succeeded)."""
@@ -175,6 +177,9 @@ async def run_agent(script: AgentScript, kind: str, client: kvturn.AsyncOpenAI, 
     messages: list[Message] = [{"role": "system", "content": script.system}]
     try:
         for turn, message in enumerate(script.messages):
+            cut = script.cut_before(turn)
+            if cut is not None:
+                messages = cut.apply(messages)
             messages.append(message)
             record = new_record(turn, cid, round(clock() - t0, 4))
             records.append(record)

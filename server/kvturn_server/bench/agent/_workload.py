@@ -285,10 +285,33 @@ Message = dict[str, Any]
 
 
 @dataclass(frozen=True)
+class HistoryCut:
+    """The client compacted or edited its history before a turn: the prompt keeps the first
+    ``messages`` messages of the conversation so far (the system prompt, the messages sent and
+    the replies as received), the last of them cut to its first ``last_words`` words (None:
+    whole), and the turn's own message follows."""
+
+    messages: int
+    last_words: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.messages < 1 or (self.last_words is not None and self.last_words < 1):
+            raise ValueError(f"a cut keeps at least one message and one word, got {self}")
+
+    def apply(self, history: list[Message]) -> list[Message]:
+        kept = [dict(m) for m in history[:self.messages]]
+        if self.last_words is not None and kept:
+            words = str(kept[-1].get("content") or "").split()
+            kept[-1]["content"] = " ".join(words[:self.last_words])
+        return kept
+
+
+@dataclass(frozen=True)
 class AgentScript:
     """What one agent sends in one mode of one repeat: its system prompt, one new message per
     turn, each turn's reply length, the tool gap after each turn but the last, and when it
-    starts (seconds after the mode starts)."""
+    starts (seconds after the mode starts). ``cuts`` (empty: none) gives per turn the
+    ``HistoryCut`` applied before its message, or None: the history grows as a chat does."""
 
     agent: int
     mode: str
@@ -300,6 +323,10 @@ class AgentScript:
     message_words: tuple[int, ...]
     reply_tokens: tuple[int, ...] = ()
     repeat: int = 0
+    cuts: tuple[HistoryCut | None, ...] = ()
+
+    def cut_before(self, turn: int) -> HistoryCut | None:
+        return self.cuts[turn] if turn < len(self.cuts) else None
 
     def gap_after(self, turn: int) -> float | None:
         """The tool gap after turn ``turn`` (0-based); None after the last."""

@@ -26,14 +26,20 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvturn_server.bench._stats import MIB, fmt, percentile
 from kvturn_server.bench.agent._records import AgentOutcome
-from kvturn_server.bench.agent._workload import AgentScript, Message
 
 if TYPE_CHECKING:
     import kvturn
 
+    # Types only: the workload's settings check the mode table (``_modes``), which names this
+    # module's client kinds.
+    from kvturn_server.bench.agent._workload import AgentScript, Message
+
 PLAIN, IDS, KVTURN = "plain", "ids", "kvturn"
 CLIENT_KINDS = (PLAIN, IDS, KVTURN)
 HEADER_CONVERSATION_ID = "X-Conversation-ID"
+# What the benchmarks start vLLM with so that each streamed reply's usage says how many prompt
+# tokens the serving instance's cache supplied (prompt_tokens_details.cached_tokens).
+PROMPT_DETAILS_ARGS = ("--enable-prompt-tokens-details",)
 
 
 @dataclass
@@ -55,6 +61,7 @@ class TurnFields(Protocol):
     """What the loop fills in every turn record (both benchmarks' records have these)."""
 
     prompt_tokens: int | None
+    cached_tokens: int | None
     completion_tokens: int | None
     ttft_ms: float | None
     total_ms: float | None
@@ -87,8 +94,10 @@ async def stream_turn(target: Any, model: str, messages: list[Message], max_toke
                       headers: dict[str, str] | None = None,
                       extra_body: dict[str, Any] | None = None) -> str:
     """One streamed turn: fills ``record``'s timings (TTFT: request start to the first content
-    chunk), usage and the router's reports; appends each content chunk's time to ``chunks`` as
-    it arrives (a turn that fails midway keeps the ones it had); returns the text."""
+    chunk), usage (with the serving instance's ``prompt_tokens_details.cached_tokens`` where
+    vLLM runs with ``--enable-prompt-tokens-details``) and the router's reports; appends each
+    content chunk's time to ``chunks`` as it arrives (a turn that fails midway keeps the ones
+    it had); returns the text."""
     started = clock()
     stream = await target.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
@@ -103,6 +112,9 @@ async def stream_turn(target: Any, model: str, messages: list[Message], max_toke
     async for chunk in stream:
         if chunk.usage is not None:
             record.prompt_tokens = chunk.usage.prompt_tokens
+            details = chunk.usage.prompt_tokens_details
+            if details is not None and details.cached_tokens is not None:
+                record.cached_tokens = details.cached_tokens
             record.completion_tokens = chunk.usage.completion_tokens
         for choice in chunk.choices:
             content = choice.delta.content
@@ -141,7 +153,9 @@ async def run_agent(script: AgentScript, kind: str, client: kvturn.AsyncOpenAI, 
                     clock: Callable[[], float] = time.perf_counter) -> AgentOutcome:
     """Run one agent's turns and tool gaps as a ``kind`` client (``conversation_id``: what an
     ``ids`` client sends; ``reply_tokens``: each turn's ``max_tokens``, the script's unless
-    given). Per turn, ``new_record(turn index, conversation id, seconds since t0)`` makes the
+    given). Each prompt is the previous one, the reply as received and the turn's message,
+    unless the script cuts the history before the turn (``AgentScript.cuts``). Per turn,
+    ``new_record(turn index, conversation id, seconds since t0)`` makes the
     record, appended to ``records`` before the turn is sent; after the turn, failed or not,
     ``timed(record, its content-chunk times, the SDK's report of the turn)`` (the report: None
     unless a kvturn client's turn succeeded)."""
@@ -163,6 +177,9 @@ async def run_agent(script: AgentScript, kind: str, client: kvturn.AsyncOpenAI, 
     messages: list[Message] = [{"role": "system", "content": script.system}]
     try:
         for turn, message in enumerate(script.messages):
+            cut = script.cut_before(turn)
+            if cut is not None:
+                messages = cut.apply(messages)
             messages.append(message)
             record = new_record(turn, cid, round(clock() - t0, 4))
             records.append(record)

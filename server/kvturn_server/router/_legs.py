@@ -221,6 +221,29 @@ def retained_report(response: Any) -> RetainedReport | None:
         reuse=reuse_report(params))
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeUsage:
+    """What a decode leg's ``usage`` says (any API's, read by ``_apis.py``).
+
+    Attributes:
+        prompt_tokens: the prompt's tokens.
+        completion_tokens: the tokens the decode generated.
+        cached_tokens: the prompt tokens the decode did not compute (vLLM's
+            ``prompt_tokens_details.cached_tokens``: its own prefix-cache hit plus, on a P/D
+            leg, what it loaded from the prefill); None when the decode does not say (served
+            without ``--enable-prompt-tokens-details``).
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        """The sequence the decode holds once the turn is over (prompt and reply)."""
+        return self.prompt_tokens + self.completion_tokens
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from kvturn_server.router._backend import BackendClient
     from kvturn_server.router._config import RouterConfig
     from kvturn_server.router._control import ControlClient, ControlError
+    from kvturn_server.router._legs import DecodeUsage
     from kvturn_server.router._metrics import RouterMetrics
     from kvturn_server.router._pool import Backend, Pool
     from kvturn_server.router._state import ConversationStore, Placement
@@ -114,10 +115,13 @@ class TurnReport:
     """What a turn says about itself: its X-KVTurn-* headers, its reuse and route counts and
     its per-request debug line. ``route`` is "decode" (the decode continued the turn alone),
     "prefill" (prefill leg, then decode leg) or "fallback" (no prefill leg succeeded and the
-    decode computed the prompt); ``prefill`` / ``decode`` are the backends that answered."""
+    decode computed the prompt); ``prefill`` / ``decode`` are the backends that answered;
+    ``usage`` is what the decode leg that answered reported of its tokens (``DecodeUsage``:
+    prompt, completion and cached tokens), set before the turn's capture runs (for a stream,
+    once it has ended), None until then or when the decode sent none."""
 
     __slots__ = ("conversation_id", "ctx", "decode", "endpoint", "prefill", "prefill_choice",
-                 "reason", "reused_tokens", "route", "started", "stream")
+                 "reason", "reused_tokens", "route", "started", "stream", "usage")
 
     def __init__(self, ctx: TurnContext, *, conversation_id: str | None, endpoint: str,
                  stream: bool, started: float) -> None:
@@ -132,6 +136,7 @@ class TurnReport:
         self.prefill_choice: str | None = None
         self.prefill: Backend | None = None
         self.decode: Backend | None = None
+        self.usage: DecodeUsage | None = None
 
     def headers(self) -> dict[str, str]:
         headers = {"x-request-id": self.ctx.request_id, "X-KVTurn-Reuse": self.reason,
@@ -159,5 +164,14 @@ class TurnReport:
                   prefill_choice=self.prefill_choice if self.route == "prefill" else None,
                   prefill=self.prefill.url if self.prefill else None,
                   decode=self.decode.url if self.decode else None,
+                  **_usage_fields(self.usage),
                   ms=round((time.perf_counter() - self.started) * 1000, 2),
                   **{f"{leg}_ms": ms for leg, ms in ctx.legs_ms.items()})
+
+
+def _usage_fields(usage: DecodeUsage | None) -> dict[str, int | None]:
+    """The decode's usage in the debug line (absent when it sent none)."""
+    if usage is None:
+        return {}
+    return {"prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
+            "completion_tokens": usage.completion_tokens}

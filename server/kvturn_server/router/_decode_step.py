@@ -176,15 +176,14 @@ class DecodeStep:
             payload = None
         if isinstance(payload, dict):
             report.usage = self.api.usage(payload)
+            own = None
             if self.capture is not None and self.retains:
-                reuse = await self.capture.from_reply(backend, payload, t0)
-                if report.route == "decode" and reuse is not None:
-                    # The decode's own count of what its prefix cache supplied (the headers
-                    # of a non-streaming reply are still to be sent).
-                    report.reason = reuse.reason
-                    report.reused_tokens = reuse.reused_tokens
+                own = await self.capture.from_reply(backend, payload, t0)
             elif self.capture is not None:
                 self.capture.remember_affinity(backend)
+            # A continued turn's reuse, from what the decode says its cache supplied (the
+            # headers of a non-streaming reply are still to be sent).
+            report.settle(own)
             # Block ids and hosts of the decode are the router's business, not the client's.
             payload, found = without_transfer_params(payload)
             if self.hook is not None:
@@ -223,6 +222,7 @@ class DecodeStep:
             if not captured:
                 captured = True
                 report.usage = self.api.usage(tap.event(final))
+                report.settle()
                 if retained is not None:
                     await retained.described(backend, decode_started)
             if final and hook is not None:
@@ -234,11 +234,13 @@ class DecodeStep:
             if end.error is not None:
                 self.attempts.failed(svc.decodes, backend, "decode", end.error.kind,
                                      str(end.error))
+            await capture()  # a stream that did not complete: the decode may still hold KV
+            report.count(at_end=True)
             svc.metrics.request(report.endpoint, end.outcome)
             report.log_done(200, end.outcome)
-            await capture()  # a stream that did not complete: the decode may still hold KV
 
         media_type = upstream.content_type or "text/event-stream"
+        report.relaying()
         return RelayResponse(upstream, first, report.headers(), media_type, finish,
                              before_done=capture, split_final=self.api.split_final,
                              error_event=self.api.error_event, usage=tap)

@@ -144,9 +144,9 @@ class Turn:
         if why:
             svc.metrics.not_continued(why)
             return None
-        report.route = "decode"
-        report.reason = "hit"
-        report.reused_tokens = placement.cached_tokens
+        # What it reuses is what its cache still holds: its usage says (TurnReport.settle).
+        report.continued(expected_tokens=placement.cached_tokens,
+                         block_size=placement.block_size)
         self.continued = estimate
         holder.continuing += estimate
         data = self._decode_data(None, self.key)

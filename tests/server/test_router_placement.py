@@ -10,11 +10,14 @@ from typing import Any
 
 import pytest
 
+from kvturn_server.router._config import RouterConfig, RouterConfigError
 from kvturn_server.router._history import History, Transcript, uncached_estimate
 from kvturn_server.router._identity import conversation_key
 from kvturn_server.router._placement import (
     choose_decode,
     choose_prefill,
+    conditional_decode,
+    known_prompt_tokens,
     learn_read_floor,
     read_gain,
 )
@@ -315,6 +318,99 @@ async def test_stock_mode_keeps_affinity_but_neither_pins_nor_retains(
     assert all("kvturn" not in (b.get("kv_transfer_params") or {})
                for b in cluster.bodies("decode0"))
     assert not cluster.decodes[0].retentions
+
+
+# Stock conditional disaggregation (the baseline): kv_reuse off, conditional_disagg set.
+
+def _sent(tokens: int, messages: list[dict[str, Any]], engine_id: str | None = None) -> Placement:
+    return Placement(decode="http://d0", engine_id=engine_id, num_tokens=tokens,
+                     expires_at=0.0, turn="t", history=Transcript(messages).history())
+
+
+def test_conditional_decode_counts_the_new_messages_at_the_prompt_s_own_rate() -> None:
+    holder = Backend("decode", "http://d0")
+    t = Transcript(turn2())
+    sent = Transcript([U1]).history()
+    tokens = 3 * sent.chars  # three tokens a character: the reply counts as cached
+    estimate, why = conditional_decode(placement=_sent(tokens, [U1]), holder=holder,
+                                       transcript=t, max_tokens=10_000)
+    assert (estimate, why) == (3 * t.sizes[2], "")
+    assert conditional_decode(placement=_sent(tokens, [U1]), holder=holder, transcript=t,
+                              max_tokens=3 * t.sizes[2] - 1) == (0, "too_long")
+    assert conditional_decode(placement=_sent(tokens, [U1]), holder=holder,
+                              transcript=Transcript([{**U1, "content": "x"}, REPLY]),
+                              max_tokens=512) == (0, "edited")
+    assert conditional_decode(placement=_sent(0, [U1]), holder=holder, transcript=t,
+                              max_tokens=512) == (0, "no_history")
+    assert conditional_decode(placement=_sent(tokens, [U1]), holder=holder, transcript=t,
+                              max_tokens=0) == (0, "off")
+    holder.engine_id = "new"
+    assert conditional_decode(placement=_sent(tokens, [U1], engine_id="old"), holder=holder,
+                              transcript=t, max_tokens=512) == (0, "stale")
+    holder.healthy = False
+    assert conditional_decode(placement=_sent(tokens, [U1]), holder=holder, transcript=t,
+                              max_tokens=512) == (0, "unhealthy")
+
+
+def test_the_stock_record_keeps_the_prefill_s_count_else_scales_the_last_one() -> None:
+    t = Transcript(turn2())
+    assert known_prompt_tokens(None, 120, t) == 120
+    assert known_prompt_tokens(None, 0, t) == 0
+    old = _sent(2 * Transcript([U1]).history().chars, [U1])
+    assert known_prompt_tokens(old, 0, t) == 2 * t.history().chars
+    assert known_prompt_tokens(old, 0, None) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_stock_conditional_disaggregation_runs_short_turns_on_the_decode_alone(
+        make_harness: MakeHarness, stream: bool) -> None:
+    cluster = Cluster()
+    cluster.prefills[0].prompt_tokens = 40
+    h = await make_harness(cluster, kv_reuse=False, conditional_disagg=512)
+    first = await h.chat("c", messages=[U1], stream=stream)
+    assert first.headers["X-KVTurn-Route"] == "prefill"
+    resp = await h.chat("c", messages=turn2(), stream=stream)
+    assert resp.status_code == 200
+    assert resp.headers["X-KVTurn-Route"] == "decode"
+    assert resp.headers["X-KVTurn-Reuse"] == "disabled"
+    assert len(cluster.legs("prefill0")) == 1
+    # Nothing of kvturn's: no control call, no retention, no transfer params.
+    assert not cluster.calls("decode0.control")
+    assert "kv_transfer_params" not in cluster.bodies("decode0")[-1]
+    assert not cluster.decodes[0].retentions
+    assert metric(h, "kvturn_router_routes_total", route="decode", choice="") == 1
+    # The continued turn is recorded as sent: the next short one continues too, a long one
+    # and an edited one take the prefill path.
+    third = await h.chat("c", messages=turn2(REPLY, TOOL), stream=stream)
+    assert third.headers["X-KVTurn-Route"] == "decode"
+    long = await h.chat("c", messages=turn2(REPLY, TOOL, REPLY,
+                                            {"role": "user", "content": "word " * 5000}))
+    assert long.headers["X-KVTurn-Route"] == "prefill"
+    edited = await h.chat("c", messages=[{**U1, "content": "edited"}, REPLY, TOOL])
+    assert edited.headers["X-KVTurn-Route"] == "prefill"
+    assert metric(h, "kvturn_router_not_continued_total", why="too_long") == 1
+    assert metric(h, "kvturn_router_not_continued_total", why="edited") == 1
+
+
+async def test_stock_conditional_disaggregation_falls_back_to_p_d_when_the_decode_fails(
+        make_harness: MakeHarness) -> None:
+    cluster = Cluster()
+    cluster.prefills[0].prompt_tokens = 40
+    h = await make_harness(cluster, kv_reuse=False, conditional_disagg=512)
+    await h.chat("c", messages=[U1])
+    cluster.decodes[0].fail_next(("status", 503))
+    resp = await h.chat("c", messages=turn2())
+    assert resp.status_code == 200
+    assert resp.headers["X-KVTurn-Route"] == "prefill"
+    assert len(cluster.legs("prefill0")) == 2
+    assert metric(h, "kvturn_router_not_continued_total", why="decode_failed") == 1
+
+
+def test_conditional_disaggregation_is_the_stock_baseline_only() -> None:
+    with pytest.raises(RouterConfigError, match="kv_reuse off"):
+        RouterConfig(prefill=("http://p",), decode=("http://d",), conditional_disagg=512)
+    assert RouterConfig(prefill=("http://p",), decode=("http://d",), kv_reuse=False,
+                        conditional_disagg=512).conditional_disagg == 512
 
 
 async def test_a_range_the_prefill_declined_to_read_is_not_pinned_for_again(

@@ -18,6 +18,7 @@ from kvturn_server.router._control import ControlError, Gone, Retention
 from kvturn_server.router._history import Transcript
 from kvturn_server.router._legs import ReuseReport, readable_tokens, retained_report
 from kvturn_server.router._log import event
+from kvturn_server.router._placement import known_prompt_tokens
 from kvturn_server.router._pool import Backend
 from kvturn_server.router._services import TurnContext
 from kvturn_server.router._state import SUPERSEDED, Placement, StoreError
@@ -157,9 +158,13 @@ class Capture:
 
     def remember_affinity(self, backend: Backend) -> None:
         """Stock P/D (``kv_reuse`` off): nothing is retained, but the conversation's next turn
-        goes to the same prefill and decode (session affinity)."""
+        goes to the same prefill and decode (session affinity). The record keeps what the
+        router knows of the prompt (its size, its messages) for stock conditional
+        disaggregation (``_placement.conditional_decode``)."""
         services, key = self.ctx.services, self.ctx.conversation
-        placement = self._placement_for(backend, backend.engine_id, 0,
+        tokens = known_prompt_tokens(self.old, self.prefill_tokens, self.transcript) \
+            if services.config.conditional_disagg else 0
+        placement = self._placement_for(backend, backend.engine_id, tokens,
                                         services.config.retention_ttl, readable=None,
                                         block_size=0)
 

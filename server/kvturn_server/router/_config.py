@@ -186,6 +186,11 @@ class RouterConfig:
         decode_continue_budget: estimated prompt tokens of continued turns one decode may be
             computing at once; past it turns take the prefill path (protects the inter-token
             latency of the decode's other requests).
+        conditional_disagg: with ``kv_reuse`` off, stock conditional disaggregation (the
+            baseline kvturn is measured against: llm-d's prefix-based-pd-decider, Dynamo's
+            conditional disaggregation; ``_placement.conditional_decode``): a turn whose
+            estimated uncached part on the decode that served the conversation is at most
+            this many tokens runs on that decode alone; 0 (default) is plain stock P/D.
         min_read_tokens: the router pins a retention for a prefill leg only when at least
             this many of its tokens are beyond what that prefill is known to hold.
         responses_ttl: seconds a stored Responses API response (``/v1/responses``) can be
@@ -233,6 +238,7 @@ class RouterConfig:
     kv_reuse: bool = True
     decode_continue_tokens: int = 512
     decode_continue_budget: int = 1024
+    conditional_disagg: int = 0
     min_read_tokens: int = 1
     responses_ttl: float = 3600.0
     max_responses: int = 100_000
@@ -273,7 +279,7 @@ class RouterConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise RouterConfigError(f"{name} must be a whole number >= 1, got {value!r}")
         for name in ("prefill_affinity_slack", "decode_affinity_slack", "decode_continue_tokens",
-                     "decode_continue_budget", "min_read_tokens"):
+                     "decode_continue_budget", "conditional_disagg", "min_read_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise RouterConfigError(f"{name} must be a whole number >= 0, got {value!r}")
@@ -285,6 +291,10 @@ class RouterConfig:
             if not isinstance(getattr(self, name), bool):
                 raise RouterConfigError(f"{name} must be true or false, got "
                                         f"{getattr(self, name)!r}")
+        if self.kv_reuse and self.conditional_disagg:
+            raise RouterConfigError(
+                "conditional_disagg is the stock baseline and needs kv_reuse off "
+                "(--no-kv-reuse); kvturn's own decode continuation is decode_continue_tokens")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise RouterConfigError(f"port must be 0-65535, got {self.port!r}")
         if self.state != "memory" and not self.state.startswith(("redis://", "rediss://",

@@ -67,6 +67,12 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("decode_continue_budget", int, "estimated prompt tokens of such turns one decode may "
                                     "compute at once (protects its other requests' "
                                     "inter-token latency)"),
+    ("conditional_disagg", int, "with --no-kv-reuse: stock conditional disaggregation (the "
+                                "baseline: llm-d's prefix-based-pd-decider, Dynamo's "
+                                "--router-conditional-disagg): a turn whose uncached part on "
+                                "the decode that served the conversation is at most about "
+                                "this many tokens runs on that decode alone; 0: plain stock "
+                                "P/D"),
     ("min_read_tokens", int, "pin a retention for a prefill leg only when at least this many "
                              "of its tokens are beyond what that prefill holds"),
     ("responses_ttl", float, "seconds a stored /v1/responses response can be continued by "

@@ -100,14 +100,27 @@ def uncached_estimate(history: History, transcript: Transcript, *, retained_toke
     already retained, and its size calibrates the rate. None when the request does not extend
     the history, or nothing is known to estimate from.
     """
-    if retained_tokens <= 0 or not transcript.extends(history):
+    if retained_tokens <= 0:
         return None
-    new_sizes = transcript.sizes[history.messages:]
-    reply = new_sizes[0] if new_sizes and transcript.roles[history.messages] == "assistant" \
-        else 0
+    added = added_chars(history, transcript)
+    if added is None:
+        return None
+    reply, rest = added
     known_chars = history.chars + reply
     if known_chars <= 0:
         return None
     per_char = retained_tokens / known_chars
-    prompt = retained_tokens + per_char * (sum(new_sizes) - reply)
+    prompt = retained_tokens + per_char * rest
     return max(0, math.ceil(prompt - readable_tokens))
+
+
+def added_chars(history: History, transcript: Transcript) -> tuple[int, int] | None:
+    """What ``transcript`` adds to ``history``, in serialised characters: the reply coming
+    back (the first new message when it is the assistant's; 0 otherwise) and the rest. None
+    when the request does not extend the history."""
+    if not transcript.extends(history):
+        return None
+    new_sizes = transcript.sizes[history.messages:]
+    reply = new_sizes[0] if new_sizes and transcript.roles[history.messages] == "assistant" \
+        else 0
+    return reply, sum(new_sizes) - reply

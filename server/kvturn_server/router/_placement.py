@@ -18,12 +18,18 @@ still holds that prompt in its prefix cache unless other work pushed it out. Per
    hold (:func:`read_gain`): the prefill's connector then reads the verified blocks it lacks
    and computes the rest.
 
+With ``kv_reuse`` off the router is stock P/D, and with ``conditional_disagg`` set it is the
+strongest stock setup kvturn is measured against (:func:`conditional_decode`): conditional
+disaggregation as llm-d and Dynamo ship it, with no retention behind it.
+
 Nothing here changes an answer: every path computes or reads exactly the prompt's KV.
 """
 
 from __future__ import annotations
 
-from kvturn_server.router._history import Transcript, uncached_estimate
+import math
+
+from kvturn_server.router._history import Transcript, added_chars, uncached_estimate
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import Placement
 
@@ -126,3 +132,53 @@ def continuation(*, placement: Placement, holder: Backend, transcript: Transcrip
     if holder.continuing + estimate > budget:
         return 0, "busy"
     return estimate, ""
+
+
+def conditional_decode(*, placement: Placement, holder: Backend, transcript: Transcript | None,
+                       max_tokens: int) -> tuple[int, str]:
+    """Stock conditional disaggregation: whether ``holder``, the decode that served the
+    conversation's last turn, runs this turn alone (no prefill leg, no transfer).
+
+    This is the baseline a user who knows the field would pick over kvturn: llm-d's
+    ``prefix-based-pd-decider`` (decode-only when the prompt tokens the chosen decode does not
+    cache are at most ``nonCachedTokens``) and NVIDIA Dynamo's ``--router-conditional-disagg``
+    (``isl_bounding``: the same against the decode's cached overlap, 2,048 tokens by default).
+    Nothing holds the KV: the decode's plain prefix cache (LRU) supplies whatever it still
+    has, and the rest is computed there. The router knows only what it sent and relayed
+    (``placement.num_tokens``: the last prompt's tokens, as its prefill or the estimate before
+    counted them; ``placement.history``: its messages); the reply coming back counts as cached,
+    as a router fed by the decode's KV events (Dynamo) knows it is.
+
+    Returns ``(estimated uncached tokens, "")`` to run it on ``holder``, else ``(0, why not)``
+    with why one of ``off``, ``unhealthy``, ``stale``, ``no_history``, ``edited``,
+    ``too_long``.
+    """
+    if max_tokens <= 0:
+        return 0, "off"
+    if not holder.healthy:
+        return 0, "unhealthy"
+    if holder.engine_id is not None and placement.engine_id is not None \
+            and holder.engine_id != placement.engine_id:
+        return 0, "stale"  # the decode restarted: its prefix cache is empty
+    history = placement.history
+    if history is None or transcript is None or placement.num_tokens <= 0 or history.chars <= 0:
+        return 0, "no_history"
+    added = added_chars(history, transcript)
+    if added is None:
+        return 0, "edited"
+    estimate = math.ceil(placement.num_tokens / history.chars * added[1])
+    if estimate > max_tokens:
+        return 0, "too_long"
+    return estimate, ""
+
+
+def known_prompt_tokens(old: Placement | None, prefill_tokens: int,
+                        transcript: Transcript | None) -> int:
+    """Stock conditional disaggregation's record of a turn's prompt size: the prefill's count
+    when a prefill computed it, else the last record's, scaled by the messages' characters
+    (0 when neither is known)."""
+    if prefill_tokens > 0:
+        return prefill_tokens
+    if old is None or old.history is None or old.history.chars <= 0 or transcript is None:
+        return 0
+    return round(old.num_tokens / old.history.chars * transcript.history().chars)

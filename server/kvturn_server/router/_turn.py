@@ -40,6 +40,7 @@ from kvturn_server.router._log import event
 from kvturn_server.router._pin import Pins
 from kvturn_server.router._placement import (
     choose_prefill,
+    conditional_decode,
     continuation,
     learn_read_floor,
     read_floor,
@@ -107,11 +108,16 @@ class Turn:
         report = self.report
         reuse = svc.config.kv_reuse and not self.no_reuse
         if self.key is not None:
-            if svc.config.kv_reuse:
+            if svc.config.kv_reuse or svc.config.conditional_disagg:
                 self.transcript = self.api.transcript(self.body)
             await self._locate()
         if not reuse:
             report.reason = "disabled"
+            if svc.config.conditional_disagg and self.placement is not None \
+                    and self.holder is not None:
+                continued = await self._continue_stock()
+                if continued is not None:
+                    return continued
         elif self.placement is not None and self.holder is not None:
             continued = await self._continue_on_decode()
             if continued is not None:
@@ -159,6 +165,29 @@ class Turn:
             report.route = "prefill"
             report.reason = "miss"
             report.reused_tokens = 0
+            svc.metrics.not_continued("decode_failed")
+            return None
+        report.count()
+        return result
+
+    async def _continue_stock(self) -> Response | None:
+        """Stock conditional disaggregation (``conditional_disagg``, kv_reuse off): the turn
+        runs on the decode that served the conversation when the part its prefix cache is
+        estimated to lack is short; nothing is retained, pinned or captured. None when the
+        turn takes the prefill path (also when that decode failed before its first byte)."""
+        svc, report = self.svc, self.report
+        assert self.placement is not None and self.holder is not None
+        _, why = conditional_decode(placement=self.placement, holder=self.holder,
+                                    transcript=self.transcript,
+                                    max_tokens=svc.config.conditional_disagg)
+        if why:
+            svc.metrics.not_continued(why)
+            return None
+        report.route = "decode"
+        data = _json.dumps(decode_body(self.body, None, None))
+        result = await self._decode_step().attempt(self.holder, data)
+        if isinstance(result, Failed):
+            report.route = "prefill"
             svc.metrics.not_continued("decode_failed")
             return None
         report.count()

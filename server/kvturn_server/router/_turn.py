@@ -184,7 +184,7 @@ class Turn:
             svc.metrics.not_continued(why)
             return None
         report.route = "decode"
-        data = _json.dumps(decode_body(self.body, None, None))
+        data = self._decode_data(None, None)
         result = await self._decode_step().attempt(self.holder, data)
         if isinstance(result, Failed):
             report.route = "prefill"

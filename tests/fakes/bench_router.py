@@ -31,9 +31,11 @@ def prompt_size(messages: Sequence[dict[str, Any]]) -> int:
     return sum(len(str(m.get("content") or "").split()) + 4 for m in messages)
 
 
-def chat_stream(model: str, pieces: Sequence[str], prompt_tokens: int) -> bytes:
+def chat_stream(model: str, pieces: Sequence[str], prompt_tokens: int,
+                cached_tokens: int | None = None) -> bytes:
     """A streamed chat completion as vLLM sends it: the role, one chunk per piece, the finish
-    (``length``), the usage, ``[DONE]``."""
+    (``length``), the usage (with ``prompt_tokens_details.cached_tokens`` when given, as a
+    decode with ``--enable-prompt-tokens-details`` sends it), ``[DONE]``."""
     base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
             "model": model}
     events = [sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant",
@@ -43,9 +45,11 @@ def chat_stream(model: str, pieces: Sequence[str], prompt_tokens: int) -> bytes:
                                          "finish_reason": None}]}) for piece in pieces]
     events.append(sse({**base, "choices": [{"index": 0, "delta": {},
                                             "finish_reason": "length"}]}))
-    events.append(sse({**base, "choices": [], "usage": {
-        "prompt_tokens": prompt_tokens, "completion_tokens": len(pieces),
-        "total_tokens": prompt_tokens + len(pieces)}}))
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": len(pieces),
+                             "total_tokens": prompt_tokens + len(pieces)}
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    events.append(sse({**base, "choices": [], "usage": usage}))
     events.append("data: [DONE]\n\n")
     return "".join(events).encode()
 
@@ -107,9 +111,13 @@ def mock_client(handle: Handler) -> kvturn.AsyncOpenAI:
 class AgentBenchRouter(ConversationEndpoints):
     """Answers streamed chat completions with reuse headers the way the router does (hit
     after a conversation's first turn, miss without an id), plus the conversation endpoints.
-    With ``routes`` it also reports each turn's route the way the next router version will:
-    a conversation's later turns continue on the decode (which then computes their new
-    tokens), every other turn takes a prefill leg chosen by round-robin or affinity."""
+    With ``routes`` it also reports each turn's route the way the router does: a
+    conversation's later turns continue on the decode (which then computes their new
+    tokens), reported ``pending`` with the block size, the truth in the usage event's cached
+    tokens (none for a conversation in ``lost``: its retention was evicted); every other turn
+    takes a prefill leg chosen by round-robin or affinity."""
+
+    BLOCK = 4
 
     REPLY = ("Sure", ",", " looking", " into", " it", ".")
 
@@ -119,6 +127,7 @@ class AgentBenchRouter(ConversationEndpoints):
         self.decode_computed = 0
         self.last_prompt: dict[str, int] = {}
         self.computed = 0
+        self.lost: set[str] = set()  # conversations whose decode no longer holds them
 
     def handle(self, request: httpx2.Request) -> httpx2.Response:
         answer = self.conversation_endpoint(request)
@@ -139,9 +148,14 @@ class AgentBenchRouter(ConversationEndpoints):
             self.last_prompt[conversation] = prompt
             self.live.add(conversation)
         route: dict[str, str] = {}
+        cached = None
         if self.routes and reuse == "hit":
-            route = {"X-KVTurn-Route": "decode"}
-            self.decode_computed += prompt - reused
+            assert conversation is not None
+            cached = 0 if conversation in self.lost else reused
+            self.lost.discard(conversation)  # retained again once this turn ends
+            route = {"X-KVTurn-Route": "decode", "X-KVTurn-Block-Size": str(self.BLOCK)}
+            reuse, reused = "pending", 0
+            self.decode_computed += prompt - cached
         else:
             if self.routes:
                 route = {"X-KVTurn-Route": "prefill", "X-KVTurn-Prefill-Choice":
@@ -153,7 +167,8 @@ class AgentBenchRouter(ConversationEndpoints):
         if conversation is not None:
             headers["X-KVTurn-Conversation"] = conversation
         return httpx2.Response(200, headers=headers,
-                               content=chat_stream(body["model"], self.REPLY, prompt))
+                               content=chat_stream(body["model"], self.REPLY, prompt,
+                                                   cached))
 
 
 class FleetBenchRouter(ConversationEndpoints):

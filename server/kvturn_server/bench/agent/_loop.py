@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 PLAIN, IDS, KVTURN = "plain", "ids", "kvturn"
 CLIENT_KINDS = (PLAIN, IDS, KVTURN)
 HEADER_CONVERSATION_ID = "X-Conversation-ID"
+# X-KVTurn-Reuse of a stream the decode continued alone: its usage says what was reused.
+PENDING = "pending"
 
 
 @dataclass
@@ -87,8 +89,10 @@ async def stream_turn(target: Any, model: str, messages: list[Message], max_toke
                       headers: dict[str, str] | None = None,
                       extra_body: dict[str, Any] | None = None) -> str:
     """One streamed turn: fills ``record``'s timings (TTFT: request start to the first content
-    chunk), usage and the router's reports; appends each content chunk's time to ``chunks`` as
-    it arrives (a turn that fails midway keeps the ones it had); returns the text."""
+    chunk), usage and the router's reports (a turn the decode continued alone, ``pending`` in
+    its headers, by its usage's cached tokens); appends each content chunk's time to
+    ``chunks`` as it arrives (a turn that fails midway keeps the ones it had); returns the
+    text."""
     started = clock()
     stream = await target.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
@@ -100,10 +104,13 @@ async def stream_turn(target: Any, model: str, messages: list[Message], max_toke
     record.prefill_choice = got.get("x-kvturn-prefill-choice")
     first_finish: float | None = None
     parts: list[str] = []
+    cached: int | None = None
     async for chunk in stream:
         if chunk.usage is not None:
             record.prompt_tokens = chunk.usage.prompt_tokens
             record.completion_tokens = chunk.usage.completion_tokens
+            details = chunk.usage.prompt_tokens_details
+            cached = None if details is None else details.cached_tokens
         for choice in chunk.choices:
             content = choice.delta.content
             if content:
@@ -114,6 +121,16 @@ async def stream_turn(target: Any, model: str, messages: list[Message], max_toke
                 if first_finish is None:
                     first_finish = clock()
     ended = clock()
+    if record.reuse == PENDING and cached is not None and record.prompt_tokens is not None:
+        # A turn the decode continued alone: its headers preceded the decode's work; what its
+        # cache supplied is the usage's cached tokens, settled as the router and SDK do.
+        import kvturn
+
+        settled = kvturn.TurnInfo(
+            "", "chat", PENDING, 0, None, None, None, 1, True,
+            header_int(got.get("x-kvturn-block-size")) or None,
+        ).settled(record.prompt_tokens, cached)
+        record.reuse, record.reused_tokens = settled.reuse, settled.reused_tokens
     # A reply without text (the model's first token ends it) has its first token at the end.
     first = chunks[0] if chunks else first_finish
     record.ttft_ms = None if first is None else round((first - started) * 1000, 3)

@@ -98,13 +98,24 @@ def _usage_of(payload: Any) -> Any:
     return usage if isinstance(usage, dict) else None
 
 
-def _chat_usage(payload: Any) -> DecodeUsage | None:
-    usage = _usage_of(payload)
-    prompt = _tokens(usage, "prompt_tokens")
-    if prompt is None:
-        return None
-    return DecodeUsage(prompt, _tokens(usage, "completion_tokens") or 0,
-                       _tokens(usage.get("prompt_tokens_details"), "cached_tokens"))
+def _usage_reader(prompt: str, completion: str,
+                  details: str) -> Callable[[Any], DecodeUsage | None]:
+    """OpenAI's usage shapes (Chat and Completions, Responses): the two counts' names and the
+    object whose ``cached_tokens`` is the prompt's cached part."""
+
+    def read(payload: Any) -> DecodeUsage | None:
+        usage = _usage_of(payload)
+        tokens = _tokens(usage, prompt)
+        if tokens is None:
+            return None
+        return DecodeUsage(tokens, _tokens(usage, completion) or 0,
+                           _tokens(usage.get(details), "cached_tokens"))
+
+    return read
+
+
+_chat_usage = _usage_reader("prompt_tokens", "completion_tokens", "prompt_tokens_details")
+_responses_usage = _usage_reader("input_tokens", "output_tokens", "input_tokens_details")
 
 
 def _messages_usage(payload: Any) -> DecodeUsage | None:
@@ -117,15 +128,6 @@ def _messages_usage(payload: Any) -> DecodeUsage | None:
         return None
     return DecodeUsage(sum(n or 0 for n in parts) + (read or 0),
                        _tokens(usage, "output_tokens") or 0, read)
-
-
-def _responses_usage(payload: Any) -> DecodeUsage | None:
-    usage = _usage_of(payload)
-    prompt = _tokens(usage, "input_tokens")
-    if prompt is None:
-        return None
-    return DecodeUsage(prompt, _tokens(usage, "output_tokens") or 0,
-                       _tokens(usage.get("input_tokens_details"), "cached_tokens"))
 
 
 # Asking a streamed decode leg for its usage.

@@ -15,8 +15,9 @@
   took the prefill path instead, by why (``too_long``, ``busy``, ``edited``, ``no_history``,
   ``expired``, ``stale``, ``unhealthy``, ``decode_failed``, ``off``).
 - ``kvturn_router_continued_short_total``: turns the decode continued alone whose own cache
-  supplied more than a block less than the router's record said it held of the conversation
-  (its retention evicted, or expired and its blocks reused): the record outlived the KV.
+  supplied more than a block less than the router's record said it held of the conversation:
+  the record outlived the KV (its retention evicted, or expired and its blocks reused), or the
+  reply sent back differs from what the decode generated (re-rendered, reasoning stripped).
 - ``kvturn_router_ttft_seconds``: streaming requests, arrival to the decode's first byte.
 - ``kvturn_router_leg_seconds{leg}``: ``pin``, ``prefill``, ``decode`` (to the first byte when
   streaming), ``capture``.

@@ -312,5 +312,5 @@ def _asks_usage(body: Mapping[str, Any]) -> bool:
     stream that did not ask)."""
     if body.get("stream") is not True:
         return False
-    options = _as_dict(body.get("stream_options"))
-    return options is not None and options.get("include_usage") is True
+    options = body.get("stream_options")
+    return type(options) is dict and options.get("include_usage") is True

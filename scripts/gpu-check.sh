@@ -177,7 +177,7 @@ run bench-reuse "$kvturn" bench reuse --gpu --size 8b --state-dir "$state" \
   --generated-sizes all --runs "$runs" --warmup-runs 1 \
   --vllm-arg="--gpu-memory-utilization=$share" || status=$?
 
-# Two prefills and a decode of the same model on the one GPU, every mode once (stock P/D and
+# Two prefills and a decode of the same model on the one GPU, every default mode once (stock and
 # kvturn's), a few agents of three turns. "roomy": the prefills' KV is what --fleet-share
 # gives; "tight" counts blocks of the CPU build's 128 tokens, which on a GPU (16-token blocks)
 # would leave a prefill too few blocks for one request.

@@ -15,6 +15,7 @@ from kvturn_server.bench._reuse_cli import add_reuse_bench_parser
 from kvturn_server.bench._router import add_router_bench_parser
 from kvturn_server.bench._sdk_run import add_sdk_bench_parser
 from kvturn_server.bench.agent import add_agent_bench_parser
+from kvturn_server.bench.trace import add_trace_bench_parser
 from kvturn_server.local import (
     SIZES,
     Stack,
@@ -302,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sdk_bench_parser(bench_sub)
     add_agent_bench_parser(bench_sub)
     add_fleet_bench_parser(bench_sub)
+    add_trace_bench_parser(bench_sub)
     add_simulate_parser(sub)
     return parser
 

@@ -1,6 +1,6 @@
-"""The agent benchmarks' fake routers (``test_bench_agent.py``, ``test_bench_fleet.py``): a
-router's conversation endpoints, a streamed chat completion, a turn that fails, the client, and
-one router per benchmark.
+"""The agent benchmarks' fake routers (``test_bench_agent.py``, ``test_bench_fleet.py``,
+``test_bench_trace.py``): a router's conversation endpoints, a streamed chat completion, a turn
+that fails, the client, one router per benchmark, and the fleet's probe over a fake router.
 
 Not ``RouterAPI``: the benchmarks' tests are async and wait on an ``asyncio.Event`` for
 keepalives, and their routers renew any conversation (a benchmark measures the client, not
@@ -9,15 +9,18 @@ lease expiry), where ``RouterAPI``'s keepalive answers 404 for what it does not 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 from urllib.parse import unquote
 
 import httpx2
 
 import kvturn
+from kvturn_server.bench._fleet_agents import Counters
 
+MIB = 1024 * 1024
 Handler = Callable[[httpx2.Request], httpx2.Response]
 CONVERSATIONS = "/kvturn/v1/conversations/"
 
@@ -34,8 +37,8 @@ def prompt_size(messages: Sequence[dict[str, Any]]) -> int:
 def chat_stream(model: str, pieces: Sequence[str], prompt_tokens: int,
                 cached_tokens: int | None = None) -> bytes:
     """A streamed chat completion as vLLM sends it: the role, one chunk per piece, the finish
-    (``length``), the usage (with ``prompt_tokens_details.cached_tokens`` when given, as a
-    decode with ``--enable-prompt-tokens-details`` sends it), ``[DONE]``."""
+    (``length``), the usage (with ``prompt_tokens_details`` given ``cached_tokens``, as vLLM
+    with ``--enable-prompt-tokens-details``), ``[DONE]``."""
     base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
             "model": model}
     events = [sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant",
@@ -108,17 +111,38 @@ def mock_client(handle: Handler) -> kvturn.AsyncOpenAI:
                               http_client=http)
 
 
+class Routers:
+    """``kvturn bench agent``'s ``connect``: every run's router is ``handle``, in process;
+    ``started`` lists each run's router name and flags, in order."""
+
+    def __init__(self, handle: Handler) -> None:
+        self.handle = handle
+        self.started: list[tuple[str, tuple[str, ...]]] = []
+
+    @contextlib.asynccontextmanager
+    async def __call__(self, name: str, args: tuple[str, ...]) -> AsyncIterator[
+            kvturn.AsyncOpenAI]:
+        self.started.append((name, args))
+        client = mock_client(self.handle)
+        try:
+            yield client
+        finally:
+            await client.close()
+
+
 class AgentBenchRouter(ConversationEndpoints):
     """Answers streamed chat completions with reuse headers the way the router does (hit
-    after a conversation's first turn, miss without an id), plus the conversation endpoints.
-    With ``routes`` it also reports each turn's route the way the router does: a
-    conversation's later turns continue on the decode (which then computes their new
-    tokens), reported ``pending`` with the block size, the truth in the usage event's cached
-    tokens (none for a conversation in ``lost``: its retention was evicted); every other turn
-    takes a prefill leg chosen by round-robin or affinity."""
+    after a kvturn conversation's first turn, ``disabled`` for an ``X-Conversation-ID``
+    header, miss without an id), plus the conversation endpoints. With ``routes`` it also
+    reports each turn's route the way the router does: a conversation's later turns continue
+    on the decode (which then computes what its cache lacks), every other turn takes a prefill
+    leg chosen by round-robin or affinity; such a decode turn's usage says what the decode's
+    cache supplied (``cached_tokens``): the conversation's previous prompt, or nothing for a
+    conversation in ``forgotten`` (the decode evicted its history). A kvturn conversation's
+    decode turn is ``pending`` in its headers (with the block size), as the router answers a
+    stream it continues."""
 
     BLOCK = 4
-
     REPLY = ("Sure", ",", " looking", " into", " it", ".")
 
     def __init__(self, routes: bool = False) -> None:
@@ -127,7 +151,7 @@ class AgentBenchRouter(ConversationEndpoints):
         self.decode_computed = 0
         self.last_prompt: dict[str, int] = {}
         self.computed = 0
-        self.lost: set[str] = set()  # conversations whose decode no longer holds them
+        self.forgotten: set[str] = set()
 
     def handle(self, request: httpx2.Request) -> httpx2.Response:
         answer = self.conversation_endpoint(request)
@@ -137,38 +161,41 @@ class AgentBenchRouter(ConversationEndpoints):
         body = json.loads(request.content)
         self.requests.append({"body": body, "headers": dict(request.headers)})
         prompt = prompt_size(body["messages"])
-        conversation = body.get("conversation_id")
-        if conversation is None:
-            reuse, reused = "miss", 0
-        elif conversation in self.last_prompt:
-            reuse, reused = "hit", self.last_prompt[conversation]
+        kvturn_id = body.get("conversation_id")
+        conversation = kvturn_id or request.headers.get("x-conversation-id")
+        previous = None if conversation is None else self.last_prompt.get(conversation)
+        if kvturn_id is None:
+            reuse, reused = ("miss" if conversation is None else "disabled"), 0
+        elif previous is not None:
+            reuse, reused = "hit", previous
         else:
             reuse, reused = "miss", 0
         if conversation is not None:
             self.last_prompt[conversation] = prompt
-            self.live.add(conversation)
+        if kvturn_id is not None:
+            self.live.add(kvturn_id)
         route: dict[str, str] = {}
         cached = None
-        if self.routes and reuse == "hit":
-            assert conversation is not None
-            cached = 0 if conversation in self.lost else reused
-            self.lost.discard(conversation)  # retained again once this turn ends
-            route = {"X-KVTurn-Route": "decode", "X-KVTurn-Block-Size": str(self.BLOCK)}
-            reuse, reused = "pending", 0
+        if self.routes and previous is not None:
+            route = {"X-KVTurn-Route": "decode"}
+            cached = 0 if conversation in self.forgotten else previous
             self.decode_computed += prompt - cached
+            if kvturn_id is not None:
+                route["X-KVTurn-Block-Size"] = str(self.BLOCK)
+                reuse, reused = "pending", 0
         else:
             if self.routes:
                 route = {"X-KVTurn-Route": "prefill", "X-KVTurn-Prefill-Choice":
                          "round-robin" if conversation is None else "affinity"}
+                cached = 0
             self.computed += prompt - reused
         assert body["stream_options"] == {"include_usage": True}
         headers = {"content-type": "text/event-stream", "X-KVTurn-Reuse": reuse,
                    "X-KVTurn-Reused-Tokens": str(reused), "x-request-id": "fake", **route}
-        if conversation is not None:
-            headers["X-KVTurn-Conversation"] = conversation
+        if kvturn_id is not None:
+            headers["X-KVTurn-Conversation"] = kvturn_id
         return httpx2.Response(200, headers=headers,
-                               content=chat_stream(body["model"], self.REPLY, prompt,
-                                                   cached))
+                               content=chat_stream(body["model"], self.REPLY, prompt, cached))
 
 
 class FleetBenchRouter(ConversationEndpoints):
@@ -212,3 +239,22 @@ class FleetBenchRouter(ConversationEndpoints):
         pieces = [f" t{i}" for i in range(body["max_tokens"])]
         return httpx2.Response(200, headers=headers,
                                content=chat_stream(body["model"], pieces, prompt))
+
+
+class FleetBenchProbe:
+    """``bench/_fleet_agents.FleetProbe`` over a ``FleetBenchRouter``: one prefill whose
+    counters are what the router computed and read, one decode retaining 1 MiB per live
+    conversation."""
+
+    def __init__(self, router: FleetBenchRouter) -> None:
+        self.router = router
+
+    def counters(self) -> dict[str, Counters | None]:
+        return {"prefill0": Counters(self.router.computed, 0.0, 0.0, self.router.reused),
+                "decode0": Counters(0.0, 0.0, 0.0, 0.0)}
+
+    def retained(self) -> dict[str, int | None]:
+        return {"decode0": len(self.router.live) * MIB}
+
+    def cache_info(self) -> dict[str, dict[str, Any] | None]:
+        return {"prefill0": {"block_size": "128", "num_gpu_blocks": "66"}}

@@ -1,7 +1,9 @@
-"""The agent benchmark without servers: the gap distribution, the workload (profiles, repeats,
-rotation), the summary math (inter-token latency, computed tokens on both instances, the
-router's route reports, medians and spreads over repeats, the verdict), the host, the JSON,
-the table and the plot, and the agent loop against an in-process fake router."""
+"""The agent benchmark without servers: the mode table, the gap distribution, the workload
+(profiles, repeats, rotation, the decode's blocks), the summary math (inter-token latency,
+computed tokens on both instances, the router's route reports, the later turns the decode
+served alone, medians and spreads over repeats, the verdicts, the comparison with every stock
+mode and the strongest), the host, the JSON (and the committed one of before), the table and
+the plot, and the agent loop against an in-process fake router, a router per run."""
 
 from __future__ import annotations
 
@@ -10,13 +12,12 @@ import asyncio
 import json
 import math
 import random
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-import kvturn
 from kvturn_server._cli_common import write_json
 from kvturn_server.bench._host import cpu_info, describe_cpu, host_info
 from kvturn_server.bench._stats import (
@@ -27,6 +28,11 @@ from kvturn_server.bench._stats import (
     spread,
 )
 from kvturn_server.bench.agent import (
+    DEFAULT_MODES,
+    MODE_TABLE,
+    MODES,
+    MODES_BY_NAME,
+    STOCK_MODES,
     AgentBenchSettings,
     AgentOutcome,
     GapDistribution,
@@ -35,15 +41,19 @@ from kvturn_server.bench.agent import (
     Sampler,
     TurnRecord,
     add_agent_bench_parser,
-    agent_stack_config,
+    agent_fleet_config,
     aggregate_comparison,
     build_results,
     build_scripts,
     compare,
+    decode_turns,
     measure,
     mode_order,
+    never_slower_checks,
     pooled_comparison,
+    router_args,
     settings_from_args,
+    strongest_stock,
     summarize,
     table,
     tail_makeup,
@@ -51,10 +61,58 @@ from kvturn_server.bench.agent import (
     write_plot,
 )
 from kvturn_server.local._metrics import PromptSources
+from kvturn_server.router import RouterConfig
 from tests.fakes.bench_router import AgentBenchRouter as FakeRouter
-from tests.fakes.bench_router import failing_turn, mock_client
+from tests.fakes.bench_router import Routers, failing_turn
+
+REPO = Path(__file__).resolve().parents[2]
 
 MIB = 1024 * 1024
+
+
+# The modes.
+
+def test_the_mode_table_gives_each_mode_its_router_flags_client_and_peer() -> None:
+    table_ = {m.name: (m.label, m.router_args, m.client) for m in MODE_TABLE}
+    assert table_ == {
+        "off": ("stock-pd", ("--no-kv-reuse",), "plain"),
+        "stock-cond": ("stock-cond", ("--no-kv-reuse", "--conditional-disagg", "512"), "ids"),
+        "stock-cond-2k": ("stock-cond-2k", ("--no-kv-reuse", "--conditional-disagg", "2048"),
+                          "ids"),
+        "on": ("kvturn", (), "kvturn"),
+    }
+    assert MODES == ("off", "stock-cond", "stock-cond-2k", "on")
+    assert DEFAULT_MODES == ("off", "stock-cond", "on") == AgentBenchSettings().modes
+    assert STOCK_MODES == ("off", "stock-cond", "stock-cond-2k")
+    # stock-cond decides on kvturn's own threshold: the router's decode_continue_tokens.
+    default = next(f.default for f in fields(RouterConfig) if f.name == "decode_continue_tokens")
+    assert MODES_BY_NAME["stock-cond"].router_args[-1] == str(default)
+    for mode in MODE_TABLE:
+        assert mode.stands_for and mode.sources
+    assert "prefix-based-pd-decider" in MODES_BY_NAME["stock-cond"].stands_for
+    assert "Dynamo" in MODES_BY_NAME["stock-cond-2k"].stands_for
+    assert any("disagg_proxy" in source for source in MODES_BY_NAME["off"].sources)
+    # --router-arg comes after the mode's own flags, for every mode.
+    s = AgentBenchSettings(router_args=("--log-level", "debug"))
+    assert router_args("stock-cond", s) == ("--no-kv-reuse", "--conditional-disagg", "512",
+                                            "--log-level", "debug")
+    assert router_args("on", s) == ("--log-level", "debug")
+    assert MODES_BY_NAME["off"].describe(("--x",))["router_args"] == ["--no-kv-reuse", "--x"]
+
+
+def test_every_mode_s_flags_make_a_router_the_router_accepts() -> None:
+    from kvturn_server.router import add_router_args, router_config_from_args
+
+    configs = {}
+    for mode in MODE_TABLE:
+        parser = argparse.ArgumentParser()
+        add_router_args(parser)
+        configs[mode.name] = router_config_from_args(parser.parse_args(
+            ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+             *mode.router_args]))
+    assert {m: (c.kv_reuse, c.conditional_disagg) for m, c in configs.items()} == {
+        "off": (False, 0), "stock-cond": (False, 512), "stock-cond-2k": (False, 2048),
+        "on": (True, 0)}
 
 
 # The gap distribution.
@@ -101,6 +159,8 @@ def test_settings_derive_the_lease_and_the_keepalive_from_the_time_scale() -> No
         AgentBenchSettings(modes=("on", "on"))
     with pytest.raises(ValueError):
         AgentBenchSettings(modes=("fast",))
+    with pytest.raises(ValueError, match="decode-blocks"):
+        AgentBenchSettings(decode_blocks=1)
     with pytest.raises(ValueError):
         AgentBenchSettings(message_tokens=(300, 100))
     with pytest.raises(ValueError):
@@ -113,6 +173,12 @@ def test_settings_derive_the_lease_and_the_keepalive_from_the_time_scale() -> No
     AgentBenchSettings(max_tokens=256).check_fits(8192)
     with pytest.raises(ValueError, match="context"):
         AgentBenchSettings(turns=40).check_fits(8192)
+    # The issue's tight decode (320 blocks) and its tightest (100) start; vLLM refuses a decode
+    # that cannot hold one request of the context beside its null block.
+    AgentBenchSettings(decode_blocks=320, agents=16).check_fits(8192)
+    AgentBenchSettings(decode_blocks=65).check_fits(8192)
+    with pytest.raises(ValueError, match="at least 65"):
+        AgentBenchSettings(decode_blocks=64).check_fits(8192)
 
 
 def test_the_context_check_counts_the_drawn_reply_lengths() -> None:
@@ -187,6 +253,10 @@ def test_each_repeat_rotates_the_order_of_the_modes() -> None:
         ("off", "on"), ("on", "off"), ("off", "on"), ("on", "off")]
     assert [mode_order(("on", "off"), r) for r in range(2)] == [("on", "off"), ("off", "on")]
     assert mode_order(("on",), 5) == ("on",)
+    # With as many repeats as modes, every mode runs once in every position.
+    orders = [mode_order(MODES, r) for r in range(len(MODES))]
+    assert orders[1] == ("stock-cond", "stock-cond-2k", "on", "off")
+    assert all({o[position] for o in orders} == set(MODES) for position in range(len(MODES)))
 
 
 # The host.
@@ -208,16 +278,20 @@ def test_the_cpu_model_and_amx_come_from_cpuinfo(tmp_path: Path) -> None:
     assert "AMX unknown" in describe_cpu(host_info(tmp_path / "missing"))
 
 
-def test_the_stack_runs_the_router_and_scales_the_lease(tmp_path: Path) -> None:
+def test_the_instances_scale_the_lease_and_size_the_decode(tmp_path: Path) -> None:
     s = AgentBenchSettings(state_dir=tmp_path, time_scale=0.2, size="bench")
-    cfg = agent_stack_config(s, {"router_port": 9100, "decode_control_port": 9101})
-    assert cfg.with_router and not cfg.with_reference
-    assert cfg.router_port == 9100 and cfg.decode_control_port == 9101
+    cfg = agent_fleet_config(s)
+    assert (cfg.prefills, cfg.decodes) == (1, 1)  # the routers: one per run, started apart
     assert cfg.decoder_kv_blocks_ttl == 96.0
-    assert cfg.max_model_len == 32768 and cfg.served_model_name == "kvturn-bench"
+    assert cfg.max_model_len == 32768 and cfg.model_name == "kvturn-bench"
+    assert cfg.model_path == tmp_path / "models" / "bench"  # where `kvturn up` builds it
     assert cfg.prefill_prefix_caching  # vLLM's default, what users run
-    assert not agent_stack_config(AgentBenchSettings(prefill_prefix_cache=False), {}) \
+    assert cfg.decode_num_blocks is None and cfg.prefill_num_blocks is None
+    # Every reply's usage says what the serving instance's cache supplied.
+    assert cfg.extra_vllm_args == ("--enable-prompt-tokens-details",)
+    assert not agent_fleet_config(AgentBenchSettings(prefill_prefix_cache=False)) \
         .prefill_prefix_caching
+    assert agent_fleet_config(AgentBenchSettings(decode_blocks=320)).decode_num_blocks == 320
 
 
 # Summary math.
@@ -237,10 +311,12 @@ def test_percentiles_interpolate_between_order_statistics() -> None:
 def _record(mode: str, agent: int, turn: int, ttft: float | None, prompt: int,
             reuse: str = "miss", reused: int = 0, error: str | None = None,
             itl: tuple[float, ...] = (), repeat: int = 0, route: str | None = None,
-            choice: str | None = None, completion: int = 64) -> TurnRecord:
+            choice: str | None = None, completion: int = 64,
+            cached: int | None = None) -> TurnRecord:
     return TurnRecord(mode=mode, agent=agent, turn=turn, conversation_id=None,
                       started_s=float(turn), message_role="tool", message_words=100,
-                      prompt_tokens=prompt, completion_tokens=completion, ttft_ms=ttft,
+                      prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
+                      ttft_ms=ttft,
                       total_ms=None if ttft is None else ttft + 500, reuse=reuse,
                       reused_tokens=reused, error=error, repeat=repeat, max_tokens=64,
                       route=route, prefill_choice=choice, content_chunks=len(itl) + 1,
@@ -367,6 +443,29 @@ def test_the_routers_route_reports_are_counted_per_mode() -> None:
         "unreported": 3}
 
 
+def test_later_turns_the_decode_served_alone_say_whether_it_held_their_history() -> None:
+    records = [
+        _record("stock-cond", 0, 1, 300.0, 1000, route="prefill", cached=0),
+        # The decode's cache held every full block of the last prompt (1000 -> 896 at 128).
+        _record("stock-cond", 0, 2, 50.0, 1300, route="decode", cached=896),
+        # It had lost this conversation's history: it recomputed all of it.
+        _record("stock-cond", 0, 3, 200.0, 1600, route="decode", cached=0),
+        # Too long for the decode alone: a prefill leg (not counted as a decode turn).
+        _record("stock-cond", 0, 4, 300.0, 3000, route="prefill", cached=1536),
+        # A decode turn without vLLM's report: counted, not judged.
+        _record("stock-cond", 0, 5, 60.0, 3300, route="decode"),
+        _record("stock-cond", 1, 1, 300.0, 1000, route="prefill", cached=0),
+        _record("stock-cond", 1, 2, None, 0, route="decode", error="APIError: boom")]
+    assert decode_turns(records, 128) == {
+        "later_turns": 4, "turns": 3, "reported": 2, "found_history": 1, "missed_history": 1,
+        "prompt_tokens": 2900, "cached_tokens": 896, "computed_tokens": 2004}
+    # Blocks of 16: 992 of the first prompt's 1000 tokens are full blocks; 896 falls short.
+    assert decode_turns(records, 16)["missed_history"] == 2
+    run = ModeRun(mode="stock-cond", wall_s=1.0, samples=[], agents=[], records=records)
+    assert summarize(run, 12, block_size=128)["decode_turns"]["found_history"] == 1
+    assert decode_turns([], 128)["turns"] == 0
+
+
 def test_medians_over_repeats_go_leaf_by_leaf_and_counters_fill_in_zeros() -> None:
     merged = median_tree([
         {"mode": "on", "n": 1, "d": {"p50": 10.0, "p99": None}, "outcomes": {"hit": 4},
@@ -445,14 +544,16 @@ def test_the_results_document_has_settings_seed_summaries_records_and_samples(
     assert data["machine"] == AMD
     assert data["configuration"] == {
         "prefill_prefix_cache": True, "decode_prefix_cache": True, "prefills": 1,
-        "decodes": 1, "router": True, "model": "tiny", "agents": 1, "turns": 4,
+        "decodes": 1, "router": True, "routers": "one per run, started with its mode's flags",
+        "decode_blocks": None, "model": "tiny", "agents": 1, "turns": 4,
         "system_tokens": 2500, "message_tokens": [100, 300],
         "reply": settings.reply_description(), "repeats": 1, "orders": [["off", "on"]],
         "cpu_model": "AMD EPYC", "amx": False, "cpus": 2}
     assert len(data["turns"]) == 7 and len(data["samples"]) == 6
     assert set(data["turns"][0]) == {
         "mode", "agent", "turn", "conversation_id", "started_s", "message_role",
-        "message_words", "prompt_tokens", "completion_tokens", "ttft_ms", "total_ms", "reuse",
+        "message_words", "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms",
+        "total_ms", "reuse",
         "reused_tokens", "no_reuse_reason", "finish_reason", "gap_after_s", "error", "repeat",
         "max_tokens", "route", "prefill_choice", "content_chunks", "itl_ms", "tpot_ms"}
     assert set(data["samples"][0]) == {"mode", "t_s", "retained_bytes",
@@ -460,12 +561,26 @@ def test_the_results_document_has_settings_seed_summaries_records_and_samples(
     assert data["load_average"] == {"start": [], "end": []}
     # One repeat: the medians are that repeat's figures.
     assert data["modes"]["off"]["ttft_ms"] == data["repeats"][0]["modes"]["off"]["ttft_ms"]
+    # The mode table: what each mode ran as and stands for.
+    assert [m["mode"] for m in data["mode_table"]] == ["off", "on"]
+    assert data["mode_table"][0]["label"] == "stock-pd"
+    assert data["mode_table"][0]["router_args"] == ["--no-kv-reuse"]
+    # Only off ran as a stock mode: it is the strongest, and comparison (the keys of old
+    # readers) and comparisons["off"] hold the same figures.
+    assert data["headline"]["against"] == "off"
+    assert data["comparisons"]["off"]["base"] == "off"
+    assert data["comparisons"]["off"]["ttft_ms_p50_base_over_on"] == data["comparison"][
+        "ttft_ms_p50_off_over_on"]
     lines = table(data).splitlines()
     assert lines[0].startswith("configuration: prefill prefix cache ON (vLLM default)")
-    assert "1 prefill + 1 decode + router" in lines[0] and "tool profile, 64 tokens" in lines[0]
-    assert "AMD EPYC, 2 CPUs, no AMX" in lines[0]
-    assert lines[3].startswith("off") and lines[4].startswith("on")
-    assert any(line.startswith("verdict: kvturn was never slower") for line in lines)
+    assert "1 prefill + 1 decode + a router per run" in lines[0]
+    assert "tool profile, 64 tokens" in lines[0] and "AMD EPYC, 2 CPUs, no AMX" in lines[0]
+    assert lines[1].startswith("off (stock-pd): router --no-kv-reuse; client plain")
+    assert lines[2].startswith("on (kvturn): router (defaults); client kvturn")
+    assert lines[5].startswith("off ") and lines[6].startswith("on ")
+    assert any(line.startswith("strongest stock mode: off (stock-pd)") for line in lines)
+    assert "kvturn (on) against off (stock-pd), the strongest stock mode:" in lines
+    assert any(line.startswith("  verdict: kvturn was never slower than off") for line in lines)
 
 
 def test_repeats_report_medians_spreads_and_the_ratio_of_every_repeat() -> None:
@@ -503,9 +618,9 @@ def test_repeats_report_medians_spreads_and_the_ratio_of_every_repeat() -> None:
     assert "prefill prefix cache OFF" in text and "long profile, 300-1000 tokens" in text
     assert "order off,on / on,off / off,on" in text
     assert "medians over 3 repeat(s)" in text and "spread over the repeats" in text
-    assert "verdict: kvturn was SLOWER in 3 of 12 checks" in text
+    assert "verdict: kvturn was SLOWER than off in 3 of 12 checks" in text
     assert "TTFT p50 off/on 0.833 (repeat 2)" in text
-    assert "TTFT p50 off/on         5.00 0.83 2.50" in text
+    assert "TTFT p50 off/on 5.00 0.83 2.50" in " ".join(text.split())
 
 
 def test_the_plot_is_a_png(tmp_path: Path) -> None:
@@ -549,15 +664,18 @@ def test_the_command_line_maps_onto_the_settings(tmp_path: Path) -> None:
     s = settings_from_args(args)
     assert callable(args.func)
     assert (s.agents, s.turns, s.time_scale, s.seed, s.size, s.modes) == (
-        8, 6, 0.1, 0, "tiny", ("off", "on"))
+        8, 6, 0.1, 0, "tiny", ("off", "stock-cond", "on"))
+    assert s.decode_blocks is None and s.router_args == ()
     assert (s.prefill_prefix_cache, s.repeats, s.profile, s.max_tokens) == (True, 3, "tool", 64)
     assert s.json_path == tmp_path / "a.json" and s.plot_path is None
     args = parser.parse_args(["agent", "--json", "x.json", "--modes", "on,off", "--agents", "2",
                               "--message-tokens", "50,60", "--max-gap", "0", "--size", "bench",
                               "--no-prefill-prefix-cache", "--retention-ttl", "90",
                               "--repeats", "5", "--profile", "long",
-                              "--long-reply-tokens", "400,500"])
+                              "--long-reply-tokens", "400,500", "--decode-blocks", "320",
+                              "--router-arg=--log-level=debug"])
     s = settings_from_args(args)
+    assert s.decode_blocks == 320 and s.router_args == ("--log-level=debug",)
     assert s.modes == ("on", "off") and s.agents == 2 and s.message_tokens == (50, 60)
     assert s.gap_cap_s is None and s.size == "bench" and not s.prefill_prefix_cache
     assert s.retention_ttl == 90.0
@@ -566,8 +684,17 @@ def test_the_command_line_maps_onto_the_settings(tmp_path: Path) -> None:
         parser.parse_args(["agent", "--json", "x.json", "--modes", "on,slow"])
     with pytest.raises(SystemExit):
         parser.parse_args(["agent", "--json", "x.json", "--profile", "essay"])
+    assert settings_from_args(parser.parse_args(
+        ["agent", "--json", "x.json", "--modes", "stock-cond-2k,on"])).modes == (
+            "stock-cond-2k", "on")
     text = agent_parser.format_help()
     assert "--no-prefill-prefix-cache" in text and "vLLM" in text and "--repeats" in text
+    # Every mode, its flags and the peer it stands for; the issue's three scenarios.
+    flat = " ".join(text.split())
+    assert "'off' (stock-pd): stock P/D" in flat and "'on' (kvturn): kvturn" in flat
+    assert "'stock-cond': stock conditional" in flat and "'stock-cond-2k': stock" in flat
+    assert "--conditional-disagg 2048" in flat and "prefix-based-pd-decider" in flat
+    assert "--decode-blocks 320 --agents 16" in flat and "--max-tokens 256" in flat
 
 
 # The agent loop against an in-process fake router.
@@ -587,16 +714,15 @@ class FakeProbe:
     def decode_sources(self) -> PromptSources | None:
         return PromptSources(float(self.router.decode_computed), 0.0, 0.0)
 
-
-def _client(router: FakeRouter) -> kvturn.AsyncOpenAI:
-    return mock_client(router.handle)
+    def decode_block_size(self) -> int | None:
+        return 4
 
 
 async def test_both_modes_run_every_turn_and_read_usage_and_reuse_headers() -> None:
     router = FakeRouter()
     settings = AgentBenchSettings(agents=2, turns=3, system_tokens=50, message_tokens=(10, 20),
                                   stagger_s=0.0, time_scale=0.001, progress_interval_s=0,
-                                  sample_interval_s=3600.0, repeats=1)
+                                  sample_interval_s=3600.0, repeats=1, modes=("off", "on"))
     slept: list[float] = []
 
     async def sleep(seconds: float) -> None:
@@ -604,12 +730,9 @@ async def test_both_modes_run_every_turn_and_read_usage_and_reuse_headers() -> N
         await asyncio.sleep(0)
 
     said: list[str] = []
-    client = _client(router)
-    try:
-        results = await measure(settings, client, "kvturn-tiny", FakeProbe(router),
-                                say=said.append, sleep=sleep)
-    finally:
-        await client.close()
+    routers = Routers(router.handle)
+    results = await measure(settings, routers, "kvturn-tiny", FakeProbe(router),
+                            say=said.append, sleep=sleep)
 
     turns = results["turns"]
     assert [(t["mode"], t["agent"], t["turn"]) for t in turns] == [
@@ -670,6 +793,77 @@ async def test_both_modes_run_every_turn_and_read_usage_and_reuse_headers() -> N
     assert summary["off"]["decode_computed_tokens"] == 0.0
 
 
+async def test_every_mode_runs_through_a_router_of_its_own_as_its_client() -> None:
+    router = FakeRouter(routes=True)
+    router.forgotten = {"bench-stock-cond-r0-a1"}  # the decode evicted this one's history
+    settings = AgentBenchSettings(agents=2, turns=3, system_tokens=20, message_tokens=(5, 5),
+                                  modes=MODES, progress_interval_s=0, sample_interval_s=3600.0,
+                                  repeats=1, router_args=("--log-level", "debug"))
+
+    async def instant(seconds: float) -> None:
+        await asyncio.sleep(0)
+
+    said: list[str] = []
+    routers = Routers(router.handle)
+    results = await measure(settings, routers, "kvturn-tiny", FakeProbe(router),
+                            say=said.append, sleep=instant)
+    # A router per run, started with the mode's flags and --router-arg's; the warm-up's first
+    # reads its second turn from the decode into the prefill.
+    debug = ("--log-level", "debug")
+    cond = ("--no-kv-reuse", "--conditional-disagg")
+    assert routers.started == [
+        ("router-warm-up", (*debug, "--decode-continue-tokens", "0")),
+        ("router-off-r0", ("--no-kv-reuse", *debug)),
+        ("router-stock-cond-r0", (*cond, "512", *debug)),
+        ("router-stock-cond-2k-r0", (*cond, "2048", *debug)),
+        ("router-on-r0", debug)]
+    assert "[stock-cond 1/1] 2 agents x 3 turns, starting 1 s apart; stock-cond, router " \
+           "--no-kv-reuse --conditional-disagg 512 --log-level debug, client ids" in said
+    # The stock-cond modes' clients send X-Conversation-ID and nothing else: one id per agent
+    # and run, no body id, no keepalive, no release.
+    sent = router.requests[2:]  # after the warm-up's two turns
+    by_header: dict[str, list[dict[str, Any]]] = {}
+    for request in sent:
+        header = request["headers"].get("x-conversation-id")
+        if header is not None:
+            assert "conversation_id" not in request["body"]
+            by_header.setdefault(header, []).append(request)
+    assert set(by_header) == {f"bench-{m}-r0-a{a}" for m in ("stock-cond", "stock-cond-2k")
+                              for a in (0, 1)}
+    assert all(len(requests) == 3 for requests in by_header.values())
+    assert not set(by_header) & (set(router.keepalives) | set(router.released))
+    turns = results["turns"]
+    cond_turns = [t for t in turns if t["mode"] == "stock-cond"]
+    assert [t["conversation_id"] for t in cond_turns] == [f"bench-stock-cond-r0-a{a}"
+                                                          for a in (0, 1) for _ in range(3)]
+    assert {t["reuse"] for t in cond_turns} == {"disabled"}
+    assert [t["route"] for t in cond_turns] == ["prefill", "decode", "decode"] * 2
+    # What the decode's cache supplied, as vLLM reports it: agent 0's previous prompt, nothing
+    # for agent 1.
+    assert [t["cached_tokens"] for t in cond_turns[1:3]] == [t["prompt_tokens"]
+                                                              for t in cond_turns[0:2]]
+    assert [t["cached_tokens"] for t in cond_turns[3:]] == [0, 0, 0]
+    assert all(t["cached_tokens"] == 0 for t in turns if t["mode"] == "off")  # new prompts
+    modes = results["modes"]
+    assert list(modes) == list(MODES) and results["block_size"] == 4
+    assert modes["stock-cond"]["decode_turns"] == {
+        "later_turns": 4, "turns": 4, "reported": 4, "found_history": 2, "missed_history": 2,
+        "prompt_tokens": sum(t["prompt_tokens"] for t in cond_turns if t["turn"] > 1),
+        "cached_tokens": sum(t["cached_tokens"] for t in cond_turns if t["turn"] > 1),
+        "computed_tokens": sum(t["prompt_tokens"] - t["cached_tokens"] for t in cond_turns
+                               if t["turn"] > 1)}
+    assert modes["stock-cond-2k"]["decode_turns"]["found_history"] == 4
+    assert modes["on"]["decode_turns"]["found_history"] == 4
+    assert modes["off"]["decode_turns"]["turns"] == 0
+    assert modes["off"]["routes"] == {"prefill": 6}
+    # kvturn against every stock mode; the mode table says what ran.
+    assert set(results["comparisons"]) == {"off", "stock-cond", "stock-cond-2k"}
+    assert results["headline"]["against"] in STOCK_MODES
+    assert [m["router_args"] for m in results["mode_table"]] == [
+        [*MODES_BY_NAME[m].router_args, *debug] for m in MODES]
+    assert "later turns the decode served alone (route decode):" in table(results)
+
+
 async def test_an_on_agent_keeps_its_lease_alive_during_each_tool_gap() -> None:
     router = FakeRouter()
     settings = AgentBenchSettings(agents=1, turns=3, system_tokens=20, message_tokens=(5, 5),
@@ -684,12 +878,9 @@ async def test_an_on_agent_keeps_its_lease_alive_during_each_tool_gap() -> None:
         router.keepalive_seen.clear()
         await asyncio.wait_for(router.keepalive_seen.wait(), timeout=30)
 
-    client = _client(router)
-    try:
-        results = await measure(settings, client, "kvturn-tiny", FakeProbe(router),
-                                say=lambda _: None, sleep=until_a_keepalive)
-    finally:
-        await client.close()
+    routers = Routers(router.handle)
+    results = await measure(settings, routers, "kvturn-tiny", FakeProbe(router),
+                            say=lambda _: None, sleep=until_a_keepalive)
     (agent,) = results["agents"]
     assert gaps_waited == 2
     assert len(router.keepalives) >= 2 and set(router.keepalives) == {agent["conversation_id"]}
@@ -705,16 +896,13 @@ async def test_a_failed_turn_is_recorded_and_stops_that_agent_only() -> None:
     settings = AgentBenchSettings(agents=1, turns=3, system_tokens=20, message_tokens=(5, 5),
                                   modes=("off",), warmup=False, progress_interval_s=0,
                                   sample_interval_s=3600.0, repeats=1)
-    client = mock_client(failing_turn(router.handle, 2))
+    routers = Routers(failing_turn(router.handle, 2))
 
     async def instant(seconds: float) -> None:
         await asyncio.sleep(0)
 
-    try:
-        results = await measure(settings, client, "kvturn-tiny", FakeProbe(router),
-                                say=lambda _: None, sleep=instant)
-    finally:
-        await client.close()
+    results = await measure(settings, routers, "kvturn-tiny", FakeProbe(router),
+                            say=lambda _: None, sleep=instant)
     turns = results["turns"]
     assert [t["error"] is None for t in turns] == [True, False]
     assert "BadRequestError" in turns[1]["error"]
@@ -726,7 +914,8 @@ async def test_repeats_rotate_the_modes_and_record_routes_gaps_and_reply_lengths
     router = FakeRouter(routes=True)
     settings = AgentBenchSettings(agents=1, turns=3, system_tokens=20, message_tokens=(5, 5),
                                   warmup=False, progress_interval_s=0, sample_interval_s=3600.0,
-                                  repeats=3, profile="long", long_reply_tokens=(300, 400))
+                                  repeats=3, profile="long", long_reply_tokens=(300, 400),
+                                  modes=("off", "on"))
     ticks = 0.0
 
     def clock() -> float:
@@ -740,12 +929,9 @@ async def test_repeats_rotate_the_modes_and_record_routes_gaps_and_reply_lengths
         await asyncio.sleep(0)
 
     said: list[str] = []
-    client = _client(router)
-    try:
-        results = await measure(settings, client, "kvturn-tiny", FakeProbe(router),
-                                say=said.append, sleep=instant, clock=clock)
-    finally:
-        await client.close()
+    routers = Routers(router.handle)
+    results = await measure(settings, routers, "kvturn-tiny", FakeProbe(router),
+                            say=said.append, sleep=instant, clock=clock)
     assert results["order"] == ["off", "on", "on", "off", "off", "on"]
     assert [line.split()[0:2] for line in said if " done in " in line] == [
         ["[off", "1/3]"], ["[on", "1/3]"], ["[on", "2/3]"], ["[off", "2/3]"], ["[off", "3/3]"],
@@ -785,11 +971,10 @@ async def test_repeats_rotate_the_modes_and_record_routes_gaps_and_reply_lengths
     assert [len(results["retained_bytes_at_mode_start"][m]) for m in ("off", "on")] == [3, 3]
 
 
-def test_router_arguments_reach_the_stack_and_the_results() -> None:
-    from kvturn_server.bench.agent import agent_stack_config
-
+def test_router_arguments_reach_every_router_and_the_results() -> None:
     settings = AgentBenchSettings(router_args=("--decode-continue-tokens", "256"))
-    assert agent_stack_config(settings, {}).router_args == ("--decode-continue-tokens", "256")
+    assert all(router_args(m, settings)[-2:] == ("--decode-continue-tokens", "256")
+               for m in MODES)
     assert settings.describe()["router_args"] == ["--decode-continue-tokens", "256"]
 
 
@@ -836,3 +1021,117 @@ def test_results_carry_the_pooled_verdict() -> None:
     assert cmp["verdict"]["pooled_never_slower"] is True
     assert "pooled over the repeats" in table(results)
     assert "verdict over the pooled turns: kvturn was never slower" in table(results)
+
+
+# kvturn against every stock mode, and the strongest.
+
+def _mode_run(mode: str, repeat: int, ttfts: tuple[float, ...], prefill: float,
+              decode: float) -> ModeRun:
+    """One agent's turns in ``mode``: its TTFTs in turn order, the prompt tokens the prefill
+    and the decode computed."""
+    records = [_record(mode, 0, turn, ttft, 1000 * turn, itl=(20.0,), repeat=repeat,
+                       route="prefill" if turn == 1 or mode == "off" else "decode")
+               for turn, ttft in enumerate(ttfts, start=1)]
+    return ModeRun(mode=mode, wall_s=10.0, records=records, samples=[],
+                   agents=[AgentOutcome(mode, 0, None, len(records), repeat=repeat)],
+                   prefill_before=PromptSources(0.0, 0.0, 0.0),
+                   prefill_after=PromptSources(prefill, 0.0, 0.0),
+                   decode_before=PromptSources(0.0, 0.0, 0.0),
+                   decode_after=PromptSources(decode, 0.0, 0.0), repeat=repeat)
+
+
+def _three_baselines() -> list[ModeRun]:
+    runs = []
+    for repeat in range(2):
+        order = mode_order(("off", "stock-cond", "stock-cond-2k", "on"), repeat)
+        shapes = {"off": ((300.0, 310.0, 320.0, 330.0), 4000.0, 0.0),
+                  "stock-cond": ((300.0, 100.0, 110.0, 120.0), 1500.0, 500.0),
+                  # Its later turns are the fastest of the stock modes: the strongest.
+                  "stock-cond-2k": ((300.0, 90.0, 95.0, 400.0), 1000.0, 900.0),
+                  "on": ((300.0, 100.0, 100.0, 100.0), 1000.0, 500.0)}
+        runs += [_mode_run(mode, repeat, *shapes[mode]) for mode in order]
+    return runs
+
+
+def test_kvturn_is_compared_with_every_stock_mode_and_headlined_against_the_strongest() -> None:
+    runs = _three_baselines()
+    assert strongest_stock(runs) == ("stock-cond-2k", {"off": 320.0, "stock-cond": 110.0,
+                                                       "stock-cond-2k": 95.0})
+    settings = AgentBenchSettings(agents=1, turns=4, repeats=2, modes=MODES)
+    results = build_results(settings, runs, machine=AMD)
+    cmps = results["comparisons"]
+    assert list(cmps) == ["off", "stock-cond", "stock-cond-2k"]
+    assert all(cmps[base]["base"] == base and len(cmps[base]["per_repeat"]) == 2
+               for base in cmps)
+    # The same ratios against each: turns 2+ p50 320/100, 110/100, 95/100.
+    assert [cmps[b]["ttft_ms_turn2plus_p50_base_over_on"] for b in cmps] == [3.2, 1.1, 0.95]
+    assert [cmps[b]["computed_base_over_on"] for b in cmps] == [
+        pytest.approx(4000 / 1500, abs=1e-3), pytest.approx(2000 / 1500, abs=1e-3),
+        pytest.approx(1900 / 1500, abs=1e-3)]
+    assert cmps["stock-cond"]["verdict"]["never_slower"] is True
+    slower = cmps["stock-cond-2k"]["verdict"]
+    assert slower["never_slower"] is False and slower["pooled_never_slower"] is False
+    assert {s["ratio"] for s in slower["slower"]} == {"ttft_ms_turn2plus_p50_base_over_on"}
+    assert slower["never_slower_checks"] == list(never_slower_checks("base"))
+    assert cmps["stock-cond-2k"]["pooled"]["turns"] == {"base": 8, "on": 8}
+    assert cmps["stock-cond-2k"]["pooled"]["ttft_ms_turn2plus_p50_base_over_on"][
+        "ratio"] == 0.95
+    # The headline: against the strongest, with the issue's targets.
+    top = results["headline"]
+    assert top["against"] == "stock-cond-2k" and top["label"] == "stock-cond-2k"
+    assert top["ttft_ms_turn2plus_p50_pooled"]["stock-cond"] == 110.0
+    targets = top["targets"]
+    assert targets["ttft_never_slower_pooled"]["met"] is True  # all turns: p50, p90, p99
+    assert targets["ttft_never_slower_every_repeat"]["met"] is False  # turns 2+ p50
+    assert targets["computed_never_more"]["met"] is True
+    assert targets["turn2plus_p50_tight"] == {"value": 0.95, "target": 1.3, "at_least": True,
+                                              "met": False}
+    assert targets["itl_p99_no_worse_pooled"]["met"] is True  # 20 ms gaps everywhere
+    # The table: the mode table, the headline, then every baseline, the strongest first.
+    text = table(results)
+    assert text.index("strongest stock mode: stock-cond-2k, by") < text.index(
+        "kvturn (on) against stock-cond-2k, the strongest stock mode:") < \
+        text.index("kvturn (on) against off (stock-pd):") < text.index(
+            "kvturn (on) against stock-cond:")
+    assert "target turns 2+ TTFT p50 stock-cond-2k/on, pooled (tight-decode bar): 0.95 >= " \
+           "1.3: NOT met" in text
+    assert "verdict: kvturn was SLOWER than stock-cond-2k in 2 of 8 checks: turns 2+ p50 " \
+           "stock-cond-2k/on 0.950 (repeat 1)" in text
+    assert "stock-cond: 3 of 3 later turns ran on the decode alone (median per repeat); vLLM " \
+           "reported no cached tokens for them" in text
+    assert "verdict: kvturn was never slower than stock-cond:" in text
+    assert "turns 2+ p50 stock-cond/on 1.10 1.10" in " ".join(text.split())
+    assert "stock-cond-2k: router --no-kv-reuse --conditional-disagg 2048; client ids" in text
+
+
+def test_the_old_comparison_is_the_one_against_off_under_its_old_keys() -> None:
+    from kvturn_server.bench.agent._summary import LEGACY, against
+
+    runs = _three_baselines()
+    settings = AgentBenchSettings(agents=1, turns=4, repeats=2, modes=MODES)
+    results = build_results(settings, runs, machine=AMD)
+    rows = [rep["comparison"] for rep in results["repeats"]]
+    assert results["comparison"] == against(runs, rows, "off", LEGACY)
+    assert results["comparison"]["ttft_ms_turn2plus_p50_off_over_on"] == 3.2
+    assert "X_off_over_on = off / on" in results["comparison"]["direction"]
+    # Without off there is no such comparison; the others stand.
+    no_off = [r for r in runs if r.mode in ("stock-cond", "on")]
+    results = build_results(replace(settings, modes=("stock-cond", "on")), no_off, machine=AMD)
+    assert results["comparison"] is None and set(results["comparisons"]) == {"stock-cond"}
+    assert results["headline"]["against"] == "stock-cond"
+    # Without kvturn: nothing to compare, nothing to headline.
+    results = build_results(replace(settings, modes=("off",)),
+                            [r for r in runs if r.mode == "off"], machine=AMD)
+    assert results["comparisons"] == {} and results["headline"] is None
+    assert results["comparison"] is None and "against" not in table(results)
+
+
+def test_the_committed_results_of_before_still_print() -> None:
+    # docs/bench/agent.json: off and on only, the old keys, no mode table, no headline.
+    data = json.loads((REPO / "docs/bench/agent.json").read_text())
+    assert "comparisons" not in data
+    text = table(data)
+    assert "kvturn (on) against off (stock-pd):" in text
+    assert "TTFT p50 off/on          3.29 2.79 2.88" in text
+    assert "verdict: kvturn was never slower than off" in text
+    assert "strongest stock mode" not in text

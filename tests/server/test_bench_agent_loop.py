@@ -52,7 +52,7 @@ async def test_a_turn_the_decode_continued_counts_what_its_cache_supplied() -> N
     try:
         for turn in range(3):
             if turn == 2:
-                router.lost.add("c")  # evicted during the gap
+                router.forgotten.add("c")  # evicted during the gap
             record = TurnRecord(mode="on", agent=0, turn=turn, conversation_id="c",
                                 started_s=0.0, message_role="user", message_words=1)
             text = await stream_turn(client, "m", messages, 8, lambda: 0.0, record, [],

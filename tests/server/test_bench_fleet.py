@@ -27,6 +27,7 @@ from kvturn_server.bench._fleet_agents import (
 )
 from kvturn_server.bench._fleet_plan import (
     CPU_BLOCK_SIZE,
+    DEFAULT_MODES,
     IDS,
     KVTURN,
     MODE_TABLE,
@@ -46,32 +47,44 @@ from kvturn_server.bench._fleet_report import (
     spread,
     summarize,
     table,
+    turn2plus_p50,
     write_plot,
 )
 from kvturn_server.bench.agent._records import AgentOutcome
 from kvturn_server.local import free_port
+from tests.fakes.bench_router import FleetBenchProbe, failing_turn, mock_client
 from tests.fakes.bench_router import FleetBenchRouter as FakeRouter
-from tests.fakes.bench_router import failing_turn, mock_client
 
 MIB = 1024 * 1024
 
 
-# The mode table: the router's flags and the client, as issue 12's contract has them.
+# The mode table: the router's flags and the client, as issue 12's contract has them, and the
+# stock conditional disaggregation of issue 25.
 
 def test_the_mode_table_maps_each_mode_to_its_router_flags_and_client() -> None:
     table_ = {m.name: (m.router_args, m.client) for m in MODE_TABLE}
+    cond = ("--no-kv-reuse", "--conditional-disagg")
     assert table_ == {
         "stock-rr": (("--no-kv-reuse", "--prefill-policy", "round-robin"), PLAIN),
         "stock-affinity": (("--no-kv-reuse", "--prefill-policy", "affinity"), IDS),
+        "stock-cond": ((*cond, "512", "--prefill-policy", "kv-aware"), IDS),
+        "stock-cond-2k": ((*cond, "2048", "--prefill-policy", "kv-aware"), IDS),
         "kvturn-ll": (("--prefill-policy", "least-loaded"), KVTURN),
         "kvturn-kv": ((), KVTURN),
     }
     assert all(m.stands_for for m in MODE_TABLE)
+    assert "prefix-based-pd-decider" in MODES["stock-cond"].stands_for
+    assert "Dynamo" in MODES["stock-cond-2k"].stands_for
+    # stock-cond by default, at Dynamo's threshold on request.
+    assert DEFAULT_MODES == ("stock-rr", "stock-affinity", "stock-cond", "kvturn-ll",
+                             "kvturn-kv")
+    assert FleetBenchSettings().modes == DEFAULT_MODES
 
 
 def test_router_args_add_decode_continue_to_kvturn_modes_only() -> None:
     s = FleetBenchSettings(decode_continue_tokens=0)
     assert s.router_args("stock-rr") == ("--no-kv-reuse", "--prefill-policy", "round-robin")
+    assert s.router_args("stock-cond")[:3] == ("--no-kv-reuse", "--conditional-disagg", "512")
     assert s.router_args("kvturn-kv") == ("--decode-continue-tokens", "0")
     assert s.router_args("kvturn-ll") == ("--prefill-policy", "least-loaded",
                                           "--decode-continue-tokens", "0")
@@ -97,9 +110,9 @@ def test_the_order_rotates_so_that_every_mode_sits_in_every_position() -> None:
     assert rotated(modes, 0) == modes
     assert rotated(modes, 1) == (*modes[1:], modes[0])
     assert rotated(modes, len(modes)) == modes
-    order = run_order(FleetBenchSettings(repeats=4))
-    assert [r for r, _ in order] == [0, 1, 2, 3]
-    for position in range(4):
+    order = run_order(FleetBenchSettings(modes=modes, repeats=len(modes)))
+    assert [r for r, _ in order] == list(range(len(modes)))
+    for position in range(len(modes)):
         assert {o[position] for _, o in order} == set(modes)
     assert all(sorted(o) == sorted(modes) for _, o in order)
 
@@ -170,6 +183,11 @@ def test_the_fleet_config_of_a_scenario(tmp_path: Path) -> None:
     assert cfg.max_model_len == sc.max_model_len and cfg.decoder_kv_blocks_ttl == 96.0
     assert cfg.state_dir == tmp_path / "tool-tight"
     assert cfg.model_path == tmp_path / "models" / "tiny"  # shared by every scenario
+    # Every reply's usage says what the serving instance's cache supplied.
+    assert cfg.extra_vllm_args == ("--enable-prompt-tokens-details",)
+    gpu = FleetBenchSettings(state_dir=tmp_path, vllm_args=("--gpu-memory-utilization=0.28",))
+    assert fleet_config(gpu, scenarios(gpu)[0]).extra_vllm_args == (
+        "--enable-prompt-tokens-details", "--gpu-memory-utilization=0.28")
 
 
 # Statistics and the document.
@@ -260,13 +278,21 @@ def _scenario_runs() -> list[ModeRun]:
     return out
 
 
-def test_the_comparison_takes_the_best_stock_mode_and_checks_the_targets() -> None:
-    runs = [summarize(r) for r in _scenario_runs()]
+def test_the_comparison_names_the_strongest_stock_mode_and_checks_the_targets() -> None:
+    raw = _scenario_runs()
+    runs = [summarize(r) for r in raw]
     modes = aggregate(runs)
-    cmp = compare(modes, runs, "tight")
+    # Turns 2+ pooled over both repeats: stock-rr 500 and 500, stock-affinity 350 and 350.
+    p50 = turn2plus_p50(raw)
+    assert p50 == {"stock-rr": 500.0, "stock-affinity": 350.0}
+    cmp = compare(modes, runs, "tight", p50)
     assert cmp is not None and cmp["stock_modes"] == ["stock-rr", "stock-affinity"]
+    assert cmp["strongest_stock"] == "stock-affinity"
+    assert cmp["stock_ttft_turn2plus_p50_ms"] == p50 and "turns 2+" in cmp["strongest_by"]
+    # Without the pooled figures: the medians over the repeats, the same mode here.
+    assert (compare(modes, runs, "tight") or {})["strongest_stock"] == "stock-affinity"
     kv = cmp["kvturn-kv"]
-    # Best stock TTFT p50: affinity, 325 and 375 ms over the repeats (median 350), against 125.
+    # stock-affinity's TTFT p50: 325 and 375 ms over the repeats (median 350), against 125.
     assert kv["ttft_p50_ms"]["ratio"] == pytest.approx(350.0 / 125.0, abs=1e-3)
     assert kv["ttft_p50_ms"]["per_repeat"]["values"] == [pytest.approx(2.6),
                                                          pytest.approx(3.0)]
@@ -277,6 +303,26 @@ def test_the_comparison_takes_the_best_stock_mode_and_checks_the_targets() -> No
     assert targets["ttft_p50_tight"]["met"] and targets["ttft_p50_tight"]["target"] == 1.5
     assert "ttft_p50_tight" not in (compare(modes, runs, "roomy") or {})["issue12_targets"]
     assert compare({"kvturn-kv": modes["kvturn-kv"]}, runs, "tight") is None
+
+
+def test_the_strongest_stock_mode_is_the_fastest_on_later_turns_and_every_ratio_is_its() -> None:
+    # stock-cond's later turns are the fastest, its first turns the slowest: its TTFT p50 over
+    # all turns (530 ms) is worse than stock-rr's (200), yet it is the stronger baseline, and
+    # every ratio, TTFT p50 of all turns included, is against it.
+    raw = []
+    for r in range(2):
+        raw += [_run("stock-rr", r, [100.0, 200.0, 200.0, 200.0], 9000.0),
+                _run("stock-cond", r, [900.0, 150.0, 160.0, 900.0], 5000.0),
+                _run("kvturn-kv", r, [100.0, 100.0, 100.0, 100.0], 4000.0)]
+    runs = [summarize(run) for run in raw]
+    modes = aggregate(runs)
+    p50 = turn2plus_p50(raw)
+    assert p50 == {"stock-rr": 200.0, "stock-cond": 160.0}
+    cmp = compare(modes, runs, "tight", p50)
+    assert cmp is not None and cmp["strongest_stock"] == "stock-cond"
+    assert cmp["kvturn-kv"]["ttft_p50_ms"]["ratio"] == pytest.approx(5.3)
+    assert cmp["kvturn-kv"]["ttft_p50_ms"]["per_repeat"]["values"] == [5.3, 5.3]
+    assert cmp["kvturn-kv"]["computed_tokens"]["ratio"] == pytest.approx(5002 / 4002, abs=1e-3)
 
 
 def _results(tmp_path: Path) -> dict[str, Any]:
@@ -301,12 +347,13 @@ def test_the_results_document_states_the_configuration_and_keeps_every_turn(
     data = json.loads(path.read_text())
     assert data["benchmark"] == "fleet" and data["seed"] == 5
     assert data["order_rationale"]
-    assert [m["mode"] for m in data["mode_table"]] == list(MODES)
+    assert [m["mode"] for m in data["mode_table"]] == list(DEFAULT_MODES)
     assert data["mode_table"][0]["router_args"] == ["--no-kv-reuse", "--prefill-policy",
                                                     "round-robin"]
     (s,) = data["scenarios"]
     assert s["scenario"] == "tool/tight" and s["kv"]["prefill_blocks"] == 66
-    assert set(s["modes"]) == set(MODES) and len(s["runs"]) == 8
+    assert set(s["modes"]) == {"stock-rr", "stock-affinity", "kvturn-ll", "kvturn-kv"}
+    assert len(s["runs"]) == 8
     assert s["comparison"]["issue12_targets"]["ttft_p50_tight"]["met"] is True
     assert len(data["turns"]) == 16 and len(data["agents"]) == 8
     assert {"scenario", "mode", "repeat", "t_s", "retained_bytes"} == set(data["samples"][0])
@@ -314,6 +361,9 @@ def test_the_results_document_states_the_configuration_and_keeps_every_turn(
     assert "stands for: a 32B model" in text and "prefill0" not in text.split("stands")[0]
     assert "66 blocks x 128" in text and "decode0 4096 blocks" in text
     assert "target ttft_p50_tight: 2.80x >= 1.5: met" in text
+    assert "strongest stock mode: stock-affinity, by the stock mode with the lowest TTFT p50 " \
+        "of turns 2+" in text
+    assert "stock-affinity / kvturn-kv: TTFT p50 2.80x" in text
     latency, work = [line.split() for line in text.splitlines()
                      if line.startswith("  kvturn-kv ")]
     assert latency[:5] == ["kvturn-kv", "4", "0", "125", "[125-125]"]  # turns, errors, TTFT
@@ -344,7 +394,7 @@ def test_the_command_line_maps_onto_the_settings(tmp_path: Path) -> None:
     s = settings_from_args(args)
     assert callable(args.func)
     assert (s.prefills, s.decodes, s.modes, s.profiles, s.sizings, s.repeats, s.agents) == (
-        2, 1, tuple(MODES), ("tool", "long"), ("tight",), 2, 12)
+        2, 1, DEFAULT_MODES, ("tool", "long"), ("tight",), 2, 12)
     assert s.decode_continue_tokens is None
     args = parser.parse_args([
         "fleet", "--json", "x.json", "--prefills", "3", "--decodes", "2", "--modes",
@@ -359,24 +409,11 @@ def test_the_command_line_maps_onto_the_settings(tmp_path: Path) -> None:
         parser.parse_args(["fleet", "--json", "x.json", "--modes", "kvturn-kv,fast"])
     help_text = parser._subparsers._group_actions[0].choices["fleet"].format_help()  # type: ignore[union-attr]
     assert "--prefills" in help_text
+    assert "stock-cond: stock conditional disaggregation" in " ".join(help_text.split())
+    assert "stock-cond-2k" in help_text and "20 runs" in help_text
 
 
 # The agents against a fake router.
-
-class FakeProbe:
-    def __init__(self, router: FakeRouter) -> None:
-        self.router = router
-
-    def counters(self) -> dict[str, Counters | None]:
-        return {"prefill0": Counters(self.router.computed, 0.0, 0.0, self.router.reused),
-                "decode0": Counters(0.0, 0.0, 0.0, 0.0)}
-
-    def retained(self) -> dict[str, int | None]:
-        return {"decode0": len(self.router.live) * MIB}
-
-    def cache_info(self) -> dict[str, dict[str, Any] | None]:
-        return {"prefill0": {"block_size": "128", "num_gpu_blocks": "66"}}
-
 
 async def _run_mode(mode: str, sc: Scenario, router: FakeRouter) -> ModeRun:
     client = mock_client(router.handle)
@@ -386,7 +423,7 @@ async def _run_mode(mode: str, sc: Scenario, router: FakeRouter) -> ModeRun:
 
     try:
         return await run_mode(MODES[mode], sc.name, 1, 0, sc.agents(mode, 1), client,
-                              "kvturn-tiny", FakeProbe(router), keepalive_interval=6.0,
+                              "kvturn-tiny", FleetBenchProbe(router), keepalive_interval=6.0,
                               sample_interval=3600.0, progress_interval=0, settle_s=0,
                               drain_timeout=1.0, say=lambda _: None, sleep=instant)
     finally:
@@ -411,11 +448,13 @@ async def test_stock_rr_agents_send_no_conversation_id(small: Scenario) -> None:
     assert all(r.conversation_id is None for r in run.records)
 
 
-async def test_affinity_agents_send_an_id_header_and_nothing_else(small: Scenario) -> None:
+@pytest.mark.parametrize("mode", ["stock-affinity", "stock-cond", "stock-cond-2k"])
+async def test_affinity_and_conditional_agents_send_an_id_header_and_nothing_else(
+        small: Scenario, mode: str) -> None:
     router = FakeRouter()
-    run = await _run_mode("stock-affinity", small, router)
+    run = await _run_mode(mode, small, router)
     ids = {q["headers"]["x-conversation-id"] for q in router.requests}
-    assert len(ids) == 2 and all(i.startswith("fleet-stock-affinity-r1-a") for i in ids)
+    assert len(ids) == 2 and all(i.startswith(f"fleet-{mode}-r1-a") for i in ids)
     assert all("conversation_id" not in q["body"] for q in router.requests)
     assert router.keepalives == [] and router.released == []  # no SDK conversation
     assert {r.reuse for r in run.records} == {"disabled"}
@@ -527,3 +566,18 @@ def test_the_http_probe_reads_counters_retention_and_cache_info() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_every_mode_s_flags_make_a_router_the_router_accepts() -> None:
+    from kvturn_server.router import add_router_args, router_config_from_args
+
+    configs = {}
+    for mode in MODE_TABLE:
+        parser = argparse.ArgumentParser()
+        add_router_args(parser)
+        configs[mode.name] = router_config_from_args(parser.parse_args(
+            ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+             *FleetBenchSettings(decode_continue_tokens=0).router_args(mode.name)]))
+    assert {m: (c.kv_reuse, c.conditional_disagg) for m, c in configs.items()} == {
+        "stock-rr": (False, 0), "stock-affinity": (False, 0), "stock-cond": (False, 512),
+        "stock-cond-2k": (False, 2048), "kvturn-ll": (True, 0), "kvturn-kv": (True, 0)}

@@ -9,7 +9,7 @@ import pytest
 from kvturn_server.cli import main
 
 COMMANDS = [[], ["model"], ["model", "build"], ["up"], ["down"], ["status"], ["router"],
-            ["demo"], ["bench"], ["bench", "reuse"]]
+            ["demo"], ["bench"], ["bench", "reuse"], ["bench", "trace"]]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "kvturn")

@@ -73,7 +73,8 @@ def test_dry_run_commands_parse_with_kvturns_cli(tmp_path: Path) -> None:
         assert fleet_cfg.kv_buffer_device is None  # the GPU's memory, not a host buffer
         # roomy: no block count computed for the CPU build's 128-token blocks
         assert scenario.prefill_num_blocks is None
-        assert fleet_cfg.stack_config().extra_vllm_args == fleet_settings.vllm_args
+        assert fleet_cfg.stack_config().extra_vllm_args == (
+            "--enable-prompt-tokens-details", *fleet_settings.vllm_args)
 
 
 def test_bad_options_are_refused() -> None:

@@ -26,7 +26,8 @@ def test_simulate_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFix
                  "--json", str(out), "--quiet"]) == 0
     data = json.loads(out.read_text())
     assert set(data["policies"]) == {"vllm-ttl-480", "kvturn-lease", "lru-budget",
-                                     "evict-before-starve", "none"}
+                                     "evict-before-starve", "stock-pd", "stock-cond",
+                                     "stock-cond-2k", "stock-cond-offload"}
     assert len(data["sweep"]) == 2 and data["config"]["conversations"] == 30
     assert out.with_suffix(".png").stat().st_size > 0
     printed = capsys.readouterr().out

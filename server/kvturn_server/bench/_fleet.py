@@ -1,5 +1,5 @@
 """``kvturn bench fleet``: several prefills and decodes, prefix caching on everywhere, concurrent
-tool-using agents, and four ways to run them, side by side in one run.
+tool-using agents, and several ways to run them, side by side in one run.
 
 The modes (``MODE_TABLE`` in ``_fleet_plan.py``: the router's flags and what the client sends):
 
@@ -8,6 +8,11 @@ The modes (``MODE_TABLE`` in ``_fleet_plan.py``: the router's flags and what the
 - ``stock-affinity``: stock P/D with session affinity to a prefill (the client sends
   ``X-Conversation-ID``; the router uses it for placement only): what Dynamo, llm-d and
   production-stack offer.
+- ``stock-cond`` (and ``stock-cond-2k`` on request): stock conditional disaggregation
+  (``--no-kv-reuse --conditional-disagg 512``, or 2048): a short follow-up runs on the decode
+  that served the conversation, alone, on its plain prefix cache (llm-d's
+  prefix-based-pd-decider, NVIDIA Dynamo's conditional disaggregation); the client sends
+  ``X-Conversation-ID``.
 - ``kvturn-ll``: kvturn conversations (the SDK, paused during tool gaps), least-loaded prefill.
 - ``kvturn-kv``: kvturn conversations with the router's defaults (kv-aware placement).
 
@@ -22,7 +27,8 @@ chunks), prompt tokens computed (``vllm:prompt_tokens_by_source_total{source="lo
 summed over every instance, and per instance), tokens the prefills read from decodes
 (``kvturn:reused_tokens_total``, and the ``X-KVTurn-Reused-Tokens`` headers), the decodes'
 retained memory (``/kvturn/v1/stats``), turns per second; the routers' ``X-KVTurn-Route`` and
-``X-KVTurn-Prefill-Choice`` per turn. Reported per mode as the median and range over repeats.
+``X-KVTurn-Prefill-Choice`` per turn. Reported per mode as the median and range over repeats,
+and each kvturn mode against the strongest stock mode (the lowest TTFT p50 of turns 2+).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvturn_server._cli_common import (
     add_device_args,
@@ -44,6 +50,7 @@ from kvturn_server._cli_common import (
 )
 from kvturn_server.bench._cli import add_agents_args, bench_client, write_plot_and_say
 from kvturn_server.bench._fleet_agents import (
+    FleetProbe,
     FleetTurn,
     HttpFleetProbe,
     ModeRun,
@@ -66,7 +73,7 @@ from kvturn_server.bench._fleet_plan import (
 )
 from kvturn_server.bench._fleet_report import build_results, scenario_result, table, write_plot
 from kvturn_server.bench._sampling import loadavg
-from kvturn_server.bench.agent._loop import Live
+from kvturn_server.bench.agent._loop import PROMPT_DETAILS_ARGS, Live
 from kvturn_server.bench.agent._records import AgentOutcome
 from kvturn_server.bench.agent._workload import AgentBenchSettings, GapDistribution, build_scripts
 from kvturn_server.local._progress import ProgressLine
@@ -92,14 +99,28 @@ def fleet_config(settings: FleetBenchSettings, scenario: Scenario) -> Any:
         decoder_kv_blocks_ttl=settings.retention_ttl,
         # On a GPU vLLM's default (the accelerator's memory): the connector refuses a host
         # buffer there (docs/connector.md).
-        kv_buffer_device=None if settings.gpu else "cpu", extra_vllm_args=settings.vllm_args)
+        kv_buffer_device=None if settings.gpu else "cpu",
+        extra_vllm_args=(*PROMPT_DETAILS_ARGS, *settings.vllm_args))
 
 
-def _client(url: str, settings: FleetBenchSettings) -> kvturn.AsyncOpenAI:
+class ClientSettings(Protocol):
+    """What the warm-up reads of a benchmark's settings (the fleet's, the trace bench's)."""
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def request_timeout_s(self) -> float: ...
+
+    @property
+    def max_retries(self) -> int: ...
+
+
+def _client(url: str, settings: ClientSettings) -> kvturn.AsyncOpenAI:
     return bench_client(url, settings.request_timeout_s, settings.max_retries)
 
 
-def warm_up_plan(settings: FleetBenchSettings) -> AgentPlan:
+def warm_up_plan(settings: ClientSettings) -> AgentPlan:
     """A two-turn conversation long enough that its second turn reads from the decode."""
     small = AgentBenchSettings(agents=1, turns=2, system_tokens=600, message_tokens=(50, 50),
                                stagger_s=0.0, seed=settings.seed)
@@ -108,7 +129,7 @@ def warm_up_plan(settings: FleetBenchSettings) -> AgentPlan:
     return AgentPlan(script, (8, 8))
 
 
-async def _warm_pair(url: str, plan: AgentPlan, settings: FleetBenchSettings,
+async def _warm_pair(url: str, plan: AgentPlan, settings: ClientSettings,
                      model: str) -> tuple[AgentOutcome, list[FleetTurn]]:
     records: list[FleetTurn] = []
     client = _client(url, settings)
@@ -120,7 +141,7 @@ async def _warm_pair(url: str, plan: AgentPlan, settings: FleetBenchSettings,
     return result, records
 
 
-def warm_up(fleet: Fleet, settings: FleetBenchSettings, say: Callable[[str], None]) -> dict[
+def warm_up(fleet: Fleet, settings: ClientSettings, say: Callable[[str], None]) -> dict[
         str, Any]:
     """One kvturn conversation on every prefill/decode pair, each through a router of its own
     that knows only that pair: NIXL handshakes both ways and first-request costs, before any
@@ -145,6 +166,59 @@ def warm_up(fleet: Fleet, settings: FleetBenchSettings, say: Callable[[str], Non
     return out
 
 
+class RunSettings(ClientSettings, Protocol):
+    """What one run reads of a benchmark's settings (the fleet's, the trace bench's)."""
+
+    @property
+    def keepalive_interval(self) -> float: ...
+
+    @property
+    def sample_interval_s(self) -> float: ...
+
+    @property
+    def progress_interval_s(self) -> float: ...
+
+    @property
+    def settle_s(self) -> float: ...
+
+    @property
+    def drain_timeout_s(self) -> float: ...
+
+
+def run_on_router(fleet: Fleet, mode: FleetMode, args: tuple[str, ...], scenario: str,
+                  repeat: int, position: int, plans: list[AgentPlan], probe: FleetProbe,
+                  settings: RunSettings, say: Callable[[str], None], table: str) -> ModeRun:
+    """One run: a router started for it on every instance with ``args``, every plan sent
+    through it as ``mode``'s client (``run_mode``), the router stopped. ``table``: the module
+    whose mode table gave the flags, named where the router does not start."""
+    from kvturn_server.local._process import StackError
+
+    try:
+        router = fleet.start_router(f"router-{mode.name}-r{repeat}", args)
+    except StackError as error:
+        raise StackError(f"{error}\n(the {mode.name} mode starts its router with "
+                         f"{' '.join(args) or 'no flags'}; see MODE_TABLE in {table})") from error
+
+    async def main() -> ModeRun:
+        client = _client(router.url, settings)
+        try:
+            return await run_mode(
+                mode, scenario, repeat, position, plans, client, fleet.config.model_name, probe,
+                keepalive_interval=settings.keepalive_interval,
+                sample_interval=settings.sample_interval_s,
+                progress_interval=settings.progress_interval_s, settle_s=settings.settle_s,
+                drain_timeout=settings.drain_timeout_s, router_args=args, say=say)
+        finally:
+            await client.close()
+
+    try:
+        run = asyncio.run(main())
+    finally:
+        fleet.stop_router(router.name)
+    run.extra["router_startup_s"] = round(router.startup_s, 3)
+    return run
+
+
 def _instance_blocks(info: dict[str, dict[str, Any] | None]) -> dict[str, int | None]:
     out: dict[str, int | None] = {}
     for name, labels in info.items():
@@ -160,7 +234,6 @@ def run_scenario(scenario: Scenario, settings: FleetBenchSettings, counter: list
                                                                        list[ModeRun]]:
     """Start the scenario's fleet, warm it up, run every repeat of every mode, stop it."""
     from kvturn_server.local._fleet import Fleet
-    from kvturn_server.local._process import StackError
 
     cfg = fleet_config(settings, scenario)
     say(f"[{scenario.name}] starting {cfg.prefills} prefill(s) + {cfg.decodes} decode(s) "
@@ -190,37 +263,10 @@ def run_scenario(scenario: Scenario, settings: FleetBenchSettings, counter: list
                 args = settings.router_args(mode_name)
                 say(f"run {counter[0]}/{total_runs}: {scenario.name} repeat {repeat} "
                     f"{mode_name} (router {' '.join(args) or 'defaults'})")
-                try:
-                    router = fleet.start_router(f"router-{mode_name}-r{repeat}", args)
-                except StackError as error:
-                    raise StackError(f"{error}\n(the {mode_name} mode starts its router with "
-                                     f"{' '.join(args) or 'no flags'}; see MODE_TABLE in "
-                                     "kvturn_server/bench/_fleet_plan.py)") from error
-                plans = scenario.agents(mode_name, repeat)
-
-                async def main(url: str = router.url, mode: FleetMode = mode,
-                               repeat: int = repeat, position: int = position,
-                               plans: list[AgentPlan] = plans,
-                               args: tuple[str, ...] = args) -> ModeRun:
-                    client = _client(url, settings)
-                    try:
-                        return await run_mode(
-                            mode, scenario.name, repeat, position, plans, client,
-                            cfg.model_name, probe,
-                            keepalive_interval=settings.keepalive_interval,
-                            sample_interval=settings.sample_interval_s,
-                            progress_interval=settings.progress_interval_s,
-                            settle_s=settings.settle_s, drain_timeout=settings.drain_timeout_s,
-                            router_args=args, say=say)
-                    finally:
-                        await client.close()
-
-                try:
-                    run = asyncio.run(main())
-                finally:
-                    fleet.stop_router(router.name)
-                run.extra["router_startup_s"] = round(router.startup_s, 3)
-                runs.append(run)
+                runs.append(run_on_router(
+                    fleet, mode, args, scenario.name, repeat, position,
+                    scenario.agents(mode_name, repeat), probe, settings, say,
+                    "kvturn_server/bench/_fleet_plan.py"))
         doc = scenario_result(
             scenario.name, asdict(scenario.profile), scenario.sizing, kv,
             {**cfg.describe(), "startup_s": fleet.startup_seconds},
@@ -294,7 +340,8 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                       f"{' '.join(m.router_args) or 'with no flags'})" for m in MODE_TABLE)
     p: argparse.ArgumentParser = bench_subparsers.add_parser(
         "fleet", help="several prefills and decodes, prefix caching on: stock P/D "
-                      "(round-robin, session affinity) against kvturn (least-loaded, kv-aware)",
+                      "(round-robin, session affinity) and stock conditional disaggregation "
+                      "against kvturn (least-loaded, kv-aware)",
         description="Start N prefills + M decodes on 127.0.0.1 (prefix caching on everywhere) "
                     "and run concurrent tool-using agents (tool gaps from production traces, "
                     "scaled by --time-scale) in each mode, each through a router of its own, "
@@ -305,9 +352,11 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "fresh fleet each. Prints per mode TTFT p50/p90/p99, inter-token latency "
                     "p50/p99, prompt tokens computed (all instances), tokens read from decodes, "
                     "retained memory and turns/s (median and range over repeats) with the "
-                    "configuration; writes JSON and a PNG. The defaults (tool and long on "
-                    "tight, 2 repeats: 16 runs) take about 20 minutes on a 2-core machine; "
-                    "each scenario adds about 8 (tool) or 11 (long) minutes per 2 repeats.")
+                    "configuration, and each kvturn mode against the strongest stock mode "
+                    "(the lowest TTFT p50 of turns 2+, all repeats pooled); writes JSON and a "
+                    "PNG. The defaults (" + ",".join(d.modes) + "; tool and long on tight, 2 "
+                    "repeats: 20 runs) take about 24 minutes on a 2-core machine; each "
+                    "scenario adds about 9 (tool) or 12 (long) minutes per 2 repeats.")
     add_agents_args(p, d, seeded="sizes, gaps, reply lengths and words",
                     state="model, logs (per scenario) of the fleet")
     p.add_argument("--prefills", type=int, default=d.prefills,

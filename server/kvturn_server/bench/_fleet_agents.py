@@ -52,6 +52,9 @@ class FleetTurn:
     reply_tokens: int
     """What the turn asked for (``max_tokens``, with ``ignore_eos``)."""
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    """``usage.prompt_tokens_details.cached_tokens`` where vLLM reports it (see
+    ``bench.agent.TurnRecord``)."""
     completion_tokens: int | None = None
     ttft_ms: float | None = None
     total_ms: float | None = None

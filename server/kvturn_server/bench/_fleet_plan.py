@@ -17,6 +17,7 @@ from typing import Any
 from kvturn_server.bench.agent._loop import IDS as IDS
 from kvturn_server.bench.agent._loop import KVTURN as KVTURN
 from kvturn_server.bench.agent._loop import PLAIN as PLAIN
+from kvturn_server.bench.agent._modes import DYNAMO_CONDITIONAL_TOKENS, KVTURN_CONTINUE_TOKENS
 from kvturn_server.bench.agent._workload import (
     FRAMING_TOKENS,
     AgentBenchSettings,
@@ -49,10 +50,18 @@ class FleetMode:
     router_args: tuple[str, ...]
     client: str
     stands_for: str
+    by_default: bool = True
+    """Whether the mode runs unless ``--modes`` says otherwise."""
 
     @property
     def kvturn(self) -> bool:
         return self.client == KVTURN
+
+
+def _stock_cond(n: int) -> tuple[str, ...]:
+    # kv-aware with --no-kv-reuse: the conversation's last prefill unless it is busier than the
+    # least loaded one (llm-d's prefix-cache and load scorers); the decode that served it.
+    return ("--no-kv-reuse", "--conditional-disagg", str(n), "--prefill-policy", "kv-aware")
 
 
 MODE_TABLE: tuple[FleetMode, ...] = (
@@ -62,6 +71,17 @@ MODE_TABLE: tuple[FleetMode, ...] = (
     FleetMode("stock-affinity", ("--no-kv-reuse", "--prefill-policy", "affinity"), IDS,
               "stock P/D with session affinity to a prefill (what Dynamo, llm-d and "
               "production-stack offer)"),
+    FleetMode("stock-cond", _stock_cond(KVTURN_CONTINUE_TOKENS), IDS,
+              "stock conditional disaggregation: a follow-up whose new messages are estimated "
+              f"at most {KVTURN_CONTINUE_TOKENS} tokens (kvturn's own continuation threshold) "
+              "runs on the decode that served the conversation, alone, on whatever its plain "
+              "prefix cache still holds; other turns stock P/D, prefill by load-aware "
+              "affinity (llm-d's prefix-based-pd-decider, nonCachedTokens "
+              f"{KVTURN_CONTINUE_TOKENS}; NVIDIA Dynamo's --router-conditional-disagg)"),
+    FleetMode("stock-cond-2k", _stock_cond(DYNAMO_CONDITIONAL_TOKENS), IDS,
+              "stock conditional disaggregation at NVIDIA Dynamo's default threshold "
+              f"({DYNAMO_CONDITIONAL_TOKENS} tokens, isl_bounding), otherwise as stock-cond",
+              by_default=False),
     FleetMode("kvturn-ll", ("--prefill-policy", "least-loaded"), KVTURN,
               "kvturn reuse from the decode, least-loaded prefill"),
     FleetMode("kvturn-kv", (), KVTURN,
@@ -70,6 +90,7 @@ MODE_TABLE: tuple[FleetMode, ...] = (
 MODES: dict[str, FleetMode] = {m.name: m for m in MODE_TABLE}
 STOCK_MODES = tuple(m.name for m in MODE_TABLE if not m.kvturn)
 KVTURN_MODES = tuple(m.name for m in MODE_TABLE if m.kvturn)
+DEFAULT_MODES = tuple(m.name for m in MODE_TABLE if m.by_default)
 
 
 # Reply profiles and KV sizings.
@@ -124,7 +145,7 @@ class FleetBenchSettings:
 
     prefills: int = 2
     decodes: int = 1
-    modes: tuple[str, ...] = tuple(MODES)
+    modes: tuple[str, ...] = DEFAULT_MODES
     profiles: tuple[str, ...] = tuple(PROFILES)
     sizings: tuple[str, ...] = (TIGHT,)
     repeats: int = 2

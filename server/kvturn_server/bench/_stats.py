@@ -109,6 +109,13 @@ def ratio(a: float | int | None, b: float | int | None) -> float | None:
     return round(a / b, 3)
 
 
+def lowest(values: dict[str, float | None]) -> str | None:
+    """The key of the lowest measured value (the first of equal ones); None where nothing was
+    measured."""
+    measured = [(v, k) for k, v in values.items() if v is not None]
+    return min(measured, key=lambda pair: pair[0])[1] if measured else None
+
+
 def fmt(value: float | int | None, spec: str = ".0f") -> str:
     """``value`` formatted, or ``-`` where it was not measured."""
     return "-" if value is None else format(value, spec)

@@ -11,13 +11,15 @@ from typing import Any
 
 from kvturn_server._cli_common import add_output_args, int_range, number_list, plot_path, write_json
 from kvturn_server.sim._config import (
+    HOST_GIB,
     PROFILES,
     FleetSpec,
     SimSettings,
     standard_policies,
 )
 from kvturn_server.sim._report import compare, describe, plot, sweep, sweep_table, table
-from kvturn_server.sim._workload import WorkloadSpec, load_trace, synthetic
+from kvturn_server.sim._traces import load_conversations, replicate
+from kvturn_server.sim._workload import WorkloadSpec, synthetic
 
 _floats = number_list(float, empty=True)
 
@@ -33,7 +35,8 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "conversations (drawn from production tool-gap quantiles, or read from "
                     "--trace). The decodes run the connector's own retention table, the "
                     "prefills its verified-reuse and cost decision, the router its placement "
-                    "code. Compares retention policies on the same conversations (" + names
+                    "code; the stock baselines run the stock router's decision. Compares "
+                    "policies on the same conversations (" + names
                     + "), sweeps kvturn's lease over --sweep-budgets x --sweep-ttls, prints "
                     "Markdown tables and writes JSON and a PNG. See docs/simulate.md.")
     g = p.add_argument_group("workload")
@@ -59,15 +62,25 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="tool gap p90, seconds (default: %(default)s)")
     g.add_argument("--gap-cap", type=float, default=w.gap_cap_s,
                    help="longest tool gap, seconds: the traces' p99 (default: %(default)s)")
-    g.add_argument("--trace", type=Path, default=None,
-                   help="read conversations from this file instead (kvturn JSONL, or vLLM "
-                        "benchmarks/multi_turn / ShareGPT JSON; docs/simulate.md)")
+    g.add_argument("--trace", type=Path, action="append", default=None, metavar="PATH",
+                   help="replay conversations from this file or directory instead, at full "
+                        "scale (repeatable): agent traces (the shared Claude Code JSON, "
+                        "kvturn's request JSONL; subagents as conversations of their own, the "
+                        "trace's prompts, blocks, replies and gaps), kvturn's conversation "
+                        "JSONL, or vLLM benchmarks/multi_turn / ShareGPT JSON (docs/simulate.md)")
+    g.add_argument("--trace-copies", type=int, default=1, metavar="K",
+                   help="replay K copies of the traces, each its own users (no shared "
+                        "blocks), copy k starting k x --trace-shift later: a realistic load "
+                        "from a few sessions (default: %(default)s)")
+    g.add_argument("--trace-shift", type=float, default=60.0, metavar="SECONDS",
+                   help="start of each copy after the one before (default: %(default)s)")
     g.add_argument("--seed", type=int, default=w.seed, help="default: %(default)s")
     g = p.add_argument_group("fleet")
     g.add_argument("--prefills", type=int, default=f.prefills, help="default: %(default)s")
     g.add_argument("--decodes", type=int, default=f.decodes, help="default: %(default)s")
-    g.add_argument("--memory-gib", type=float, default=f.memory_gib,
-                   help="accelerator memory per instance (default: %(default)s, an H200)")
+    g.add_argument("--memory-gib", type=float, default=None,
+                   help="accelerator memory per instance, GiB (default: the profile's: "
+                        f"{f.memory_gib:g} for one H200)")
     g.add_argument("--memory-utilization", type=float, default=f.memory_utilization,
                    help="vLLM's gpu_memory_utilization (default: %(default)s)")
     g.add_argument("--weights-gib", type=float, default=f.weights_gib,
@@ -79,14 +92,19 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="tokens per KV block (default: %(default)s)")
     g.add_argument("--max-num-seqs", type=int, default=f.max_num_seqs,
                    help="requests one decode runs at once (default: %(default)s)")
-    g.add_argument("--profile", choices=sorted(PROFILES), default="qwen3-32b-h200",
-                   help="the cost model's numbers (docs/simulate.md; default: %(default)s)")
+    g.add_argument("--profile", choices=sorted(PROFILES), default=SimSettings().cost.name,
+                   help="the cost model's numbers: a roofline of Qwen3-32B on one H200 or two "
+                        "H100s (tensor parallel), or this machine's fit (docs/simulate.md; "
+                        "default: %(default)s)")
     g = p.add_argument_group("policies and outputs")
     g.add_argument("--policies", default=",".join(standard_policies()), metavar="NAME,...",
                    help=f"which to compare, of {names} (default: all)")
     g.add_argument("--budget", type=float, default=0.5,
                    help="retention budget of kvturn-lease and lru-budget, a fraction of each "
                         "decode's KV (default: %(default)s)")
+    g.add_argument("--host-gib", type=float, default=HOST_GIB,
+                   help="stock-cond-offload's host KV tier on every instance, GiB (vLLM's CPU "
+                        "offloading, read back over PCIe; default: %(default)s)")
     g.add_argument("--lease-ttl", type=float, default=480.0,
                    help="kvturn-lease's lease, seconds; clients renew every eighth of it "
                         "(default: %(default)s)")
@@ -117,24 +135,29 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             message_tokens=args.message_tokens, reply_tokens=args.reply_tokens,
             gap_p50_s=args.gap_p50, gap_p90_s=args.gap_p90, gap_cap_s=args.gap_cap,
             seed=args.seed)
+        profile = PROFILES[args.profile]
+        memory = args.memory_gib if args.memory_gib is not None else (
+            profile.memory_gib or FleetSpec().memory_gib)
         fleet = FleetSpec(prefills=args.prefills, decodes=args.decodes,
-                          memory_gib=args.memory_gib,
+                          memory_gib=memory,
                           memory_utilization=args.memory_utilization,
                           weights_gib=args.weights_gib,
                           kv_bytes_per_token=args.kv_bytes_per_token,
                           block_size=args.block_size, max_num_seqs=args.max_num_seqs)
-        known = standard_policies(budget=args.budget, ttl_s=args.lease_ttl)
+        known = standard_policies(budget=args.budget, ttl_s=args.lease_ttl,
+                                  host_gib=args.host_gib)
         wanted = [n for n in args.policies.split(",") if n]
         unknown = [n for n in wanted if n not in known]
         if unknown or not wanted:
             raise ValueError(f"unknown policies {unknown}; choose from {', '.join(known)}")
-        conversations = (load_trace(args.trace, window_s=args.window, gaps=workload.gaps,
-                                    seed=args.seed)
-                         if args.trace is not None else synthetic(workload))
+        conversations = replicate(
+            load_conversations(args.trace, block_size=fleet.block_size, window_s=args.window,
+                               gaps=workload.gaps, seed=args.seed),
+            args.trace_copies, args.trace_shift) if args.trace else synthetic(workload)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"kvturn simulate: {exc}\n")
         return 2
-    base = SimSettings(fleet=fleet, cost=PROFILES[args.profile], ttft_slo_s=args.ttft_slo)
+    base = SimSettings(fleet=fleet, cost=profile, ttft_slo_s=args.ttft_slo)
     progress = None if args.quiet else sys.stderr
     turns = sum(c.turns for c in conversations)
     if progress is not None:
@@ -150,7 +173,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     data = {"benchmark": "kvturn simulate", "config": {
         **describe(base), "workload": None if args.trace else {
             **workload.__dict__, "gaps": workload.gaps.describe()},
-        "trace": None if args.trace is None else str(args.trace),
+        "trace": None if not args.trace else [str(p) for p in args.trace],
+        "trace_copies": args.trace_copies if args.trace else None,
+        "trace_shift_s": args.trace_shift if args.trace else None,
         "conversations": len(conversations), "turns": turns,
         "sweep_conversations": min(args.sweep_conversations, len(conversations))},
         "policies": results, "sweep": rows, "wall_s": wall}

@@ -4,21 +4,26 @@ The decisions are kvturn's own code, imported: the router's placement
 (:mod:`kvturn_server.router._placement`, :mod:`~kvturn_server.router._history`), the
 prefill's verified reuse and read-or-compute choice (:func:`decide_reuse` with the connector's
 :class:`CostModel`), and the decode's retention table (:class:`RetentionTable`, with the
-simulator's clock). This file only moves time: it decides nothing those modules decide.
+simulator's clock). The stock baselines run the router's own stock decision
+(:func:`conditional_decode`, :func:`known_prompt_tokens`). This file only moves time: it
+decides nothing those modules decide.
 
 A turn, as the router runs it (``router/_turn.py``):
 
-1. The router looks up the conversation's placement. If the decode holding it can continue the
-   turn (:func:`continuation`), the decode computes the part it lacks itself.
+1. The router looks up the conversation's record (none without a conversation id, or once the
+   router forgot it). Under kvturn, if the decode holding it can continue the turn
+   (:func:`continuation`), the decode computes the part it lacks itself; under stock
+   conditional disaggregation the same when :func:`conditional_decode` says so, whatever the
+   decode's prefix cache still holds.
 2. Otherwise a prefill is chosen (:func:`choose_prefill`); the retention is pinned when it
    holds more than that prefill does (:func:`read_gain`, :func:`read_floor`). The prefill
    takes its own prefix-cache hit, reads the verified range the cost model prefers to read,
    computes the rest (FIFO behind the prefill's other work), then unpins.
 3. A decode is chosen (:func:`choose_decode`); it allocates the request's blocks (evicting
    retentions rather than starving), pulls the prompt's KV it lacks, and decodes the reply.
-4. The finished turn is retained (or not, by policy), the placement recorded, an older
-   retention on another decode released; the agent's tool gap follows, with keepalives and a
-   final release as the policy's clients send them.
+4. The finished turn is retained (or left in the decode's prefix cache, by policy), the
+   placement recorded, an older retention on another decode released; the agent's tool gap
+   follows, with keepalives and a final release as the policy's clients send them.
 """
 
 from __future__ import annotations
@@ -33,34 +38,37 @@ from typing import Any, TextIO
 
 from kvturn_server.bench.agent._workload import FRAMING_TOKENS
 from kvturn_server.connector._cost import CostModel, CostSettings
-from kvturn_server.connector._hashing import verified_prefix_blocks
 from kvturn_server.connector._reuse import decide_reuse
 from kvturn_server.router import _placement as routing
 from kvturn_server.router._history import Transcript
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import Placement
-from kvturn_server.sim._config import SimSettings
+from kvturn_server.sim._config import GIB, SimSettings
 from kvturn_server.sim._instances import (
     SHARED_SYSTEM,
     SimDecode,
     SimPrefill,
     conversation_hash,
     prompt_hashes,
+    trace_hashes,
+    unique_hashes,
 )
 from kvturn_server.sim._metrics import Recorder
 from kvturn_server.sim._workload import Conversation
 
-_PAD: dict[int, str] = {}
+_PAD: dict[tuple[int, int], str] = {}
 # What X-KVTurn-Reuse says when a pin finds the retention gone (router/_turn.py).
 _GONE_REASON = {"expired": "expired", "released": "miss", "replaced": "miss"}
 
 
-def _pad(tokens: int) -> str:
+def _pad(tokens: int, version: int) -> str:
     # The router measures messages in serialised characters: one per token keeps its rate
-    # estimate exact, and shared strings keep memory flat.
-    text = _PAD.get(tokens)
+    # estimate exact; the character names the history's version, so that a compacted history
+    # no longer extends the old one; shared strings keep memory flat.
+    key = (tokens, version)
+    text = _PAD.get(key)
     if text is None:
-        text = _PAD[tokens] = "x" * tokens
+        text = _PAD[key] = chr(ord("a") + version % 26) * tokens
     return text
 
 
@@ -71,6 +79,7 @@ class _Turn:
     arrived: float
     prompt: int
     first: bytes
+    hashes: list[bytes]
     placement: Placement | None = None
     holder: Backend | None = None
     transcript: Transcript | None = None
@@ -98,10 +107,12 @@ class Simulation:
         self._seq = itertools.count()
         fleet, policy = settings.fleet, settings.policy
         self.block_size = fleet.block_size
-        self.prefills = [SimPrefill(f"p{i}", fleet.prefill_capacity)
+        host_blocks = math.floor(policy.host_gib * GIB / fleet.block_bytes)
+        self.prefills = [SimPrefill(f"p{i}", fleet.prefill_capacity, host_blocks)
                          for i in range(fleet.prefills)]
         self.decodes = [SimDecode(f"d{i}", fleet.decode_capacity, policy,
-                                  max_num_seqs=fleet.max_num_seqs, clock=self.clock)
+                                  max_num_seqs=fleet.max_num_seqs, clock=self.clock,
+                                  host_blocks=host_blocks)
                         for i in range(fleet.decodes)]
         self.prefill_pool = Pool("prefill", [Backend("prefill", p.name) for p in self.prefills],
                                  eject_after=3, readmit_after=2)
@@ -110,6 +121,9 @@ class Simulation:
         self._prefill_of = {p.name: p for p in self.prefills}
         self._decode_of = {d.name: d for d in self.decodes}
         cost = settings.cost
+        if policy.host_gib and cost.host_read_gbps is None:
+            raise ValueError(f"policy {policy.name} has a host tier; profile {cost.name} states "
+                             "no host-to-device bandwidth")
         # The connector's own cost model, configured (not calibrated): the prefill's decision
         # and the simulated read time both come from it.
         self.cost_model = CostModel(
@@ -183,7 +197,9 @@ class Simulation:
 
     def _turn(self, conv: Conversation, index: int) -> None:
         prompt = conv.prompt_tokens(index)
-        turn = _Turn(conv, index, self.now, prompt, conversation_hash(conv.cid))
+        first = conversation_hash(conv.cid)
+        turn = _Turn(conv, index, self.now, prompt, first,
+                     self._prompt_hashes(conv, index, first, prompt))
         self._route(turn)
 
     def _after(self, turn: _Turn) -> None:
@@ -215,39 +231,81 @@ class Simulation:
         if retention is not None:
             self.placements[key] = replace(placement, expires_at=retention.expires_at)
 
+    # Block hashes.
+
+    def _prompt_hashes(self, conv: Conversation, index: int, first: bytes,
+                       tokens: int) -> list[bytes]:
+        """One hash per full block of the prompt: the trace's ids where it has them."""
+        full = tokens // self.block_size
+        if conv.hash_ids is None:
+            return prompt_hashes(first, full)
+        ids = conv.hash_ids[index][:full]
+        hashes = trace_hashes(conv.scope, ids)
+        if len(hashes) < full:
+            hashes += unique_hashes(f"{conv.cid}/{index}/prompt", len(hashes), full)
+        return hashes
+
+    def _retained_hashes(self, turn: _Turn, tokens: int) -> list[bytes]:
+        """One hash per full block of the prompt and the reply the decode holds. A replayed
+        reply's blocks are the next prompt's where that prompt extends this one (the client
+        sent the reply back), else blocks no prompt has."""
+        conv, full = turn.conv, tokens // self.block_size
+        if conv.hash_ids is None:
+            return prompt_hashes(turn.first, full)
+        hashes = turn.hashes[:full]
+        nxt = turn.index + 1
+        if nxt < conv.turns and conv.versions is not None \
+                and conv.versions[nxt] == conv.versions[turn.index]:
+            hashes += trace_hashes(conv.scope, conv.hash_ids[nxt][len(hashes):full])
+        if len(hashes) < full:
+            hashes += unique_hashes(f"{conv.cid}/{turn.index}/reply", len(hashes), full)
+        return hashes
+
     # The router.
 
     def _messages(self, turn: _Turn) -> list[dict[str, Any]]:
-        conv = turn.conv
-        messages: list[dict[str, Any]] = [{"role": "system", "content": _pad(conv.system_tokens)}]
-        for i in range(turn.index):
-            messages.append({"role": "user", "content": _pad(conv.messages[i])})
-            messages.append({"role": "assistant", "content": _pad(conv.replies[i])})
-        messages.append({"role": "user", "content": _pad(conv.messages[turn.index])})
-        return messages
+        return [{"role": role, "content": _pad(size, version)}
+                for role, size, version in turn.conv.chat(turn.index)]
+
+    def _record(self, key: str) -> Placement | None:
+        """The router's record of the conversation; the store forgets it ``remember_expired``
+        after its lease (or stock record) ran out."""
+        placement = self.placements.get(key)
+        if placement is not None \
+                and self.now >= placement.expires_at + self.s.router.remember_expired_s:
+            del self.placements[key]
+            return None
+        return placement
 
     def _route(self, turn: _Turn) -> None:
-        s = self.s
+        s, policy = self.s, self.s.policy
         key = turn.conv.cid
-        placement = self.placements.get(key)
+        placement = self._record(key) if policy.conversation_ids else None
         if placement is not None:
             turn.placement = placement
             turn.holder = self.decode_pool.by_url(placement.decode)
-        if s.policy.retain and s.router.decode_continue_tokens > 0:
+        if policy.conversation_ids and (policy.conditional_disagg or (
+                policy.retain and s.router.decode_continue_tokens > 0)):
             turn.transcript = Transcript(self._messages(turn))
+        if not policy.retain:
+            turn.reason = "disabled"
         if placement is not None and turn.holder is not None:
-            estimate, why = routing.continuation(
-                placement=placement, holder=turn.holder, transcript=turn.transcript,
-                now=self.now, max_tokens=s.router.decode_continue_tokens,
-                budget=s.router.decode_continue_budget)
-            if not why:
-                turn.route, turn.reason, turn.continued = "decode", "hit", estimate
-                turn.holder.continuing += estimate
-                turn.decode = turn.holder
-                turn.decode.in_flight += 1
-                turn.ready_at = self.now + s.cost.leg_overhead_ms / 1e3
-                self._admit(turn)
-                return
+            if policy.conditional_disagg:
+                _, why = routing.conditional_decode(
+                    placement=placement, holder=turn.holder, transcript=turn.transcript,
+                    max_tokens=policy.conditional_disagg)
+                if not why:
+                    self._continue(turn, 0)
+                    return
+            elif policy.retain:
+                estimate, why = routing.continuation(
+                    placement=placement, holder=turn.holder, transcript=turn.transcript,
+                    now=self.now, max_tokens=s.router.decode_continue_tokens,
+                    budget=s.router.decode_continue_budget)
+                if not why:
+                    turn.reason = "hit"
+                    self._continue(turn, estimate)
+                    return
         prefill, _ = routing.choose_prefill(self.prefill_pool, s.router.prefill_policy,
                                             placement, slack=s.router.prefill_affinity_slack)
         assert prefill is not None
@@ -255,23 +313,46 @@ class Simulation:
         prefill.in_flight += 1
         self._prefill(turn)
 
+    def _continue(self, turn: _Turn, estimate: int) -> None:
+        """The decode that served the conversation runs the turn alone."""
+        assert turn.holder is not None
+        turn.route, turn.continued = "decode", estimate
+        turn.holder.continuing += estimate
+        turn.decode = turn.holder
+        turn.decode.in_flight += 1
+        turn.ready_at = self.now + self.s.cost.leg_overhead_ms / 1e3
+        self._admit(turn)
+
     # The prefill leg.
+
+    def _host_load_s(self, blocks: int) -> float:
+        """Reading ``blocks`` back from a host tier (PCIe), one more engine step included."""
+        cost = self.s.cost
+        assert cost.host_read_gbps is not None
+        return cost.read_fixed_ms / 1e3 + blocks * self.s.fleet.block_bytes \
+            / (cost.host_read_gbps * 1e9)
 
     def _prefill(self, turn: _Turn) -> None:
         s, bs = self.s, self.block_size
         prefill = turn.prefill
         assert prefill is not None
         sim = self._prefill_of[prefill.url]
-        full = turn.prompt // bs
-        hashes = prompt_hashes(turn.first, full)
-        own = min(sim.cached_blocks(turn.first), full)
-        shared = min(sim.cached_blocks(SHARED_SYSTEM), self._system_blocks(turn.conv), full)
+        key, hashes = turn.conv.cid, turn.hashes
+        full = len(hashes)
+        own = sim.cached_blocks(key, hashes)
+        load_s = 0.0
+        if sim.host is not None:
+            held = sim.host.lookup(key, hashes)
+            if held > own:
+                load_s, own = self._host_load_s(held - own), held
+        system = self._system_blocks(turn.conv)
+        shared = min(sim.held_blocks(SHARED_SYSTEM), system, full) if system else 0
         local = max(own, shared) * bs
         pin = None
         decode = None
         pin_skipped = False
         placement = turn.placement
-        if placement is not None and turn.holder is not None:
+        if s.policy.retain and placement is not None and turn.holder is not None:
             # The router's _worth_pinning, then its pin (the control call is the table's pin).
             gain = routing.read_gain(placement, prefill)
             floor = routing.read_floor(prefill, self.now)
@@ -313,20 +394,23 @@ class Simulation:
         turn.reused = turn.prompt - computed
         turn.local_hit = local
         compute_s = self.cost_model.work(computed, covered) / s.cost.compute_tokens_per_s
-        ready = self.now + s.cost.leg_overhead_ms / 2e3 + read_s
+        ready = self.now + s.cost.leg_overhead_ms / 2e3 + read_s + load_s
         start = max(ready, sim.busy_until)
         sim.busy_until = start + compute_s
         sim.busy_s += compute_s
-        self.at(sim.busy_until, self._prefill_done, turn, pin, decode, sim, full)
+        self.at(sim.busy_until, self._prefill_done, turn, pin, decode, sim)
 
-    def _prefill_done(self, turn: _Turn, pin: Any, decode: SimDecode | None, sim: SimPrefill,
-                      full: int) -> None:
+    def _prefill_done(self, turn: _Turn, pin: Any, decode: SimDecode | None,
+                      sim: SimPrefill) -> None:
         if pin is not None and decode is not None:
             decode.give_back(decode.table.unpin(pin[1].pin_id)[1])
             self._drain(decode)
-        sim.remember(turn.first, full)
-        if turn.conv.shared_system:
-            sim.remember(SHARED_SYSTEM, self._system_blocks(turn.conv))
+        sim.remember(turn.conv.cid, turn.hashes)
+        if sim.host is not None:
+            sim.host.store(turn.conv.cid, turn.hashes)
+        system = self._system_blocks(turn.conv)
+        if system:
+            sim.remember(SHARED_SYSTEM, turn.hashes[:system])
         assert turn.prefill is not None
         turn.prefill.in_flight -= 1
         target = routing.choose_decode(self.decode_pool, turn.holder,
@@ -357,25 +441,31 @@ class Simulation:
     def _try_start(self, turn: _Turn, decode: SimDecode) -> bool:
         s, bs = self.s, self.block_size
         blocks = math.ceil((turn.prompt + turn.conv.replies[turn.index]) / bs)
-        # The decode's own prefix cache: the conversation's retention, when it holds one (a
-        # use: most recently used now). The request shares its verified blocks.
-        retention = decode.table.touch(turn.conv.cid)
-        verified = 0 if retention is None else verified_prefix_blocks(
-            prompt_hashes(turn.first, turn.prompt // bs), retention.block_hashes)
-        shared = () if retention is None else retention.block_ids[:verified]
-        ids = decode.allocate(blocks, shared)
-        if ids is None:
+        # The decode's own prefix: the conversation's retention when it holds one (a use: most
+        # recently used now, its verified blocks shared), else its prefix cache's.
+        admission = decode.admit(turn.conv.cid, turn.hashes, blocks)
+        if admission is None:
             return False
-        turn.blocks = ids
-        start = max(self.now, turn.ready_at)
+        turn.blocks = admission.block_ids
+        verified = admission.verified
+        load_s = 0.0
+        if decode.host is not None:
+            held = decode.host.lookup(turn.conv.cid, turn.hashes)
+            if held > verified:
+                load_s, verified = self._host_load_s(held - verified), held
+        start = max(self.now, turn.ready_at) + load_s
         hit = max(self._system_blocks(turn.conv), verified) * bs  # the system prompt is hot
         if turn.route == "decode":
             computed = max(1, turn.prompt - hit)
             turn.computed, turn.reused = computed, turn.prompt - computed
-            if retention is None:
+            if s.policy.retain and not admission.retained:
                 turn.reason = "miss"  # the router's placement outlived the retention
-            work = self.cost_model.work(computed, turn.prompt - computed)
-            first = start + work / s.cost.compute_tokens_per_s + s.cost.itl_ms / 1e3
+            compute_s = self.cost_model.work(computed, turn.prompt - computed) \
+                / s.cost.compute_tokens_per_s
+            begin = max(start, decode.busy_until)
+            decode.busy_until = begin + compute_s
+            decode.busy_s += compute_s
+            first = decode.busy_until + s.cost.itl_ms / 1e3
         else:
             pull = max(0, turn.prompt - hit)
             pull_s = self.cost_model.estimate(pull, 0).read_ms / 1e3 if pull else 0.0
@@ -400,10 +490,12 @@ class Simulation:
         assert turn.decode is not None
         turn.decode.in_flight -= 1
         tokens = turn.prompt + turn.conv.replies[turn.index] - 1
+        hashes = self._retained_hashes(turn, tokens)
+        if decode.host is not None:
+            decode.host.store(key, hashes)
         if s.policy.retain:
-            freed = decode.table.retain(
-                key, f"r{next(self._request_ids)}", turn.blocks,
-                prompt_hashes(turn.first, tokens // bs), tokens)
+            freed = decode.table.retain(key, f"r{next(self._request_ids)}", turn.blocks,
+                                        hashes, tokens)
             decode.give_back(freed)
             retention = decode.table.get(key)
             old = self.placements.get(key)
@@ -424,10 +516,32 @@ class Simulation:
                 moved = self._decode_of[old.decode]
                 moved.give_back(moved.table.release(key)[1])
         else:
-            decode.free(turn.blocks)
+            decode.finish(key, turn.blocks, hashes)
+            if s.policy.conversation_ids:
+                self._record_stock(turn, decode)
         turn.blocks = ()
         self._drain(decode)
         self._after(turn)
+
+    def _record_stock(self, turn: _Turn, decode: SimDecode) -> None:
+        """What the stock router records of a turn (``router/_capture.py``,
+        ``remember_affinity``): the decode and prefill that served it, and, for conditional
+        disaggregation, the prompt's size and messages. Nothing is retained."""
+        key = turn.conv.cid
+        old = self.placements.get(key)
+        prefill_tokens = turn.prompt if turn.prefill is not None else 0
+        tokens = routing.known_prompt_tokens(old, prefill_tokens, turn.transcript) \
+            if self.s.policy.conditional_disagg else 0
+        if turn.prefill is not None:
+            prefill: str | None = turn.prefill.url
+        else:
+            prefill = None if old is None else old.prefill
+            prefill_tokens = 0 if old is None else old.prefill_tokens
+        self.placements[key] = Placement(
+            decode=decode.name, engine_id=None, num_tokens=tokens,
+            expires_at=self.now + self.s.router.record_ttl_s,
+            turn=f"r{next(self._request_ids)}", prefill=prefill, prefill_tokens=prefill_tokens,
+            history=None if turn.transcript is None else turn.transcript.history())
 
     def _drain(self, decode: SimDecode) -> None:
         while decode.waiting:
@@ -442,4 +556,3 @@ def simulate(settings: SimSettings, conversations: list[Conversation], *,
     if not conversations:
         raise ValueError("nothing to simulate: no conversations")
     return Simulation(settings, conversations, progress=progress).run()
-

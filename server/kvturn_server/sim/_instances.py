@@ -1,22 +1,27 @@
 """The simulated vLLM instances: what each holds in KV, and its queue.
 
-A decode owns the connector's own :class:`RetentionTable` (clock injected) and a block
-allocator of its capacity; a prefill owns a prefix cache (least recently used conversations,
-whole prompts, as vLLM's prefix cache holds them until other work needs the blocks) and a
-first-in first-out compute queue. Block hashes are synthetic but keep the property the reuse
-decision relies on: equal exactly where two prompts share history (block 0 names the
-conversation and its history's version; later blocks are shared objects, so a prompt's hashes
-cost one list slice).
+Every instance has vLLM's plain prefix cache: a finished request's blocks stay cached, keyed by
+their hashes, until their memory is needed, least recently used first (:class:`PrefixCache`). A
+decode also owns the connector's own :class:`RetentionTable` (clock injected), which holds
+retained blocks out of that cache under a lease; a dropped retention's blocks fall back into
+the cache, as the connector's freed blocks fall back into vLLM's free queue with their hashes.
+A prefill computes first-in first-out; a decode computes the prompts it continues first-in
+first-out too (one GPU). A host tier (:class:`HostTier`, vLLM's CPU offloading) keeps copies of
+finished requests' blocks in host memory, least recently used first.
+
+Block hashes are synthetic for drawn conversations and the trace's hash ids for replayed ones
+(:func:`trace_hashes`); either way equal exactly where two prompts share history.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from kvturn_server.connector._hashing import HASH_SIZE
+from kvturn_server.connector._hashing import HASH_SIZE, verified_prefix_blocks
 from kvturn_server.connector._retention import Retention, RetentionTable
 from kvturn_server.sim._config import Policy
 
@@ -24,7 +29,9 @@ _POOL: list[bytes] = []
 
 
 def prompt_hashes(first: bytes, full_blocks: int) -> list[bytes]:
-    """One hash per full block of a conversation's prompt: ``first`` then the shared chain."""
+    """One hash per full block of a drawn conversation's prompt: ``first`` (the conversation and
+    its history's version) then a chain every conversation shares from block 1 on (one list
+    slice, whatever the conversation)."""
     if full_blocks <= 0:
         return []
     while len(_POOL) < full_blocks:
@@ -35,6 +42,19 @@ def prompt_hashes(first: bytes, full_blocks: int) -> list[bytes]:
     return hashes
 
 
+def trace_hashes(scope: int, ids: Sequence[int]) -> list[bytes]:
+    """A trace's hash ids as block hashes: equal ids of one scope are equal blocks (ids are 64-bit;
+    a reader's made-up ids are negative)."""
+    base, mask = scope << 64, (1 << 64) - 1
+    return [(base | (i & mask)).to_bytes(HASH_SIZE, "little") for i in ids]
+
+
+def unique_hashes(name: str, start: int, stop: int) -> list[bytes]:
+    """Hashes of blocks ``start`` to ``stop`` that no other block has (``name`` says whose)."""
+    return [hashlib.blake2b(f"{name}/{j}".encode(), digest_size=HASH_SIZE).digest()
+            for j in range(start, stop)]
+
+
 SHARED_SYSTEM = b"kvturn-sim/shared-system-prompt"[:HASH_SIZE]
 
 
@@ -42,17 +62,130 @@ def conversation_hash(cid: str) -> bytes:
     return hashlib.blake2b(b"kvturn-sim/" + cid.encode(), digest_size=HASH_SIZE).digest()
 
 
+@dataclass(slots=True)
+class _Cached:
+    ids: list[int]
+    hashes: tuple[bytes, ...]
+
+
+class PrefixCache:
+    """vLLM's prefix cache over free blocks: per conversation, the blocks of its last finished
+    request with their hashes, least recently used first. Blocks here are free for any
+    allocation: taking them evicts the least recently used conversation's, from its tail (vLLM
+    frees a request's blocks tail first, so a partly evicted prefix still hits)."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[str, _Cached] = OrderedDict()
+        self.blocks = 0
+        self.evicted_blocks = 0
+
+    def put(self, key: str, ids: Sequence[int], hashes: Sequence[bytes]) -> list[int]:
+        """Cache ``ids`` (in prefix order) under ``key``; return the ids of an older entry of
+        ``key`` (stale now: they go back to the allocator)."""
+        old = self._entries.pop(key, None)
+        self._entries[key] = _Cached(list(ids), tuple(hashes[:len(ids)]))
+        self.blocks += len(ids)
+        if old is None:
+            return []
+        self.blocks -= len(old.ids)
+        return old.ids
+
+    def take(self, key: str, hashes: Sequence[bytes]) -> tuple[list[int], list[int]]:
+        """A request's hit: ``(the verified prefix's ids, now the request's; the entry's other
+        ids, stale)``. The entry leaves the cache."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return [], []
+        self.blocks -= len(entry.ids)
+        verified = verified_prefix_blocks(hashes, entry.hashes)
+        return entry.ids[:verified], entry.ids[verified:]
+
+    def peek(self, key: str, hashes: Sequence[bytes]) -> int:
+        """Blocks of ``hashes`` the cache would supply (no change)."""
+        entry = self._entries.get(key)
+        return 0 if entry is None else verified_prefix_blocks(hashes, entry.hashes)
+
+    def ids(self) -> list[int]:
+        """Every cached block (for checks)."""
+        return [b for entry in self._entries.values() for b in entry.ids]
+
+    def hashes(self, key: str) -> tuple[bytes, ...]:
+        """The hashes cached under ``key`` (empty when none)."""
+        entry = self._entries.get(key)
+        return () if entry is None else entry.hashes
+
+    def evict(self, needed: int) -> list[int]:
+        """Up to ``needed`` blocks, the least recently used conversation's tail first."""
+        out: list[int] = []
+        while len(out) < needed and self._entries:
+            key, entry = next(iter(self._entries.items()))
+            take = min(needed - len(out), len(entry.ids))
+            out.extend(entry.ids[len(entry.ids) - take:])
+            del entry.ids[len(entry.ids) - take:]
+            entry.hashes = entry.hashes[:len(entry.ids)]
+            if not entry.ids:
+                del self._entries[key]
+        self.blocks -= len(out)
+        self.evicted_blocks += len(out)
+        return out
+
+
+class HostTier:
+    """Host memory holding copies of finished requests' blocks (vLLM's CPU KV offloading): per
+    conversation its latest blocks' hashes, least recently used first, up to ``capacity``
+    blocks."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[str, tuple[bytes, ...]] = OrderedDict()
+        self.blocks = 0
+
+    def store(self, key: str, hashes: Sequence[bytes]) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.blocks -= len(old)
+        if not hashes or len(hashes) > self.capacity:
+            return
+        while self.blocks + len(hashes) > self.capacity and self._entries:
+            _, dropped = self._entries.popitem(last=False)
+            self.blocks -= len(dropped)
+        self._entries[key] = tuple(hashes)
+        self.blocks += len(hashes)
+
+    def lookup(self, key: str, hashes: Sequence[bytes]) -> int:
+        """Verified blocks of ``hashes`` held here (a use: most recently used now)."""
+        held = self._entries.get(key)
+        if held is None:
+            return 0
+        self._entries.move_to_end(key)
+        return verified_prefix_blocks(hashes, held)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A decode leg's blocks and where its prefix came from."""
+
+    block_ids: tuple[int, ...]
+    verified: int
+    """Leading blocks of the prompt the decode already held (retention or prefix cache)."""
+    retained: bool
+    """They came from the conversation's retention."""
+
+
 class SimDecode:
-    """One decode: its retention table, free blocks, live requests and waiting legs."""
+    """One decode: its retention table, prefix cache, free blocks, live requests and waiting
+    legs, and the compute queue of the prompts it continues."""
 
     def __init__(self, name: str, capacity: int, policy: Policy, *, max_num_seqs: int,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], host_blocks: int = 0) -> None:
         self.name = name
         self.capacity = capacity
         self.max_num_seqs = max_num_seqs
         budget = int(capacity * policy.budget) if policy.retain else 0
         self.table = RetentionTable(budget_blocks=budget, ttl=policy.ttl_s,
                                     max_hold=policy.max_hold_s, clock=clock)
+        self.cache = PrefixCache()
+        self.host = HostTier(host_blocks) if host_blocks else None
         self._free = list(range(capacity - 1, -1, -1))
         # Blocks held by more than one owner (a live request extending the retention it
         # continues shares its blocks, as vLLM's prefix cache does): id -> owners.
@@ -60,88 +193,151 @@ class SimDecode:
         self.live = 0
         self.waiting: deque[Any] = deque()
         self.evicted_for_live = 0
+        self.busy_until = 0.0
+        self.busy_s = 0.0
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take now: free ones and the prefix cache's."""
+        return len(self._free) + self.cache.blocks
 
     def free_ids(self) -> list[int]:
-        """The free block ids (for checks: every block is free or owned, never both)."""
-        return list(self._free)
+        """The blocks not owned by a request or a retention (for checks)."""
+        return list(self._free) + self.cache.ids()
 
     def give_back(self, retentions: list[Retention]) -> None:
-        """Return dropped retentions' blocks to the allocator (what the connector does)."""
+        """Dropped retentions' blocks fall back into the prefix cache (what the connector's
+        freed blocks do in vLLM's free queue); blocks another owner still holds stay held."""
         for retention in retentions:
-            self.free(retention.block_ids)
+            unowned = self._release(retention.block_ids)
+            if len(unowned) == len(retention.block_ids):
+                self._free.extend(self.cache.put(retention.key, unowned,
+                                                 retention.block_hashes))
+            else:
+                self._free.extend(unowned)
+
+    def finish(self, key: str, block_ids: tuple[int, ...], hashes: Sequence[bytes]) -> None:
+        """A finished request nothing retains: its blocks stay in the prefix cache."""
+        unowned = self._release(block_ids)
+        if len(unowned) == len(block_ids):
+            self._free.extend(self.cache.put(key, unowned, hashes))
+        else:
+            self._free.extend(unowned)
 
     def free(self, block_ids: tuple[int, ...]) -> None:
-        """Drop one owner of each block; a block with no owner left is free."""
+        """Drop one owner of each block; a block with no owner left is free (uncached)."""
+        self._free.extend(self._release(block_ids))
+
+    def _release(self, block_ids: tuple[int, ...]) -> list[int]:
         owners = self._owners
         if not owners:
-            self._free.extend(block_ids)
-            return
+            return list(block_ids)
+        out = []
         for block in block_ids:
             n = owners.get(block)
             if n is None:
-                self._free.append(block)
+                out.append(block)
             elif n == 2:
                 del owners[block]
             else:
                 owners[block] = n - 1
+        return out
 
-    def allocate(self, blocks: int, shared: tuple[int, ...] = ()) -> tuple[int, ...] | None:
-        """Blocks for a live request: ``shared`` (a retained prefix it extends, now owned by
-        both) then new ones, evicting retentions if needed (never starve live work); None when
+    def peek(self, key: str, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of ``hashes`` this decode holds now (retention or prefix cache)."""
+        retention = self.table.get(key)
+        if retention is not None:
+            return verified_prefix_blocks(hashes, retention.block_hashes)
+        return self.cache.peek(key, hashes)
+
+    def admit(self, key: str, hashes: Sequence[bytes], blocks: int) -> Admission | None:
+        """Blocks for a live request of ``blocks`` blocks whose prompt has ``hashes``: the
+        verified prefix the decode holds (the retention's, shared; else the prefix cache's,
+        taken) then new ones, evicting retentions if needed (never starve live work); None when
         even that is not enough (the request waits)."""
         if self.live >= self.max_num_seqs or blocks > self.capacity:
             return None
-        # Own the shared prefix first: an eviction below may drop the retention holding it.
-        for block in shared:
-            self._owners[block] = self._owners.get(block, 1) + 1
-        new = blocks - len(shared)
+        retention = self.table.touch(key)
+        shared: tuple[int, ...] = ()
+        cached: list[int] = []
+        if retention is not None:
+            verified = verified_prefix_blocks(hashes, retention.block_hashes)
+            shared = retention.block_ids[:verified]
+            # Own the shared prefix first: an eviction below may drop the retention.
+            for block in shared:
+                self._owners[block] = self._owners.get(block, 1) + 1
+        else:
+            entry_hashes = self.cache.hashes(key)
+            cached, stale = self.cache.take(key, hashes)
+            self._free.extend(stale)
+            verified = len(cached)
+        new = max(0, blocks - len(shared) - len(cached))
         self.give_back(self.table.expire())
-        short = new - len(self._free)
+        short = new - self.free_blocks
         if short > 0:
             evicted = self.table.evict_for(short)
             self.evicted_for_live += len(evicted)
             self.give_back(evicted)
-            if new > len(self._free):
+            if new > self.free_blocks:
                 self.free(shared)
+                if cached:
+                    self._free.extend(self.cache.put(key, cached, entry_hashes))
                 return None
-        ids = shared + tuple(self._free[len(self._free) - new:])
-        del self._free[len(self._free) - new:]
+        ids = shared + tuple(cached) + tuple(self._take(new))
         self.live += 1
-        return ids
+        return Admission(ids, verified, retention is not None)
+
+    def _take(self, n: int) -> list[int]:
+        free = self._free
+        if n <= len(free):
+            out = free[len(free) - n:]
+            del free[len(free) - n:]
+            return out
+        out = free[:]
+        free.clear()
+        out.extend(self.cache.evict(n - len(out)))
+        return out
 
 
 class SimPrefill:
-    """One prefill: a prefix cache of whole prompts (LRU) and a FIFO compute queue."""
+    """One prefill: vLLM's prefix cache (per conversation, the hashes of the last prompt it
+    computed, least recently used first, up to its capacity), a FIFO compute queue, and a host
+    tier where the policy has one."""
 
-    def __init__(self, name: str, capacity: int) -> None:
+    def __init__(self, name: str, capacity: int, host_blocks: int = 0) -> None:
         self.name = name
         self.capacity = capacity
         self.busy_until = 0.0
         self.busy_s = 0.0
-        self._cache: OrderedDict[bytes, int] = OrderedDict()
+        self._cache: OrderedDict[bytes | str, tuple[bytes, ...]] = OrderedDict()
         self._held = 0
+        self.host = HostTier(host_blocks) if host_blocks else None
 
-    def cached_blocks(self, first: bytes) -> int:
-        """Full blocks of this conversation's last prompt (or of the shared system prompt,
-        under its own key) still in the prefix cache."""
-        blocks = self._cache.get(first)
-        if blocks is None:
+    def cached_blocks(self, key: bytes | str, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of ``hashes`` still in the prefix cache under ``key`` (a use)."""
+        held = self._cache.get(key)
+        if held is None:
             return 0
-        self._cache.move_to_end(first)
-        return blocks
+        self._cache.move_to_end(key)
+        return verified_prefix_blocks(hashes, held)
 
-    def remember(self, first: bytes, blocks: int) -> None:
+    def held_blocks(self, key: bytes | str) -> int:
+        """Blocks cached under ``key``, unverified (the shared system prompt's entry: every
+        conversation's first blocks are the same there) (a use)."""
+        held = self._cache.get(key)
+        if held is None:
+            return 0
+        self._cache.move_to_end(key)
+        return len(held)
+
+    def remember(self, key: bytes | str, hashes: Sequence[bytes]) -> None:
         """The prompt just computed stays cached until newer work pushes it out."""
-        old = self._cache.pop(first, 0)
-        self._held -= old
-        if blocks <= 0 or blocks > self.capacity:
+        old = self._cache.pop(key, ())
+        self._held -= len(old)
+        if not hashes or len(hashes) > self.capacity:
             return
-        while self._held + blocks > self.capacity and self._cache:
+        while self._held + len(hashes) > self.capacity and self._cache:
             _, dropped = self._cache.popitem(last=False)
-            self._held -= dropped
-        self._cache[first] = blocks
-        self._held += blocks
+            self._held -= len(dropped)
+        self._cache[key] = tuple(hashes)
+        self._held += len(hashes)

@@ -53,19 +53,24 @@ def sweep(base: SimSettings, conversations: list[Conversation], budgets: Sequenc
 
 
 def table(results: dict[str, Any]) -> str:
-    """The policy comparison as a Markdown table."""
+    """The policy comparison as a Markdown table: reuse by tool gap, tokens computed, TTFT of
+    all turns and of later turns, and the GiB holding KV (mean over the run, all instances):
+    retained under a lease, in decodes' prefix caches, in host tiers."""
     head = ("| policy | hit rate | " + " | ".join(f"hit {name}" for name, _ in GAP_BUCKETS)
-            + " | computed Mtok | recomputed Mtok | retained GiB mean | TTFT p50 / p90 / p99 s"
+            + " | computed Mtok | recomputed Mtok | TTFT p50 / p90 / p99 s"
+            " | later turns TTFT p50 / p90 / p99 s | retained / cached / host GiB"
             " | goodput turns/s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, s in results.items():
         gaps = " | ".join(_pct(s["hit_rate_by_gap"][b]["hit_rate"]) for b, _ in GAP_BUCKETS)
-        t = s["ttft_s"]
+        t, later = s["ttft_s"], s["ttft_later_s"]
         lines.append(
             f"| {name} | {_pct(s['hit_rate'])} | {gaps} | {s['computed_tokens'] / 1e6:.1f} | "
-            f"{s['recomputed_tokens'] / 1e6:.1f} | {s['retained_gib']['mean']:.0f} | "
+            f"{s['recomputed_tokens'] / 1e6:.1f} | "
             f"{_num(t['p50'])} / {_num(t['p90'])} / {_num(t['p99'])} | "
-            f"{_num(s['goodput_turns_per_s'])} |")
+            f"{_num(later['p50'])} / {_num(later['p90'])} / {_num(later['p99'])} | "
+            f"{s['retained_gib']['mean']:.0f} / {s['prefix_cached_gib']['mean']:.0f} / "
+            f"{s['host_gib']['mean']:.0f} | {_num(s['goodput_turns_per_s'])} |")
     return "\n".join(lines)
 
 

@@ -43,23 +43,40 @@ CHARS_PER_TOKEN = 4
 
 @dataclass(frozen=True, slots=True)
 class Conversation:
-    """One agent's conversation: when it starts and what each turn sends and gets."""
+    """One agent's conversation: when it starts and what each turn sends and gets.
+
+    Drawn conversations grow as a chat does (each prompt is the last one, its reply and a new
+    message). Replayed traces state more (``sim/_traces.py``): each turn's prompt size as
+    recorded (``prompts``), its blocks as the trace's hash ids (``hash_ids``, comparable within
+    ``scope``), what it shares with the previous prompt and reply (``history``), and where the
+    client compacted or edited the history (``versions`` changes).
+    """
 
     cid: str
     start_s: float
     system_tokens: int
     messages: tuple[int, ...]
+    """Per turn, the tokens it adds (drawn: the new message; traces: beyond its history)."""
     replies: tuple[int, ...]
     gaps_s: tuple[float, ...]
     shared_system: bool = False
     """The system prompt is the same in every conversation that says so (one agent product):
     prefix caches hold it once for all of them."""
+    prompts: tuple[int, ...] | None = None
+    hash_ids: tuple[tuple[int, ...], ...] | None = None
+    history: tuple[int, ...] | None = None
+    versions: tuple[int, ...] | None = None
+    scope: int = 0
 
     def __post_init__(self) -> None:
         if not self.messages or len(self.replies) != len(self.messages):
             raise ValueError(f"conversation {self.cid}: needs one reply per message")
         if len(self.gaps_s) < len(self.messages) - 1:
             raise ValueError(f"conversation {self.cid}: needs a gap after every turn but the last")
+        for name in ("prompts", "hash_ids", "history", "versions"):
+            value = getattr(self, name)
+            if value is not None and len(value) != len(self.messages):
+                raise ValueError(f"conversation {self.cid}: needs one of {name} per turn")
 
     @property
     def turns(self) -> int:
@@ -67,10 +84,43 @@ class Conversation:
 
     def prompt_tokens(self, turn: int) -> int:
         """Tokens of turn ``turn``'s prompt (0-based), generation prompt included."""
+        if self.prompts is not None:
+            return self.prompts[turn]
         history = sum(m + r + 2 * FRAMING_TOKENS for m, r in zip(
             self.messages[:turn], self.replies[:turn], strict=True))
         return self.system_tokens + FRAMING_TOKENS + history + self.messages[turn] \
             + FRAMING_TOKENS
+
+    def history_tokens(self, turn: int) -> int:
+        """Tokens of turn ``turn``'s prompt that the previous prompt and its reply already held:
+        what a cache could supply (0 for the first turn)."""
+        if turn == 0:
+            return 0
+        if self.history is not None:
+            return self.history[turn]
+        return self.prompt_tokens(turn - 1) + self.replies[turn - 1]
+
+    def chat(self, turn: int) -> list[tuple[str, int, int]]:
+        """The messages turn ``turn`` sends, as ``(role, characters, version)`` (one character a
+        token, as the router measures them): every earlier message and reply of the same
+        history version, and the new one. A new version (compaction) starts with one message
+        holding the whole prompt."""
+        if self.versions is None:
+            out = [("system", self.system_tokens, 0)]
+            for i in range(turn):
+                out += [("user", self.messages[i], 0), ("assistant", self.replies[i], 0)]
+            out.append(("user", self.messages[turn], 0))
+            return out
+        version = self.versions[turn]
+        first = turn
+        while first > 0 and self.versions[first - 1] == version:
+            first -= 1
+        out = [("user", self.prompt_tokens(first), version)]
+        for i in range(first + 1, turn + 1):
+            added = self.messages[i]
+            out += [("assistant", max(1, self.replies[i - 1] + min(0, added)), version),
+                    ("user", max(1, added), version)]
+        return out
 
 
 @dataclass(frozen=True)

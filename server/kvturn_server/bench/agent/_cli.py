@@ -7,9 +7,9 @@ from typing import Any
 
 from kvturn_server._cli_common import comma_choices, int_range, settings_or_exit
 from kvturn_server.bench._cli import add_agents_args
+from kvturn_server.bench.agent._modes import MODE_TABLE, MODES
 from kvturn_server.bench.agent._run import run_agent_bench
 from kvturn_server.bench.agent._workload import (
-    MODES,
     PROFILE_TEXT,
     PROFILES,
     AgentBenchSettings,
@@ -25,7 +25,8 @@ def settings_from_args(args: argparse.Namespace) -> AgentBenchSettings:
         long_reply_tokens=args.long_reply_tokens, repeats=args.repeats,
         gap_cap_s=args.max_gap if args.max_gap > 0 else None,
         retention_ttl_s=args.retention_ttl, prefill_prefix_cache=args.prefill_prefix_cache,
-        kv_cache_gib=args.kv_cache_gib, router_args=tuple(args.router_arg or ()))
+        kv_cache_gib=args.kv_cache_gib, decode_blocks=args.decode_blocks,
+        router_args=tuple(args.router_arg or ()))
 
 
 def cmd_bench_agent(args: argparse.Namespace) -> int:
@@ -44,33 +45,45 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     """Add ``agent`` to ``kvturn bench``'s subcommands (sets ``func``)."""
 
     d = AgentBenchSettings()
+    modes = "; ".join(
+        f"'{m.name}'" + ("" if m.label == m.name else f" ({m.label})") + f": {m.stands_for} "
+        f"(router {' '.join(m.router_args) or 'with its defaults'}; client {m.client})"
+        for m in MODE_TABLE)
     p: argparse.ArgumentParser = bench_subparsers.add_parser(
         "agent", help="concurrent tool-using agents: TTFT, inter-token latency, prompt tokens "
-                      "computed and retained memory, with and without kvturn conversations",
-        description="Start 1 prefill + 1 decode + router (the prefill's prefix cache on by "
-                    "default, as vLLM ships it), then run N concurrent agents of M turns each "
-                    "(growing conversations, tool gaps drawn from a log-normal fitted to "
-                    "production agent traces, scaled by --time-scale) in two modes: 'off' "
-                    "without conversation ids (plain P/D), 'on' as kvturn conversations that "
-                    "keep their lease during tool gaps; --repeats times, the order of the "
-                    "modes rotated each repeat (off,on / on,off / ...), the same scripts in "
-                    "every repeat with new words. Prints the configuration (prefix cache, "
-                    "instances, reply profile, host CPU and AMX), then per mode the medians "
-                    "over the repeats and their spread of TTFT p50/p90/p99 and turns 2+ p50, "
-                    "inter-token latency p50/p99 (and time per output token), prompt "
-                    "tokens computed by the prefill, by the decode and their sum, turns per "
-                    "second, the decode's retained memory "
-                    "and the router's per-turn reports; then the off/on ratios of every "
-                    "repeat and whether kvturn was never slower. Writes every turn and sample "
-                    "as JSON and a PNG plot. The default run (3 repeats) takes about 7 "
-                    "minutes on a 2-core machine; --profile long several times that.")
+                      "computed and retained memory, kvturn against stock P/D and stock "
+                      "conditional disaggregation",
+        description="Start 1 prefill + 1 decode (prefix caching on both, as vLLM ships it), "
+                    "then run N concurrent agents of M turns each (growing conversations, "
+                    "tool gaps drawn from a log-normal fitted to production agent traces, "
+                    "scaled by --time-scale) in each mode, each run through a router of its "
+                    "own started with the mode's flags. Modes: " + modes + ". --repeats "
+                    "times, the order of the modes rotated each repeat (off,stock-cond,on / "
+                    "stock-cond,on,off / ...), the same scripts in every run with new words. "
+                    "Prints the configuration (prefix cache, instances, decode KV blocks, "
+                    "reply profile, host CPU and AMX), then per mode the medians over the "
+                    "repeats and their spread of TTFT p50/p90/p99 and turns 2+ p50, "
+                    "inter-token latency p50/p99 (and time per output token), prompt tokens "
+                    "computed by the prefill, by the decode and their sum, turns per second, "
+                    "the decode's retained memory, the routers' per-turn reports, and the "
+                    "later turns run on the decode alone: how many found their history in "
+                    "its cache and what they computed (vLLM's per-request cached tokens); "
+                    "then kvturn ('on') against every stock mode that ran: the ratios of "
+                    "every repeat, pooled ratios with bootstrap intervals and whether kvturn "
+                    "was never slower, headlined against the strongest stock mode (lowest "
+                    "pooled TTFT p50 of turns 2+). Writes every turn and sample as JSON and a "
+                    "PNG plot. The default run (3 modes, 3 repeats) takes about 10 minutes on "
+                    "a 2-core machine; --profile long several times that. The three standard "
+                    "scenarios: the defaults (a roomy decode, 64-token replies), --max-tokens "
+                    "256, and --decode-blocks 320 --agents 16 (a decode short of KV).")
     add_agents_args(p, d, seeded="the gaps and the generated text",
                     state="model, logs and state of the benchmark stack")
     p.add_argument("--turns", type=int, default=d.turns,
                    help="turns per agent (default: %(default)s)")
-    p.add_argument("--modes", type=comma_choices(MODES, "modes"), default=d.modes, metavar="off,on",
-                   help="which modes to run, in this order in the first repeat; later repeats "
-                        "rotate it (default: off,on)")
+    p.add_argument("--modes", type=comma_choices(MODES, "modes"), default=d.modes,
+                   metavar="MODE,...",
+                   help=f"which modes to run, of {', '.join(MODES)}, in this order in the "
+                        f"first repeat; later repeats rotate it (default: {','.join(d.modes)})")
     p.add_argument("--repeats", type=int, default=d.repeats,
                    help="how many times to run the modes, order rotated each time; the table "
                         "reports medians and min-max over them (default: %(default)s)")
@@ -102,9 +115,14 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                         "where a conversation's next turn does not find its prefix locally")
     p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib,
                    help="KV cache per vLLM instance in GiB (default: %(default)s)")
+    p.add_argument("--decode-blocks", type=int, default=None, metavar="N",
+                   help="the decode's KV blocks (vLLM --num-gpu-blocks-override; 128 tokens "
+                        "each on CPU): a decode short of KV for the active conversations, "
+                        "e.g. 320 with --agents 16 (default: what --kv-cache-gib gives)")
     p.add_argument("--router-arg", action="append", default=None, metavar="ARG",
-                   help="one more `kvturn router` argument (repeatable; both modes run on that "
-                        "router), e.g. --router-arg=--decode-continue-tokens=256")
+                   help="one more `kvturn router` argument for every mode's router (and the "
+                        "warm-up's), after the mode's own flags (repeatable), e.g. "
+                        "--router-arg=--log-level=debug")
     p.set_defaults(func=cmd_bench_agent)
     return p
 

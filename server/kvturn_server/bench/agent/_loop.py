@@ -26,16 +26,22 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvturn_server.bench._stats import MIB, fmt, percentile
 from kvturn_server.bench.agent._records import AgentOutcome
-from kvturn_server.bench.agent._workload import AgentScript, Message
 
 if TYPE_CHECKING:
     import kvturn
+
+    # Types only: the workload's settings check the mode table (``_modes``), which names this
+    # module's client kinds.
+    from kvturn_server.bench.agent._workload import AgentScript, Message
 
 PLAIN, IDS, KVTURN = "plain", "ids", "kvturn"
 CLIENT_KINDS = (PLAIN, IDS, KVTURN)
 HEADER_CONVERSATION_ID = "X-Conversation-ID"
 # X-KVTurn-Reuse of a stream the decode continued alone: its usage says what was reused.
 PENDING = "pending"
+# What the benchmarks start vLLM with so that each streamed reply's usage says how many prompt
+# tokens the serving instance's cache supplied (prompt_tokens_details.cached_tokens).
+PROMPT_DETAILS_ARGS = ("--enable-prompt-tokens-details",)
 
 
 @dataclass
@@ -57,6 +63,7 @@ class TurnFields(Protocol):
     """What the loop fills in every turn record (both benchmarks' records have these)."""
 
     prompt_tokens: int | None
+    cached_tokens: int | None
     completion_tokens: int | None
     ttft_ms: float | None
     total_ms: float | None
@@ -89,10 +96,11 @@ async def stream_turn(target: Any, model: str, messages: list[Message], max_toke
                       headers: dict[str, str] | None = None,
                       extra_body: dict[str, Any] | None = None) -> str:
     """One streamed turn: fills ``record``'s timings (TTFT: request start to the first content
-    chunk), usage and the router's reports (a turn the decode continued alone, ``pending`` in
-    its headers, by its usage's cached tokens); appends each content chunk's time to
-    ``chunks`` as it arrives (a turn that fails midway keeps the ones it had); returns the
-    text."""
+    chunk), usage (with the serving instance's ``prompt_tokens_details.cached_tokens`` where
+    vLLM runs with ``--enable-prompt-tokens-details``) and the router's reports (a turn the
+    decode continued alone, ``pending`` in its headers, by those cached tokens); appends each
+    content chunk's time to ``chunks`` as it arrives (a turn that fails midway keeps the ones
+    it had); returns the text."""
     started = clock()
     stream = await target.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
@@ -104,13 +112,13 @@ async def stream_turn(target: Any, model: str, messages: list[Message], max_toke
     record.prefill_choice = got.get("x-kvturn-prefill-choice")
     first_finish: float | None = None
     parts: list[str] = []
-    cached: int | None = None
     async for chunk in stream:
         if chunk.usage is not None:
             record.prompt_tokens = chunk.usage.prompt_tokens
-            record.completion_tokens = chunk.usage.completion_tokens
             details = chunk.usage.prompt_tokens_details
-            cached = None if details is None else details.cached_tokens
+            if details is not None and details.cached_tokens is not None:
+                record.cached_tokens = details.cached_tokens
+            record.completion_tokens = chunk.usage.completion_tokens
         for choice in chunk.choices:
             content = choice.delta.content
             if content:
@@ -121,6 +129,7 @@ async def stream_turn(target: Any, model: str, messages: list[Message], max_toke
                 if first_finish is None:
                     first_finish = clock()
     ended = clock()
+    cached = record.cached_tokens
     if record.reuse == PENDING and cached is not None and record.prompt_tokens is not None:
         # A turn the decode continued alone: its headers preceded the decode's work; what its
         # cache supplied is the usage's cached tokens, settled as the router and SDK do.
@@ -158,7 +167,9 @@ async def run_agent(script: AgentScript, kind: str, client: kvturn.AsyncOpenAI, 
                     clock: Callable[[], float] = time.perf_counter) -> AgentOutcome:
     """Run one agent's turns and tool gaps as a ``kind`` client (``conversation_id``: what an
     ``ids`` client sends; ``reply_tokens``: each turn's ``max_tokens``, the script's unless
-    given). Per turn, ``new_record(turn index, conversation id, seconds since t0)`` makes the
+    given). Each prompt is the previous one, the reply as received and the turn's message,
+    unless the script cuts the history before the turn (``AgentScript.cuts``). Per turn,
+    ``new_record(turn index, conversation id, seconds since t0)`` makes the
     record, appended to ``records`` before the turn is sent; after the turn, failed or not,
     ``timed(record, its content-chunk times, the SDK's report of the turn)`` (the report: None
     unless a kvturn client's turn succeeded)."""
@@ -180,6 +191,9 @@ async def run_agent(script: AgentScript, kind: str, client: kvturn.AsyncOpenAI, 
     messages: list[Message] = [{"role": "system", "content": script.system}]
     try:
         for turn, message in enumerate(script.messages):
+            cut = script.cut_before(turn)
+            if cut is not None:
+                messages = cut.apply(messages)
             messages.append(message)
             record = new_record(turn, cid, round(clock() - t0, 4))
             records.append(record)

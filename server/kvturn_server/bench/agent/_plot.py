@@ -11,6 +11,7 @@ from kvturn_server.bench._host import describe_cpu
 from kvturn_server.bench._stats import (
     MIB,
 )
+from kvturn_server.bench.agent._modes import MODE_TABLE
 
 
 def write_plot(results: dict[str, Any], path: Path) -> bool:
@@ -20,37 +21,39 @@ def write_plot(results: dict[str, Any], path: Path) -> bool:
     plt = pyplot()
     if plt is None:
         return False
-    colors = {"off": "tab:red", "on": "tab:blue"}
-    labels = {"off": "off (plain P/D)", "on": "on (kvturn conversations)"}
+    colors = {"off": "tab:red", "stock-cond": "tab:orange", "stock-cond-2k": "tab:brown",
+              "on": "tab:blue"}
+    labels = {m.name: m.title for m in MODE_TABLE}
     fig, (ax_ttft, ax_itl, ax_mem, ax_tok) = plt.subplots(1, 4, figsize=(21, 4.8))
     for mode, summary in results["modes"].items():
+        color, name = colors.get(mode, "tab:gray"), labels.get(mode, mode)
         ttft = sorted(t["ttft_ms"] for t in results["turns"]
                       if t["mode"] == mode and t["error"] is None and t["ttft_ms"] is not None)
         if ttft:
             ax_ttft.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post",
-                         color=colors[mode], label=f"{labels[mode]}, n={len(ttft)}")
+                         color=color, label=f"{name}, n={len(ttft)}")
         pooled = summary.get("itl_ms_pooled") or {}
         cdf = [v for v in pooled.get("cdf_pct") or [] if v is not None]
         if cdf:
             ax_itl.plot(cdf, [i / (len(cdf) - 1) if len(cdf) > 1 else 1.0
-                              for i in range(len(cdf))], color=colors[mode],
-                        label=f"{labels[mode]}, n={pooled['n']}")
+                              for i in range(len(cdf))], color=color,
+                        label=f"{name}, n={pooled['n']}")
         repeats = sorted({s.get("repeat", 0) for s in results["samples"] if s["mode"] == mode})
         for n, repeat in enumerate(repeats):
             samples = [s for s in results["samples"]
                        if s["mode"] == mode and s.get("repeat", 0) == repeat]
-            label = labels[mode] if n == 0 else None
+            label = name if n == 0 else None
             mem = [(s["t_s"], s["retained_bytes"] / MIB) for s in samples
                    if s["retained_bytes"] is not None]
             if mem:
-                ax_mem.step(*zip(*mem, strict=True), where="post", color=colors[mode],
+                ax_mem.step(*zip(*mem, strict=True), where="post", color=color,
                             alpha=0.8, label=label)
             tok = [(s["t_s"], s["prefill_computed_tokens"]) for s in samples
                    if s["prefill_computed_tokens"] is not None]
             if tok:
                 base = tok[0][1]
                 ax_tok.plot([t for t, _ in tok], [v - base for _, v in tok],
-                            color=colors[mode], alpha=0.8, label=label)
+                            color=color, alpha=0.8, label=label)
     ax_ttft.set_xscale("log")
     ax_ttft.set_xlabel("TTFT (ms)")
     ax_ttft.set_ylabel("fraction of turns")
@@ -76,7 +79,9 @@ def write_plot(results: dict[str, Any], path: Path) -> bool:
     fig.suptitle(
         f"kvturn bench agent: {cfg['agents']} agents x {cfg['turns']} turns, {cfg['model']} "
         f"model, prefill prefix cache {'on' if cfg['prefill_prefix_cache'] else 'off'}, "
-        f"{cfg['prefills']} prefill + {cfg['decodes']} decode, {replies}, "
+        f"{cfg['prefills']} prefill + {cfg['decodes']} decode"
+        + (f" of {cfg['decode_blocks']} KV blocks" if cfg.get("decode_blocks") else "")
+        + f", {replies}, "
         f"{cfg['repeats']} repeat(s); {describe_cpu(results['machine'])}")
     save(plt, fig, path)
     return True

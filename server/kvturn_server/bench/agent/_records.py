@@ -23,6 +23,12 @@ class TurnRecord:
     message_role: str
     message_words: int
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    """The prompt tokens the serving instance's cache supplied, as vLLM reports them
+    (``usage.prompt_tokens_details.cached_tokens``, with ``--enable-prompt-tokens-details``):
+    on a turn the decode served alone (route ``decode``) its own prefix-cache hit, so
+    ``prompt_tokens - cached_tokens`` is what it computed; on a P/D turn vLLM passes on the
+    prefill's hit. None where not reported."""
     completion_tokens: int | None = None
     ttft_ms: float | None = None
     total_ms: float | None = None

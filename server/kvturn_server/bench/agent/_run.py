@@ -1,5 +1,7 @@
-"""``kvturn bench agent``: N concurrent tool-using agents x M turns through the router, with
-retention ("on") and without ("off"), repeated with the order of the modes rotated.
+"""``kvturn bench agent``: N concurrent tool-using agents x M turns, in every mode of the mode
+table (``_modes``: stock P/D, stock conditional disaggregation at two thresholds, kvturn), each
+run through a router of its own over the same prefill and decode, repeated with the order of the
+modes rotated.
 
 Each agent is a conversation that grows turn by turn: a long system prompt, then per turn one
 new message (the task as a ``user`` message first, ``tool`` results after) and the model's
@@ -9,38 +11,44 @@ a run takes minutes on a small machine. Replies follow a profile: ``tool`` (ever
 ``max_tokens`` long, 64 by default) or ``long`` (answers or code, 300-1000 tokens drawn per
 turn).
 
-- **on**: each agent is a ``kvturn`` conversation (``client.conversation()``); during a gap it
-  holds ``pause("tool")``, so the SDK renews the lease, and it releases the retention at the
-  end. The router pins the decode's retained KV and the prefill reads it back.
-- **off**: the same requests without a conversation id: the router neither pins nor retains
-  (plain prefill/decode disaggregation).
+- **off** (stock-pd): the requests without a conversation id through a ``--no-kv-reuse``
+  router: plain prefill/decode disaggregation.
+- **stock-cond**, **stock-cond-2k**: ``X-Conversation-ID`` only, through a ``--no-kv-reuse
+  --conditional-disagg N`` router: a short follow-up runs on the decode alone, on whatever its
+  plain prefix cache still holds.
+- **on** (kvturn): each agent is a ``kvturn`` conversation (``client.conversation()``); during a
+  gap it holds ``pause("tool")``, so the SDK renews the lease, and it releases the retention at
+  the end.
 
-The baseline is what users run: the prefill's prefix cache is on by default (vLLM's default;
-``--no-prefill-prefix-cache`` stands for a prefill pool where the next turn lands elsewhere).
-Both modes run the same scripts (sizes, gaps, reply lengths, start offsets; the words differ
-per mode and per repeat so that no cache carries over) on the same stack, one mode after the
-other (``ORDER_RATIONALE``), ``repeats`` times with the order rotated (off,on / on,off / ...).
-A short warm-up conversation (NIXL handshakes, first-request costs) runs before the first
-repeat, and the load average is recorded around each mode.
+The baseline is what users run: prefix caching is on on both instances (vLLM's default;
+``--no-prefill-prefix-cache`` stands for a prefill pool where the next turn lands elsewhere),
+and ``--decode-blocks`` makes the decode short of KV. Every mode runs the same scripts (sizes,
+gaps, reply lengths, start offsets; the words differ per mode and per repeat so that no cache
+carries over) on the same instances, one mode after the other (``ORDER_RATIONALE``),
+``repeats`` times with the order rotated. A short warm-up conversation (NIXL handshakes, first-
+request costs) runs before the first repeat, and the load average is recorded around each mode.
 
-Recorded per turn: prompt tokens (``usage``), TTFT (request start to the first content chunk),
-the gaps between later content chunks (inter-token latency as the client sees it), total time,
-the router's ``X-KVTurn-Reuse`` / ``X-KVTurn-Reused-Tokens`` and, where the router sends them,
-``X-KVTurn-Route`` / ``X-KVTurn-Prefill-Choice``. Per mode: both instances' computed prompt
-tokens (``vllm:prompt_tokens_by_source_total{source="local_compute"}``) before and after.
-Sampled every ``sample_interval`` seconds in a background thread: the decode's retained bytes
-(control endpoint ``/kvturn/v1/stats``, ``retention.held_bytes``) and the prefill's computed
-prompt tokens. The records are in ``_records``, the summaries, the comparison and its verdict
-in ``_summary``, the table in ``_report``, the plot in ``_plot``, the command line in ``_cli``;
-the agent loop itself (shared with ``kvturn bench fleet``) in ``_loop``: ``off`` runs its
-``plain`` client, ``on`` its ``kvturn`` client.
+Recorded per turn: prompt tokens (``usage``) and the ones the serving instance's cache supplied
+(``prompt_tokens_details.cached_tokens``: the instances run with
+``--enable-prompt-tokens-details``), TTFT (request start to the first content chunk), the gaps
+between later content chunks (inter-token latency as the client sees it), total time, the
+router's ``X-KVTurn-Reuse`` / ``X-KVTurn-Reused-Tokens`` / ``X-KVTurn-Route`` /
+``X-KVTurn-Prefill-Choice``. Per mode: both instances' computed prompt tokens
+(``vllm:prompt_tokens_by_source_total{source="local_compute"}``) before and after. Sampled every
+``sample_interval`` seconds in a background thread: the decode's retained bytes (control
+endpoint ``/kvturn/v1/stats``, ``retention.held_bytes``) and the prefill's computed prompt
+tokens. The records are in ``_records``, the summaries, the comparisons and their verdicts in
+``_summary``, the table in ``_report``, the plot in ``_plot``, the command line in ``_cli``;
+the agent loop itself (shared with ``kvturn bench fleet``) in ``_loop``, run as each mode's
+client kind.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -48,13 +56,21 @@ from kvturn_server._cli_common import write_json
 from kvturn_server.bench._cli import bench_client, write_plot_and_say
 from kvturn_server.bench._host import describe_cpu, host_info
 from kvturn_server.bench._sampling import PeriodicSampler, loadavg, retained_bytes, wait_released
-from kvturn_server.bench.agent._loop import KVTURN, PLAIN, Live, chunk_gaps_ms, progress
+from kvturn_server.bench.agent._loop import (
+    IDS,
+    PROMPT_DETAILS_ARGS,
+    Live,
+    chunk_gaps_ms,
+    progress,
+)
 from kvturn_server.bench.agent._loop import run_agent as run_as_client
+from kvturn_server.bench.agent._modes import KVTURN_MODE, MODES_BY_NAME
 from kvturn_server.bench.agent._plot import write_plot
 from kvturn_server.bench.agent._records import AgentOutcome, ModeRun, Sample, TurnRecord
 from kvturn_server.bench.agent._report import table
 from kvturn_server.bench.agent._summary import build_results
 from kvturn_server.bench.agent._workload import (
+    CPU_BLOCK_SIZE,
     DECODES,
     PREFILLS,
     AgentBenchSettings,
@@ -67,12 +83,13 @@ from kvturn_server.local._progress import ProgressLine
 
 if TYPE_CHECKING:
     import kvturn
-    from kvturn_server.local._stack import StackConfig
+    from kvturn_server.local._fleet import Fleet, FleetConfig
 
 # One agent: the shared loop (``_loop``) as the mode's client kind.
 
-CLIENTS = {"off": PLAIN, "on": KVTURN}
-"""Each mode's client: ``off`` sends no conversation id, ``on`` is a kvturn conversation."""
+# The warm-up router reads the second turn into the prefill from the decode instead of
+# continuing it there, so that NIXL connects both ways before any measured run.
+WARM_UP_ROUTER_ARGS = ("--decode-continue-tokens", "0")
 
 
 def _timed(record: TurnRecord, chunks: list[float], info: kvturn.TurnInfo | None) -> None:
@@ -82,11 +99,17 @@ def _timed(record: TurnRecord, chunks: list[float], info: kvturn.TurnInfo | None
         record.no_reuse_reason = info.no_reuse_reason
 
 
+def conversation_id(script: AgentScript) -> str:
+    """The id an ``ids`` client sends (``X-Conversation-ID``): one per agent and run."""
+    return f"bench-{script.mode}-r{script.repeat}-a{script.agent}"
+
+
 async def run_agent(script: AgentScript, client: kvturn.AsyncOpenAI, model: str,
                     settings: AgentBenchSettings, t0: float, records: list[TurnRecord],
                     live: Live, *, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
                     clock: Callable[[], float] = time.perf_counter) -> AgentOutcome:
-    """One agent's turns (and tool gaps) in ``script.mode``; a record per turn."""
+    """One agent's turns (and tool gaps) as ``script.mode``'s client; a record per turn."""
+    kind = MODES_BY_NAME[script.mode].client
 
     def new_record(turn: int, conversation_id: str | None, started_s: float) -> TurnRecord:
         return TurnRecord(
@@ -97,15 +120,16 @@ async def run_agent(script: AgentScript, client: kvturn.AsyncOpenAI, model: str,
             repeat=script.repeat, max_tokens=script.reply_tokens[turn])
 
     return await run_as_client(
-        script, CLIENTS[script.mode], client, model, t0=t0, live=live, records=records,
+        script, kind, client, model, t0=t0, live=live, records=records,
         new_record=new_record, timed=_timed, keepalive_interval=settings.keepalive_interval,
+        conversation_id=conversation_id(script) if kind == IDS else None,
         sleep=sleep, clock=clock)
 
 
 # What the instances say over time.
 
 class Probe(Protocol):
-    """Reads the stack's instance-wide numbers; any of them may be unavailable (None)."""
+    """Reads the instances' numbers; any of them may be unavailable (None)."""
 
     def retained_bytes(self) -> int | None: ...
 
@@ -113,9 +137,11 @@ class Probe(Protocol):
 
     def decode_sources(self) -> PromptSources | None: ...
 
+    def decode_block_size(self) -> int | None: ...
+
 
 class HttpProbe:
-    """The real stack: the decode's control endpoint and both instances' ``/metrics``."""
+    """The real instances: the decode's control endpoint and both instances' ``/metrics``."""
 
     def __init__(self, prefill_url: str, decode_url: str, decode_control_url: str) -> None:
         self.prefill_url = prefill_url
@@ -140,6 +166,20 @@ class HttpProbe:
     def decode_sources(self) -> PromptSources | None:
         return self._sources(self.decode_url)
 
+    def decode_block_size(self) -> int | None:
+        """The decode's block size, as its ``vllm:cache_config_info`` states it."""
+        from kvturn_server.local._metrics import scrape
+
+        try:
+            samples = scrape(self.decode_url)
+        except (OSError, ValueError):
+            return None
+        for (name, labels), _ in samples.items():
+            if name == "vllm:cache_config_info":
+                size = dict(labels).get("block_size")
+                return int(size) if size is not None and size.isdigit() else None
+        return None
+
 
 class Sampler(PeriodicSampler[Sample]):
     """The decode's retained bytes and the prefill's computed prompt tokens every ``interval``
@@ -159,6 +199,42 @@ class Sampler(PeriodicSampler[Sample]):
                       None if sources is None else sources.computed, self.repeat)
 
 
+# The routers: one per run.
+
+Connect = Callable[[str, tuple[str, ...]],
+                   contextlib.AbstractAsyncContextManager["kvturn.AsyncOpenAI"]]
+"""``connect(name, router flags)``: a client of a router started with those flags for one run,
+named ``name`` (its log is ``logs/<name>.log``), stopped when the context ends."""
+
+
+def router_args(mode: str, settings: AgentBenchSettings) -> tuple[str, ...]:
+    """The flags ``mode``'s router is started with (beyond the backends and the lease): the
+    mode table's, then ``--router-arg``'s."""
+    return (*MODES_BY_NAME[mode].router_args, *settings.router_args)
+
+
+class FleetRouters:
+    """``Connect`` on a running fleet: ``Fleet.start_router`` for the run, then a client."""
+
+    def __init__(self, fleet: Fleet, settings: AgentBenchSettings) -> None:
+        self.fleet = fleet
+        self.settings = settings
+        self.startup_s: dict[str, float] = {}
+
+    @contextlib.asynccontextmanager
+    async def __call__(self, name: str, args: tuple[str, ...]) -> AsyncIterator[
+            kvturn.AsyncOpenAI]:
+        router = await asyncio.to_thread(self.fleet.start_router, name, args)
+        self.startup_s[name] = round(router.startup_s, 3)
+        client = bench_client(router.url, self.settings.request_timeout_s,
+                              self.settings.max_retries)
+        try:
+            yield client
+        finally:
+            await client.close()
+            await asyncio.to_thread(self.fleet.stop_router, name)
+
+
 # Running the modes.
 
 def _tag(mode: str, repeat: int, repeats: int) -> str:
@@ -170,7 +246,8 @@ async def run_mode(mode: str, settings: AgentBenchSettings, client: kvturn.Async
                    say: Callable[[str], None] = print,
                    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
                    clock: Callable[[], float] = time.perf_counter) -> ModeRun:
-    """All agents of one mode in one repeat, concurrently; the sampler runs meanwhile."""
+    """All agents of one mode in one repeat, concurrently, through ``client`` (the mode's
+    router); the sampler runs meanwhile."""
     scripts = build_scripts(settings, mode, repeat)
     tag = _tag(mode, repeat, settings.repeats)
     held = await wait_released(probe.retained_bytes, 15.0, sleep, clock)
@@ -182,10 +259,10 @@ async def run_mode(mode: str, settings: AgentBenchSettings, client: kvturn.Async
     sampler = Sampler(probe, mode, settings.sample_interval_s, clock, repeat)
     t0 = clock()
     sampler.start(t0)
+    table_mode = MODES_BY_NAME[mode]
     say(f"{tag} {settings.agents} agents x {settings.turns} turns, starting "
-        f"{settings.stagger_s:g} s apart"
-        + ("; each a kvturn conversation, paused during tool gaps" if mode == "on"
-           else "; no conversation ids (plain P/D)"))
+        f"{settings.stagger_s:g} s apart; {table_mode.label}, router "
+        f"{' '.join(router_args(mode, settings)) or '(defaults)'}, client {table_mode.client}")
 
     def held_now() -> int | None:
         latest = sampler.latest()
@@ -217,10 +294,10 @@ async def warm_up(client: kvturn.AsyncOpenAI, model: str, settings: AgentBenchSe
     directions, first-request costs), with short replies whatever the profile; its TTFTs (ms)
     are returned, not counted."""
     small = replace(settings, agents=1, turns=2, system_tokens=min(settings.system_tokens, 300),
-                    stagger_s=0.0, modes=("on",), profile="tool",
+                    stagger_s=0.0, modes=(KVTURN_MODE,), profile="tool",
                     max_tokens=min(settings.max_tokens, 64))
     script = build_scripts(small, "warm-up")[0]
-    script = replace(script, mode="on", gaps_s=(0.0,))
+    script = replace(script, mode=KVTURN_MODE, gaps_s=(0.0,))
     records: list[TurnRecord] = []
     outcome = await run_agent(script, client, model, small, clock(), records,
                               Live(1, 2), sleep=lambda s: asyncio.sleep(0), clock=clock)
@@ -229,64 +306,64 @@ async def warm_up(client: kvturn.AsyncOpenAI, model: str, settings: AgentBenchSe
     return [r.ttft_ms for r in records if r.ttft_ms is not None]
 
 
-async def measure(settings: AgentBenchSettings, client: kvturn.AsyncOpenAI, model: str,
-                  probe: Probe, *, say: Callable[[str], None] = print,
+async def measure(settings: AgentBenchSettings, connect: Connect, model: str, probe: Probe, *,
+                  say: Callable[[str], None] = print,
                   sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
                   clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Warm up, then ``settings.repeats`` times every mode, in ``settings.modes`` order
-    rotated by the repeat (``mode_order``); the results document."""
+    rotated by the repeat (``mode_order``), each run through a router of its own
+    (``connect``); the results document."""
     load_start = loadavg()
-    warm = await warm_up(client, model, settings, clock) if settings.warmup else []
+    warm: list[float] = []
+    if settings.warmup:
+        async with connect("router-warm-up", (*settings.router_args,
+                                              *WARM_UP_ROUTER_ARGS)) as client:
+            warm = await warm_up(client, model, settings, clock)
     runs = []
     for repeat in range(settings.repeats):
         for mode in mode_order(settings.modes, repeat):
-            runs.append(await run_mode(mode, settings, client, model, probe, repeat=repeat,
-                                       say=say, sleep=sleep, clock=clock))
+            async with connect(f"router-{mode}-r{repeat}", router_args(mode, settings)) \
+                    as client:
+                runs.append(await run_mode(mode, settings, client, model, probe,
+                                           repeat=repeat, say=say, sleep=sleep, clock=clock))
     held: dict[str, list[int | None]] = {}
     for run in runs:
         held.setdefault(run.mode, []).append(run.extra.get("retained_bytes_at_start"))
+    block_size = await asyncio.to_thread(probe.decode_block_size)
     extra = {"warmup_ttft_ms": warm,
              "load_average": {"start": list(load_start), "end": list(loadavg())},
              "retained_bytes_at_mode_start": held}
-    return build_results(settings, runs, extra)
+    return build_results(settings, runs, extra,
+                         block_size=CPU_BLOCK_SIZE if block_size is None else block_size)
 
 
-# The stack.
+# The instances.
 
-def agent_stack_config(settings: AgentBenchSettings, ports: dict[str, Any]) -> StackConfig:
-    """Prefill + decode + router on the chosen model, leases scaled like the tool gaps."""
+def agent_fleet_config(settings: AgentBenchSettings) -> FleetConfig:
+    """1 prefill + 1 decode on the chosen model (no router: each run starts its own), leases
+    scaled like the tool gaps, the decode's blocks as ``--decode-blocks`` sets them."""
+    from kvturn_server.local._fleet import FleetConfig
     from kvturn_server.local._model import SIZES
-    from kvturn_server.local._stack import StackConfig
 
-    cfg = StackConfig(
-        state_dir=settings.state_dir, model_size=settings.size,
-        served_model_name=f"kvturn-{settings.size}",
+    return FleetConfig(
+        state_dir=settings.state_dir, prefills=PREFILLS, decodes=DECODES,
+        model_size=settings.size, served_model_name=f"kvturn-{settings.size}",
         max_model_len=SIZES[settings.size].max_positions, kv_cache_gib=settings.kv_cache_gib,
         decoder_kv_blocks_ttl=settings.retention_ttl,
-        prefill_prefix_caching=settings.prefill_prefix_cache, with_router=True,
-        with_reference=False, router_args=settings.router_args)
-    return replace(cfg, **ports)
-
-
-PORT_FIELDS = ("router_port", "prefill_port", "decode_port", "prefill_side_channel_port",
-               "decode_side_channel_port", "prefill_control_port", "decode_control_port")
-
-
-def _free_ports() -> dict[str, int]:
-    from kvturn_server.local import free_port
-
-    return {name: free_port() for name in PORT_FIELDS}
+        prefill_prefix_caching=settings.prefill_prefix_cache,
+        decode_num_blocks=settings.decode_blocks, extra_vllm_args=PROMPT_DETAILS_ARGS)
 
 
 def run_agent_bench(settings: AgentBenchSettings,
                     say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Start the stack, run the modes, stop the stack; print a table, write the JSON and the
-    plot when their paths are set; return the results."""
+    """Start the prefill and the decode, run the modes (a router each run), stop everything;
+    print a table, write the JSON and the plot when their paths are set; return the
+    results."""
+    from kvturn_server.local._fleet import Fleet
     from kvturn_server.local._model import SIZES
-    from kvturn_server.local._stack import Stack
 
     settings.check_fits(SIZES[settings.size].max_positions)
-    cfg = agent_stack_config(settings, _free_ports())
+    cfg = agent_fleet_config(settings)
     gaps = settings.gaps
     say(f"tool gaps: log-normal, p50 {gaps.quantile(0.5):.2f} s, p90 {gaps.quantile(0.9):.2f} s,"
         f" p99 {gaps.quantile(0.99):.2f} s (trace x{settings.time_scale:g}); lease "
@@ -294,31 +371,26 @@ def run_agent_bench(settings: AgentBenchSettings,
     orders = " / ".join(",".join(mode_order(settings.modes, r)) for r in range(settings.repeats))
     say(f"configuration: prefill prefix cache "
         f"{'ON (vLLM default)' if settings.prefill_prefix_cache else 'OFF'}; {PREFILLS} prefill "
-        f"+ {DECODES} decode + router; replies: {settings.reply_text()}; {settings.repeats} "
+        f"+ {DECODES} decode"
+        + (f" of {settings.decode_blocks} KV blocks" if settings.decode_blocks else "")
+        + f" + a router per run; replies: {settings.reply_text()}; {settings.repeats} "
         f"repeat(s), order {orders}; host: {describe_cpu(host_info())}"
-        + (f"; router {' '.join(settings.router_args)}" if settings.router_args else ""))
-    say(f"starting the benchmark stack ({settings.size} model)")
-    with Stack(cfg, die_with_parent=True) as stack:
-        stack.start(progress=ProgressLine())
-        probe = HttpProbe(cfg.prefill_url, cfg.decode_url, cfg.decode_control_url)
-
-        async def main() -> dict[str, Any]:
-            client = bench_client(cfg.router_url, settings.request_timeout_s,
-                                  settings.max_retries)
-            try:
-                return await measure(settings, client, cfg.served_model_name, probe, say=say)
-            finally:
-                await client.close()
-
-        results = asyncio.run(main())
-        results["stack"] = {"model": settings.size, "served_model_name": cfg.served_model_name,
-                            "max_model_len": cfg.max_model_len,
-                            "kv_cache_gib": cfg.kv_cache_gib,
-                            "prefill_prefix_caching": cfg.prefill_prefix_caching,
-                            "prefills": PREFILLS, "decodes": DECODES,
-                            "decoder_kv_blocks_ttl": cfg.decoder_kv_blocks_ttl,
-                            "retention_budget": cfg.retention_budget,
-                            "startup_s": stack.startup_seconds}
+        + (f"; every router also {' '.join(settings.router_args)}" if settings.router_args
+           else ""))
+    for mode in settings.modes:
+        say(f"  {MODES_BY_NAME[mode].title}: router "
+            f"{' '.join(router_args(mode, settings)) or '(defaults)'}; "
+            f"{MODES_BY_NAME[mode].stands_for}")
+    say(f"starting 1 prefill + 1 decode ({settings.size} model); logs in "
+        f"{cfg.state_dir / 'logs'}")
+    with Fleet(cfg, die_with_parent=True) as fleet:
+        fleet.start(progress=ProgressLine())
+        prefill, decode = fleet.prefills[0], fleet.decodes[0]
+        probe = HttpProbe(prefill.url, decode.url, decode.control_url)
+        routers = FleetRouters(fleet, settings)
+        results = asyncio.run(measure(settings, routers, cfg.model_name, probe, say=say))
+        results["stack"] = {**cfg.describe(), "startup_s": fleet.startup_seconds,
+                            "router_startup_s": routers.startup_s}
     say(table(results))
     if settings.json_path is not None:
         write_json(results, settings.json_path)

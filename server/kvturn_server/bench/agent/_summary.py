@@ -1,6 +1,12 @@
 """What ``kvturn bench agent`` measured, summarized: each mode's summary per repeat, the
-medians and spreads over the repeats, the off/on comparison with its verdict, and the JSON
-document (``build_results``); the table is in ``_report``, the plot in ``_plot``.
+medians and spreads over the repeats, kvturn's comparison with every stock mode that ran (the
+same ratios, verdicts and pooled intervals against each), the headline against the strongest
+of them, and the JSON document (``build_results``); the table is in ``_report``, the plot in
+``_plot``.
+
+The JSON keeps ``comparison`` as it was before the stock modes beyond ``off`` existed: kvturn
+against ``off`` (stock P/D), keys ``X_off_over_on``; ``comparisons[base]`` has the same for
+every stock mode ``base`` with keys ``X_base_over_on``, and ``headline`` names the strongest.
 
 Computed prompt tokens are counted on both instances (``vllm:prompt_tokens_by_source_total``,
 source ``local_compute``): the prefill's, the decode's, and their sum, which the comparison
@@ -25,16 +31,25 @@ from kvturn_server.bench._stats import (
     bootstrap_ratio,
     cdf_points,
     distribution,
+    lowest,
     median_tree,
     percentile,
     ratio,
+    rounded,
     spread,
     turn_summary,
 )
+from kvturn_server.bench.agent._modes import (
+    KVTURN_MODE,
+    MODE_TABLE,
+    MODES,
+    MODES_BY_NAME,
+    STOCK_MODES,
+)
 from kvturn_server.bench.agent._records import ModeRun, TurnRecord
 from kvturn_server.bench.agent._workload import (
+    CPU_BLOCK_SIZE,
     DECODES,
-    MODES,
     ORDER_RATIONALE,
     PREFILLS,
     AgentBenchSettings,
@@ -45,19 +60,40 @@ from kvturn_server.local._metrics import PromptSources
 
 # The issue's bar for the decode's inter-token latency with kvturn on: p99 within 10 % of off.
 ITL_P99_TOLERANCE = 1.10
-# The ratios that must all be >= 1.0 in every repeat for "kvturn was never slower".
-NEVER_SLOWER = ("ttft_ms_p50_off_over_on", "ttft_ms_p90_off_over_on",
-                "ttft_ms_p99_off_over_on", "ttft_ms_turn2plus_p50_off_over_on")
-DIRECTION = (
-    "X_off_over_on = off / on: above 1 kvturn is faster (latencies) or computes less (tokens); "
-    "X_on_over_off = on / off (turns per second: above 1 kvturn serves more; ITL p99: the "
-    f"target is <= {ITL_P99_TOLERANCE:.2f}); the top-level values are medians over the "
-    "repeats, spread and per_repeat give every repeat's")
+# How a comparison's keys name its baseline: "off" in the comparison the JSON has always had
+# (kvturn against stock P/D, X_off_over_on), "base" in comparisons[mode] (X_base_over_on).
+LEGACY, BASE = "off", "base"
+
+
+def never_slower_checks(tag: str = LEGACY) -> tuple[str, ...]:
+    """The ratios that must all be >= 1.0 in every repeat for "kvturn was never slower"."""
+    return (f"ttft_ms_p50_{tag}_over_on", f"ttft_ms_p90_{tag}_over_on",
+            f"ttft_ms_p99_{tag}_over_on", f"ttft_ms_turn2plus_p50_{tag}_over_on")
+
+
+NEVER_SLOWER = never_slower_checks(LEGACY)
+
+
+def direction(base: str, tag: str) -> str:
+    return (f"X_{tag}_over_on = {base} / on: above 1 kvturn is faster (latencies) or computes "
+            f"less (tokens); X_on_over_{tag} = on / {base} (turns per second: above 1 kvturn "
+            f"serves more; ITL p99: the target is <= {ITL_P99_TOLERANCE:.2f}); the top-level "
+            "values are medians over the repeats, spread and per_repeat give every repeat's")
+
+
+DIRECTION = direction("off", LEGACY)
 MODES_NOTE = (
     "every number of a mode is the median over the repeats (counts missing from a repeat "
     "count 0 there); turns_ok_total and errors_total are sums; spread gives min, median and "
     "max of the headline figures; itl_ms_pooled pools every gap of every repeat; repeats[] "
     "has each repeat's own summaries")
+DECODE_TURNS_NOTE = (
+    "decode_turns: the later turns the router ran on the decode alone (route decode; stock-cond "
+    "and kvturn), counted from vLLM's own per-request report (usage.prompt_tokens_details."
+    "cached_tokens, the instances run with --enable-prompt-tokens-details): found_history = "
+    "the decode's cache supplied at least every full block of the previous turn's prompt, "
+    "missed_history = it did not (that turn recomputed history); computed_tokens = prompt - "
+    "cached over those turns, what the decode computed for them")
 ITL_NOTE = (
     "inter-token latency as the client sees it through the router: the gaps between "
     "consecutive content chunks of a streamed reply after the first, as vLLM's own serving "
@@ -80,7 +116,36 @@ def _sum(*values: float | None) -> float | None:
     return None if any(v is None for v in values) else sum(v for v in values if v is not None)
 
 
-def summarize(run: ModeRun, planned_turns: int) -> dict[str, Any]:
+def decode_turns(records: Sequence[TurnRecord], block_size: int) -> dict[str, int]:
+    """The later turns the router ran on the decode alone (route ``decode``): how many, how
+    many of them report what the decode's cache supplied (``cached_tokens``), how many found
+    their history there (the cache supplied at least every full block of the previous turn's
+    prompt) and how many did not, and their prompt, cached and computed tokens (computed =
+    prompt - cached: what the decode computed for them)."""
+    ok = [r for r in records if r.ok]
+    prompts = {(r.agent, r.turn): r.prompt_tokens for r in ok}
+    later = [r for r in ok if r.turn > 1]
+    continued = [r for r in later if r.route == "decode"]
+    reported = [r for r in continued
+                if r.cached_tokens is not None and r.prompt_tokens is not None]
+    found = missed = 0
+    for r in reported:
+        previous = prompts.get((r.agent, r.turn - 1))
+        if previous is None or r.cached_tokens is None:
+            continue
+        if r.cached_tokens >= previous // block_size * block_size:
+            found += 1
+        else:
+            missed += 1
+    prompt = sum(r.prompt_tokens or 0 for r in reported)
+    cached = sum(r.cached_tokens or 0 for r in reported)
+    return {"later_turns": len(later), "turns": len(continued), "reported": len(reported),
+            "found_history": found, "missed_history": missed, "prompt_tokens": prompt,
+            "cached_tokens": cached, "computed_tokens": prompt - cached}
+
+
+def summarize(run: ModeRun, planned_turns: int,
+              block_size: int = CPU_BLOCK_SIZE) -> dict[str, Any]:
     ok = [r for r in run.records if r.ok]
     prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     retained = [s.retained_bytes / MIB for s in run.samples if s.retained_bytes is not None]
@@ -123,6 +188,7 @@ def summarize(run: ModeRun, planned_turns: int) -> dict[str, Any]:
         "reuse": {"outcomes": dict(sorted(outcomes.items())),
                   "reused_tokens": sum(r.reused_tokens for r in ok)},
         "routes": dict(sorted(Counter(r.route or "unreported" for r in ok).items())),
+        "decode_turns": decode_turns(run.records, block_size),
         "prefill_choices": dict(sorted(Counter(
             r.prefill_choice or "unreported" for r in ok
             if r.prefill_choice is not None or r.route in (None, "prefill")).items())),
@@ -134,21 +200,23 @@ def summarize(run: ModeRun, planned_turns: int) -> dict[str, Any]:
     }
 
 
-def compare(summaries: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """One repeat's ratios (see ``DIRECTION``); None unless both modes ran."""
-    if "off" not in summaries or "on" not in summaries:
+def compare(summaries: dict[str, dict[str, Any]], base: str = "off",
+            tag: str = LEGACY) -> dict[str, Any] | None:
+    """One repeat's ratios of kvturn (``on``) against ``base``, keys naming ``base`` as ``tag``
+    (``direction``); None unless both modes ran."""
+    if base not in summaries or KVTURN_MODE not in summaries:
         return None
-    off, on = summaries["off"], summaries["on"]
+    b, on = summaries[base], summaries[KVTURN_MODE]
     out: dict[str, Any] = {}
     for key in ("ttft_ms", "ttft_ms_turn1", "ttft_ms_turn2plus", "itl_ms"):
         for q in ("p50", "p90", "p99"):
-            out[f"{key}_{q}_off_over_on"] = ratio(off[key][q], on[key][q])
-    out["itl_ms_p99_on_over_off"] = ratio(on["itl_ms"]["p99"], off["itl_ms"]["p99"])
-    out["tpot_ms_p50_on_over_off"] = ratio(on["tpot_ms"]["p50"], off["tpot_ms"]["p50"])
-    out["prefill_computed_off_over_on"] = ratio(off["prefill_computed_tokens"],
-                                                 on["prefill_computed_tokens"])
-    out["computed_off_over_on"] = ratio(off["computed_tokens"], on["computed_tokens"])
-    out["turns_per_s_on_over_off"] = ratio(on["turns_per_s"], off["turns_per_s"])
+            out[f"{key}_{q}_{tag}_over_on"] = ratio(b[key][q], on[key][q])
+    out[f"itl_ms_p99_on_over_{tag}"] = ratio(on["itl_ms"]["p99"], b["itl_ms"]["p99"])
+    out[f"tpot_ms_p50_on_over_{tag}"] = ratio(on["tpot_ms"]["p50"], b["tpot_ms"]["p50"])
+    out[f"prefill_computed_{tag}_over_on"] = ratio(b["prefill_computed_tokens"],
+                                                   on["prefill_computed_tokens"])
+    out[f"computed_{tag}_over_on"] = ratio(b["computed_tokens"], on["computed_tokens"])
+    out[f"turns_per_s_on_over_{tag}"] = ratio(on["turns_per_s"], b["turns_per_s"])
     return out
 
 
@@ -179,17 +247,18 @@ def aggregate_mode(runs: Sequence[ModeRun], summaries: Sequence[dict[str, Any]])
                        for name, path in HEADLINE.items()}}
 
 
-def verdict(per_repeat: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Was kvturn never slower (every ``NEVER_SLOWER`` ratio >= 1.0 in every repeat), did it
-    never compute more (prefill + decode), and did the ITL p99 stay within 10 % of off?
-    None where a ratio was not measured."""
+def verdict(per_repeat: Sequence[dict[str, Any]], tag: str = LEGACY) -> dict[str, Any]:
+    """Was kvturn never slower (every ``never_slower_checks`` ratio >= 1.0 in every repeat),
+    did it never compute more (prefill + decode), and did the ITL p99 stay within 10 % of the
+    baseline's? None where a ratio was not measured."""
+    checks = never_slower_checks(tag)
     slower = [{"ratio": key, "repeat": row["repeat"], "value": row[key]}
-              for row in per_repeat for key in NEVER_SLOWER
+              for row in per_repeat for key in checks
               if row.get(key) is not None and row[key] < 1.0]
-    measured = all(row.get(key) is not None for row in per_repeat for key in NEVER_SLOWER)
-    computed = [row.get("computed_off_over_on") for row in per_repeat]
-    prefill = [row.get("prefill_computed_off_over_on") for row in per_repeat]
-    itl = [row.get("itl_ms_p99_on_over_off") for row in per_repeat]
+    measured = all(row.get(key) is not None for row in per_repeat for key in checks)
+    computed = [row.get(f"computed_{tag}_over_on") for row in per_repeat]
+    prefill = [row.get(f"prefill_computed_{tag}_over_on") for row in per_repeat]
+    itl = [row.get(f"itl_ms_p99_on_over_{tag}") for row in per_repeat]
 
     def every(values: Sequence[float | None], ok: Any) -> bool | None:
         return None if not values or any(v is None for v in values) else all(
@@ -197,42 +266,46 @@ def verdict(per_repeat: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     return {
         "never_slower": (not slower) if measured and per_repeat else None,
-        "never_slower_checks": list(NEVER_SLOWER),
+        "never_slower_checks": list(checks),
         "slower": slower,
         "computed_never_more": every(computed, lambda v: v >= 1.0),
         "prefill_computed_never_more": every(prefill, lambda v: v >= 1.0),
-        "itl_p99_on_over_off_max": max((v for v in itl if v is not None), default=None),
+        f"itl_p99_on_over_{tag}_max": max((v for v in itl if v is not None), default=None),
         "itl_p99_within_10pct": every(itl, lambda v: v <= ITL_P99_TOLERANCE),
     }
 
 
 POOLED_NOTE = (
-    "every repeat's turns of a mode pooled (repeats x agents x turns a mode), the off/on ratio "
-    "of each quantile with a 95 % percentile-bootstrap interval (2,000 rounds, seeded); "
+    "every repeat's turns of a mode pooled (repeats x agents x turns a mode), the {base}/on "
+    "ratio of each quantile with a 95 % percentile-bootstrap interval (2,000 rounds, seeded); "
     "turn1 = first turns: a new conversation has nothing to reuse, so they are the same work "
-    "in both modes and differ only by what else the host runs meanwhile")
+    "in every mode and differ only by what else the host runs meanwhile")
 POOLED_SCOPES: dict[str, Callable[[TurnRecord], bool]] = {
     "all": lambda r: True, "turn1": lambda r: r.turn == 1, "turn2plus": lambda r: r.turn > 1}
 
 
-def pooled_comparison(runs: Sequence[ModeRun]) -> dict[str, Any] | None:
-    """The off/on TTFT ratios over every repeat's turns pooled (``POOLED_NOTE``)."""
-    ttft: dict[str, dict[str, list[float]]] = {}
-    for mode in ("off", "on"):
-        ttft[mode] = {scope: [r.ttft_ms for run in runs if run.mode == mode
-                              for r in run.records
-                              if r.ok and r.ttft_ms is not None and keep(r)]
-                      for scope, keep in POOLED_SCOPES.items()}
-    if not ttft["off"]["all"] or not ttft["on"]["all"]:
+def pooled_ttft(runs: Sequence[ModeRun], mode: str,
+                keep: Callable[[TurnRecord], bool] = POOLED_SCOPES["all"]) -> list[float]:
+    """The TTFTs of ``mode``'s successful turns that ``keep`` keeps, every repeat pooled."""
+    return [r.ttft_ms for run in runs if run.mode == mode for r in run.records
+            if r.ok and r.ttft_ms is not None and keep(r)]
+
+
+def pooled_comparison(runs: Sequence[ModeRun], base: str = "off",
+                      tag: str = LEGACY) -> dict[str, Any] | None:
+    """The ``base``/on TTFT ratios over every repeat's turns pooled (``POOLED_NOTE``)."""
+    ttft = {side: {scope: pooled_ttft(runs, mode, keep) for scope, keep in POOLED_SCOPES.items()}
+            for side, mode in ((tag, base), ("on", KVTURN_MODE))}
+    if not ttft[tag]["all"] or not ttft["on"]["all"]:
         return None
-    out: dict[str, Any] = {"note": POOLED_NOTE,
-                           "turns": {m: len(ttft[m]["all"]) for m in ("off", "on")}}
+    out: dict[str, Any] = {"note": POOLED_NOTE.format(base=base),
+                           "turns": {side: len(ttft[side]["all"]) for side in (tag, "on")}}
     for scope in POOLED_SCOPES:
         for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
-            off, on = ttft["off"][scope], ttft["on"][scope]
-            low, high = bootstrap_ratio(off, on, q)
-            out[f"ttft_ms_{scope}_{name}_off_over_on"] = {
-                "ratio": ratio(percentile(off, q), percentile(on, q)), "low": low,
+            b, on = ttft[tag][scope], ttft["on"][scope]
+            low, high = bootstrap_ratio(b, on, q)
+            out[f"ttft_ms_{scope}_{name}_{tag}_over_on"] = {
+                "ratio": ratio(percentile(b, q), percentile(on, q)), "low": low,
                 "high": high}
     return out
 
@@ -242,7 +315,7 @@ def tail_makeup(runs: Sequence[ModeRun], q: float) -> dict[int, dict[str, int]]:
     how many of them are first turns (which kvturn cannot speed up: nothing to reuse)."""
     out: dict[int, dict[str, int]] = {}
     for run in runs:
-        if run.mode != "on":
+        if run.mode != KVTURN_MODE:
             continue
         ok = [r for r in run.records if r.ok and r.ttft_ms is not None]
         cut = percentile([r.ttft_ms for r in ok if r.ttft_ms is not None], q)
@@ -253,7 +326,8 @@ def tail_makeup(runs: Sequence[ModeRun], q: float) -> dict[int, dict[str, int]]:
     return out
 
 
-def aggregate_comparison(per_repeat: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+def aggregate_comparison(per_repeat: Sequence[dict[str, Any]], tag: str = LEGACY,
+                         base: str = "off") -> dict[str, Any] | None:
     """The ratios over the repeats: medians at the top (the one-run JSON's keys), their
     spread, every repeat's, and the verdict."""
     if not per_repeat:
@@ -261,10 +335,108 @@ def aggregate_comparison(per_repeat: Sequence[dict[str, Any]]) -> dict[str, Any]
     keys = [k for k in per_repeat[0] if k not in ("repeat", "order")]
     spreads = {k: spread([row.get(k) for row in per_repeat]) for k in keys}
     return {**{k: spreads[k]["median"] for k in keys},
-            "direction": DIRECTION,
+            "direction": direction(base, tag),
             "spread": spreads,
             "per_repeat": list(per_repeat),
-            "verdict": verdict(per_repeat)}
+            "verdict": verdict(per_repeat, tag)}
+
+
+def against(runs: Sequence[ModeRun], per_repeat: Sequence[dict[str, Any]], base: str,
+            tag: str) -> dict[str, Any] | None:
+    """kvturn against ``base``: every repeat's ratios aggregated, the pooled ratios with
+    their intervals and verdict, and which of the on mode's tail turns are first turns."""
+    cmp = aggregate_comparison(per_repeat, tag, base)
+    if cmp is None:
+        return None
+    pooled = pooled_comparison(runs, base, tag)
+    checks = [f"ttft_ms_all_{q}_{tag}_over_on" for q in ("p50", "p90", "p99")] + [
+        f"ttft_ms_turn2plus_p50_{tag}_over_on"]
+    values = [None if pooled is None else pooled[k]["ratio"] for k in checks]
+    pooled_ok = None if any(v is None for v in values) else all(
+        v is not None and v >= 1.0 for v in values)
+    out = {**cmp, "verdict": {**cmp["verdict"], "pooled_never_slower": pooled_ok},
+           "pooled": pooled,
+           "on_tail_makeup": {"p90": {str(k): v for k, v in tail_makeup(runs, 0.9).items()},
+                              "p99": {str(k): v for k, v in tail_makeup(runs, 0.99).items()}}}
+    return {"base": base, **out} if tag == BASE else out
+
+
+def _renamed(key: str) -> str:
+    return "_".join(LEGACY if word == BASE else word for word in key.split("_"))
+
+
+def _legacy(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {_renamed(k): _legacy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_legacy(v) for v in tree]
+    if isinstance(tree, str) and "_" in tree and " " not in tree:
+        return _renamed(tree)  # a key named in a value: a verdict's checks and slower ratios
+    return tree
+
+
+def legacy_comparison(off: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``comparisons["off"]`` under the keys ``comparison`` has always had (``X_off_over_on``),
+    for the readers of before the other stock modes: the same as ``against(runs, rows, "off",
+    LEGACY)`` without computing the bootstrap intervals twice."""
+    if off is None:
+        return None
+    out: dict[str, Any] = _legacy({k: v for k, v in off.items() if k != "base"})
+    out["direction"] = DIRECTION
+    return out
+
+
+# The strongest stock mode, and kvturn's targets against it (issue 25's "done when").
+
+STRONGEST_RULE = ("the stock mode with the lowest TTFT p50 of turns 2+ (every repeat's turns "
+                  "pooled): the turns a baseline can serve from the decode's cache")
+TARGET_TURN2PLUS_TIGHT = 1.3
+
+
+def strongest_stock(runs: Sequence[ModeRun]) -> tuple[str | None, dict[str, float | None]]:
+    """The strongest stock mode that ran (``STRONGEST_RULE``) and every stock mode's pooled
+    TTFT p50 of turns 2+ (ms)."""
+    p50 = {mode: rounded(percentile(pooled_ttft(runs, mode, POOLED_SCOPES["turn2plus"]), 0.5))
+           for mode in STOCK_MODES if any(run.mode == mode for run in runs)}
+    return lowest(p50), p50
+
+
+def _target(value: float | None, target: float, at_least: bool) -> dict[str, Any]:
+    met = None if value is None else (value >= target if at_least else value <= target)
+    return {"value": value, "target": target, "at_least": at_least, "met": met}
+
+
+def headline(runs: Sequence[ModeRun], comparisons: dict[str, Any],
+             modes: dict[str, Any]) -> dict[str, Any] | None:
+    """kvturn against the strongest stock mode: which one it is, why, and the targets: TTFT
+    p50/p90/p99 base/on >= 1.0 (pooled and every repeat), computed tokens never more, turns
+    2+ p50 base/on >= 1.3 (the tight-decode scenario's bar), ITL p99 on/base no worse (pooled
+    gaps)."""
+    base, p50 = strongest_stock(runs)
+    if base is None or comparisons.get(base) is None:
+        return None
+    cmp = comparisons[base]
+    pooled = cmp.get("pooled") or {}
+
+    def pooled_ratio(key: str) -> float | None:
+        entry = pooled.get(key)
+        return None if entry is None else entry["ratio"]
+
+    itl = ratio(modes[KVTURN_MODE]["itl_ms_pooled"]["p99"], modes[base]["itl_ms_pooled"]["p99"])
+    v = cmp["verdict"]
+    slowest = min((x for x in (pooled_ratio(f"ttft_ms_all_{q}_base_over_on")
+                               for q in ("p50", "p90", "p99")) if x is not None), default=None)
+    return {
+        "against": base, "label": MODES_BY_NAME[base].label, "chosen_by": STRONGEST_RULE,
+        "ttft_ms_turn2plus_p50_pooled": p50,
+        "targets": {
+            "ttft_never_slower_pooled": _target(slowest, 1.0, True),
+            "ttft_never_slower_every_repeat": {"met": v["never_slower"]},
+            "computed_never_more": {"met": v["computed_never_more"]},
+            "turn2plus_p50_tight": _target(pooled_ratio("ttft_ms_turn2plus_p50_base_over_on"),
+                                           TARGET_TURN2PLUS_TIGHT, True),
+            "itl_p99_no_worse_pooled": _target(itl, 1.0, False)},
+    }
 
 
 def configuration(settings: AgentBenchSettings, machine: dict[str, Any],
@@ -273,6 +445,8 @@ def configuration(settings: AgentBenchSettings, machine: dict[str, Any],
     return {"prefill_prefix_cache": settings.prefill_prefix_cache,
             "decode_prefix_cache": True,
             "prefills": PREFILLS, "decodes": DECODES, "router": True,
+            "routers": "one per run, started with its mode's flags",
+            "decode_blocks": settings.decode_blocks,
             "model": settings.size, "agents": settings.agents, "turns": settings.turns,
             "system_tokens": settings.system_tokens,
             "message_tokens": list(settings.message_tokens),
@@ -282,29 +456,46 @@ def configuration(settings: AgentBenchSettings, machine: dict[str, Any],
             "cpus": machine.get("cpus")}
 
 
+COMPARISONS_NOTE = (
+    "kvturn (on) against every stock mode that ran, keys X_base_over_on / X_on_over_base "
+    "(base: the stock mode); comparison is the one against off (stock P/D) with the keys "
+    "X_off_over_on it has always had; headline names the strongest stock mode")
+
+
 def build_results(settings: AgentBenchSettings, runs: Sequence[ModeRun],
                   extra: dict[str, Any] | None = None,
-                  machine: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The JSON document: configuration, settings, seed, gaps, per-mode summaries over the
-    repeats and per repeat, the comparison, every record and sample."""
+                  machine: dict[str, Any] | None = None,
+                  block_size: int = CPU_BLOCK_SIZE) -> dict[str, Any]:
+    """The JSON document: configuration, the mode table, settings, seed, gaps, per-mode
+    summaries over the repeats and per repeat, the comparisons and the headline, every record
+    and sample (``block_size``: the decode's, which tells whether a turn found its history)."""
     planned = settings.agents * settings.turns
     machine = host_info() if machine is None else machine
     by_repeat: dict[int, list[ModeRun]] = {}
     for run in runs:
         by_repeat.setdefault(run.repeat, []).append(run)
+    ran = [m for m in MODES if any(r.mode == m for r in runs)]
+    stock = [m for m in STOCK_MODES if m in ran]
     repeats: list[dict[str, Any]] = []
+    rows: dict[str, list[dict[str, Any]]] = {base: [] for base in stock}
     for repeat, group in sorted(by_repeat.items()):
-        summaries = {run.mode: summarize(run, planned) for run in group}
-        cmp = compare(summaries)
+        summaries = {run.mode: summarize(run, planned, block_size) for run in group}
         order = [run.mode for run in group]
+        for base in stock:
+            cmp = compare(summaries, base, BASE)
+            if cmp is not None:
+                rows[base].append({"repeat": repeat, "order": order, **cmp})
+        legacy = compare(summaries)
         repeats.append({"repeat": repeat, "order": order, "modes": summaries,
-                        "comparison": None if cmp is None else {
-                            "repeat": repeat, "order": order, **cmp}})
-    modes_seen = [m for m in (*settings.modes, *MODES) if any(r.mode == m for r in runs)]
+                        "comparison": None if legacy is None else {
+                            "repeat": repeat, "order": order, **legacy}})
+    modes_seen = [m for m in (*settings.modes, *MODES) if m in ran]
     modes = {mode: aggregate_mode([r for r in runs if r.mode == mode],
                                   [rep["modes"][mode] for rep in repeats
                                    if mode in rep["modes"]])
              for mode in dict.fromkeys(modes_seen)}
+    comparisons = {base: against(runs, rows[base], base, BASE) for base in stock
+                   if rows[base]}
     gaps = settings.gaps
     shapes = {agent: agent_shape(settings, agent) for agent in range(settings.agents)}
     drawn = {script.agent: list(script.gaps_s) for script in build_scripts(settings, MODES[0])}
@@ -313,6 +504,7 @@ def build_results(settings: AgentBenchSettings, runs: Sequence[ModeRun],
         "benchmark": "agent",
         "seed": settings.seed,
         "configuration": configuration(settings, machine, [rep["order"] for rep in repeats]),
+        "mode_table": [m.describe(settings.router_args) for m in MODE_TABLE if m.name in ran],
         "settings": settings.describe(),
         "order": [run.mode for run in runs],
         "order_rationale": ORDER_RATIONALE,
@@ -324,31 +516,18 @@ def build_results(settings: AgentBenchSettings, runs: Sequence[ModeRun],
                     "drawn_max_tokens": {str(agent): list(shape[2])
                                          for agent, shape in shapes.items()}},
         "machine": machine,
+        "block_size": block_size,
         "itl_note": ITL_NOTE,
+        "decode_turns_note": DECODE_TURNS_NOTE,
         **(extra or {}),
         "modes_note": MODES_NOTE,
         "modes": modes,
-        "comparison": _with_pooled(aggregate_comparison(
-            [rep["comparison"] for rep in repeats if rep["comparison"] is not None]), runs),
+        "comparisons_note": COMPARISONS_NOTE,
+        "headline": headline(runs, comparisons, modes),
+        "comparisons": comparisons,
+        "comparison": legacy_comparison(comparisons.get("off")),
         "repeats": repeats,
         "agents": [asdict(a) for run in runs for a in run.agents],
         "turns": [r.to_json() for run in runs for r in run.records],
         "samples": [asdict(s) for run in runs for s in run.samples],
     }
-
-
-def _with_pooled(cmp: dict[str, Any] | None, runs: Sequence[ModeRun]) -> dict[str, Any] | None:
-    if cmp is None:
-        return None
-    pooled = pooled_comparison(runs)
-    checks = [f"ttft_ms_all_{q}_off_over_on" for q in ("p50", "p90", "p99")] + [
-        "ttft_ms_turn2plus_p50_off_over_on"]
-    values = [None if pooled is None else pooled[k]["ratio"] for k in checks]
-    pooled_ok = None if any(v is None for v in values) else all(
-        v is not None and v >= 1.0 for v in values)
-    return {**cmp, "verdict": {**cmp["verdict"], "pooled_never_slower": pooled_ok},
-            "pooled": pooled,
-            "on_tail_makeup": {"p90": {str(k): v for k, v in tail_makeup(runs, 0.9).items()},
-                               "p99": {str(k): v for k, v in tail_makeup(runs, 0.99).items()}}}
-
-

@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvturn_server.bench.agent._modes import DEFAULT_MODES, MODES
 from kvturn_server.local._corpus import _WORDS
 
-MODES = ("off", "on")
 Z90 = 1.2815515655446004  # NormalDist().inv_cdf(0.9)
 Z99 = 2.3263478740408408  # NormalDist().inv_cdf(0.99)
 # The lease and its renewal, as deployed (connector and SDK defaults), before time scaling.
@@ -21,9 +21,13 @@ TRACE_KEEPALIVE_PER_TTL = 8  # the SDK renews every 60 s of a 480 s lease
 MIN_RETENTION_TTL_S = 30.0
 # Template framing per message (ChatML: <|im_start|>role\n ... <|im_end|>\n, tool tags).
 FRAMING_TOKENS = 12
-# What the benchmark's stack runs (kvturn_server.local.Stack): one of each.
+# What the benchmark runs (a kvturn_server.local.Fleet): one of each, and a router per run.
 PREFILLS = 1
 DECODES = 1
+
+# vLLM's block size on CPU platforms (vllm/platforms/cpu.py); the bench reads the decode's real
+# one back from vllm:cache_config_info.
+CPU_BLOCK_SIZE = 128
 
 PROFILES = ("tool", "long")
 PROFILE_TEXT = {
@@ -41,18 +45,22 @@ REPLY_LENGTH_NOTE = (
     "came back shorter")
 
 ORDER_RATIONALE = (
-    "modes run one after the other on the same stack, with the same scripts: the prefill's and "
+    "modes run one after the other on the same prefill and decode, each through a router of its "
+    "own started for its run, with the same scripts: the prefill's and "
     "the decode's computed-token counters and the decode's retained bytes are instance-wide, "
     "so a mode can only be measured by them while it has the stack to itself (interleaved "
     "agents would mix both modes in every sample and share the instances' time, so neither "
     "mode's turns per second would be its own); a warm-up conversation runs first, the modes "
-    "are repeated with their order rotated (off,on / on,off / ...) so that drift in the "
+    "are repeated with their order rotated (off,stock-cond,on / stock-cond,on,off / ...) so "
+    "that every mode runs in every position and drift in the "
     "machine shows as spread rather than as a difference between the modes, and every mode "
     "of every repeat has its own words, so no cache carries over")
 
 
 def mode_order(modes: tuple[str, ...], repeat: int) -> tuple[str, ...]:
-    """The modes of ``repeat``: ``modes`` rotated left by ``repeat`` (off,on / on,off / ...)."""
+    """The modes of ``repeat``: ``modes`` rotated left by ``repeat`` (off,stock-cond,on /
+    stock-cond,on,off / on,off,stock-cond / ...): over as many repeats as modes, every mode
+    runs once in every position."""
     k = repeat % len(modes)
     return modes[k:] + modes[:k]
 
@@ -133,7 +141,7 @@ class AgentBenchSettings:
     plot_path: Path | None = None
     size: str = "tiny"
     state_dir: Path = Path(".kvturn/bench")
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
     """The first repeat's order; later repeats rotate it."""
     repeats: int = 3
     stagger_s: float = 1.0
@@ -151,7 +159,11 @@ class AgentBenchSettings:
     keepalive_interval_s: float | None = None
     prefill_prefix_cache: bool = True
     kv_cache_gib: float = 1.0
+    decode_blocks: int | None = None
+    """The decode's KV blocks (vLLM ``--num-gpu-blocks-override``; None: what
+    ``kv_cache_gib`` gives): a decode short of KV for the active conversations."""
     router_args: tuple[str, ...] = ()
+    """More ``kvturn router`` flags, for every mode's router."""
     sample_interval_s: float = 0.5
     progress_interval_s: float = 5.0
     warmup: bool = True
@@ -175,6 +187,8 @@ class AgentBenchSettings:
                              f"{self.long_reply_tokens}")
         if self.system_tokens < 1 or self.max_tokens < 1:
             raise ValueError("--system-tokens and --max-tokens must be at least 1")
+        if self.decode_blocks is not None and self.decode_blocks < 2:
+            raise ValueError(f"--decode-blocks must be at least 2, got {self.decode_blocks}")
         if self.stagger_s < 0 or not self.sample_interval_s > 0:
             raise ValueError("--stagger must be >= 0 and the sample interval positive")
         _ = self.gaps  # validates the distribution
@@ -234,13 +248,21 @@ class AgentBenchSettings:
             worst = max(worst, need)
         return worst
 
-    def check_fits(self, max_model_len: int) -> None:
+    def check_fits(self, max_model_len: int, block_size: int = CPU_BLOCK_SIZE) -> None:
         need = self.context_needed()
         if need > max_model_len:
             raise ValueError(
                 f"the last turn may need about {need} tokens, more than the {self.size} model's "
                 f"context of {max_model_len}: lower --turns, --system-tokens, --message-tokens "
                 "or the replies (--max-tokens, --long-reply-tokens), or use --size bench (32k)")
+        # vLLM refuses to start an instance whose blocks, less the null block it holds back,
+        # cannot hold one max_model_len request.
+        least = -(-max_model_len // block_size) + 1
+        if self.decode_blocks is not None and self.decode_blocks < least:
+            raise ValueError(
+                f"--decode-blocks {self.decode_blocks}: vLLM refuses to start a decode whose "
+                f"blocks of {block_size} tokens, less its null block, cannot hold one request "
+                f"of the {self.size} model's context ({max_model_len}); at least {least}")
 
     def describe(self) -> dict[str, Any]:
         data = asdict(self)
@@ -263,10 +285,33 @@ Message = dict[str, Any]
 
 
 @dataclass(frozen=True)
+class HistoryCut:
+    """The client compacted or edited its history before a turn: the prompt keeps the first
+    ``messages`` messages of the conversation so far (the system prompt, the messages sent and
+    the replies as received), the last of them cut to its first ``last_words`` words (None:
+    whole), and the turn's own message follows."""
+
+    messages: int
+    last_words: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.messages < 1 or (self.last_words is not None and self.last_words < 1):
+            raise ValueError(f"a cut keeps at least one message and one word, got {self}")
+
+    def apply(self, history: list[Message]) -> list[Message]:
+        kept = [dict(m) for m in history[:self.messages]]
+        if self.last_words is not None and kept:
+            words = str(kept[-1].get("content") or "").split()
+            kept[-1]["content"] = " ".join(words[:self.last_words])
+        return kept
+
+
+@dataclass(frozen=True)
 class AgentScript:
     """What one agent sends in one mode of one repeat: its system prompt, one new message per
     turn, each turn's reply length, the tool gap after each turn but the last, and when it
-    starts (seconds after the mode starts)."""
+    starts (seconds after the mode starts). ``cuts`` (empty: none) gives per turn the
+    ``HistoryCut`` applied before its message, or None: the history grows as a chat does."""
 
     agent: int
     mode: str
@@ -278,6 +323,10 @@ class AgentScript:
     message_words: tuple[int, ...]
     reply_tokens: tuple[int, ...] = ()
     repeat: int = 0
+    cuts: tuple[HistoryCut | None, ...] = ()
+
+    def cut_before(self, turn: int) -> HistoryCut | None:
+        return self.cuts[turn] if turn < len(self.cuts) else None
 
     def gap_after(self, turn: int) -> float | None:
         """The tool gap after turn ``turn`` (0-based); None after the last."""

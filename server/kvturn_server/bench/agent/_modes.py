@@ -1,0 +1,117 @@
+"""``kvturn bench agent``'s modes, one data table: each mode's router flags, what its client
+sends, the peer configuration it stands for and where that configuration is documented.
+
+Every mode runs through a router of its own, started for its run, over the same prefill and
+decode. The stock modes are what a user who knows the field would run instead of kvturn (the
+survey is ``notes/baselines.md`` of the project's shared notes): plain P/D, and conditional
+disaggregation as llm-d and NVIDIA Dynamo ship it, where a follow-up turn whose uncached part is
+short runs on the decode alone and finds its history in that decode's plain (LRU) prefix cache.
+kvturn (``on``) is compared with each stock mode that ran, and headlined against the strongest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from kvturn_server.bench.agent._loop import IDS, KVTURN, PLAIN
+from kvturn_server.router._config import RouterConfig
+
+
+def _router_default(name: str) -> int:
+    value = next(f.default for f in fields(RouterConfig) if f.name == name)
+    assert isinstance(value, int)
+    return value
+
+
+# llm-d's decider threshold stands at kvturn's own: the router continues a kvturn turn on the
+# decode when it lacks at most this many tokens, so both decide on the same bound.
+KVTURN_CONTINUE_TOKENS = _router_default("decode_continue_tokens")
+# NVIDIA Dynamo's isl_bounding default (docs/components/router/router-disaggregated-serving.md).
+DYNAMO_CONDITIONAL_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class AgentMode:
+    """One way to run the agents.
+
+    ``name``: what ``--modes`` takes and the JSON keys by; ``label``: the benchmarks' shared
+    name for the setup (``stock-pd``, ``stock-cond``, ``stock-cond-2k``, ``kvturn``);
+    ``client``: one of ``_loop``'s client kinds (``plain`` sends no conversation id, ``ids``
+    sends ``X-Conversation-ID`` and nothing else, ``kvturn`` is an SDK conversation paused
+    during tool gaps and released at the end)."""
+
+    name: str
+    label: str
+    router_args: tuple[str, ...]
+    client: str
+    stands_for: str
+    sources: tuple[str, ...]
+
+    @property
+    def kvturn(self) -> bool:
+        return self.client == KVTURN
+
+    @property
+    def title(self) -> str:
+        """The name, with the shared label where it differs (``off (stock-pd)``)."""
+        return titled(self.name, self.label)
+
+    def describe(self, extra_router_args: tuple[str, ...] = ()) -> dict[str, object]:
+        """The mode as the JSON's mode table states it (``extra_router_args``: ``--router-arg``
+        values, which every mode's router gets)."""
+        return {"mode": self.name, "label": self.label,
+                "router_args": [*self.router_args, *extra_router_args], "client": self.client,
+                "stands_for": self.stands_for, "sources": list(self.sources)}
+
+
+def titled(name: str, label: str | None) -> str:
+    return name if label in (None, name) else f"{name} ({label})"
+
+
+_STOCK_COND = (
+    "stock conditional disaggregation: a follow-up whose new messages are estimated at most "
+    "{n} tokens runs on the decode that served the conversation, alone (no prefill leg, no "
+    "transfer), where the decode's plain prefix cache (LRU, nothing held through tool gaps) "
+    "supplies whatever history it still has; any other turn is stock P/D; the router knows "
+    "only what it sent and relayed; the client sends X-Conversation-ID only")
+
+MODE_TABLE: tuple[AgentMode, ...] = (
+    AgentMode(
+        "off", "stock-pd", ("--no-kv-reuse",), PLAIN,
+        "stock P/D: every turn a prefill leg, then a decode leg that reads the prompt's KV "
+        "from the prefill; no conversation ids; prefix caching on both instances (vLLM's "
+        "default)",
+        ("vLLM examples/online_serving/disaggregated_serving/disagg_proxy_multiturn.py "
+         "(prefill then decode for every request)",
+         "llm-d's published P/D guides (always-disagg-pd-decider)")),
+    AgentMode(
+        "stock-cond", "stock-cond",
+        ("--no-kv-reuse", "--conditional-disagg", str(KVTURN_CONTINUE_TOKENS)), IDS,
+        _STOCK_COND.format(n=KVTURN_CONTINUE_TOKENS) + " (llm-d's prefix-based-pd-decider "
+        f"with nonCachedTokens {KVTURN_CONTINUE_TOKENS}, kvturn's own continuation threshold, "
+        "and the approximate prefix index)",
+        ("llm-d-router pkg/epp/framework/plugins/scheduling/profilehandler/disagg/"
+         "prefix_based_pd_decider.go (nonCachedTokens; PRs #2560, #1288, #2335)",
+         "NVIDIA Dynamo --router-conditional-disagg (isl_bounding)")),
+    AgentMode(
+        "stock-cond-2k", "stock-cond-2k",
+        ("--no-kv-reuse", "--conditional-disagg", str(DYNAMO_CONDITIONAL_TOKENS)), IDS,
+        _STOCK_COND.format(n=DYNAMO_CONDITIONAL_TOKENS) + " (NVIDIA Dynamo's "
+        "--router-conditional-disagg, isl_bounding policy at its default 2,048 tokens)",
+        ("NVIDIA Dynamo docs/components/router/router-disaggregated-serving.md "
+         "(PRs #11718, #11719, #11723, #11725)",)),
+    AgentMode(
+        "on", "kvturn", (), KVTURN,
+        "kvturn: every agent a kvturn SDK conversation, its lease renewed through tool gaps "
+        "and released at the end; the router continues a short follow-up on the decode that "
+        "retains the conversation, and otherwise a prefill reads the retained history from "
+        "that decode",
+        ("docs/http-api.md B, Placement",)),
+)
+MODES_BY_NAME: dict[str, AgentMode] = {m.name: m for m in MODE_TABLE}
+MODES = tuple(MODES_BY_NAME)
+"""Every mode's name, in the table's order."""
+DEFAULT_MODES = ("off", "stock-cond", "on")
+"""What runs unless ``--modes`` says otherwise (``stock-cond-2k`` on request)."""
+STOCK_MODES = tuple(m.name for m in MODE_TABLE if not m.kvturn)
+KVTURN_MODE = "on"

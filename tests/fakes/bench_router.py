@@ -138,8 +138,11 @@ class AgentBenchRouter(ConversationEndpoints):
     on the decode (which then computes what its cache lacks), every other turn takes a prefill
     leg chosen by round-robin or affinity; such a decode turn's usage says what the decode's
     cache supplied (``cached_tokens``): the conversation's previous prompt, or nothing for a
-    conversation in ``forgotten`` (the decode evicted its history)."""
+    conversation in ``forgotten`` (the decode evicted its history). A kvturn conversation's
+    decode turn is ``pending`` in its headers (with the block size), as the router answers a
+    stream it continues."""
 
+    BLOCK = 4
     REPLY = ("Sure", ",", " looking", " into", " it", ".")
 
     def __init__(self, routes: bool = False) -> None:
@@ -177,6 +180,9 @@ class AgentBenchRouter(ConversationEndpoints):
             route = {"X-KVTurn-Route": "decode"}
             cached = 0 if conversation in self.forgotten else previous
             self.decode_computed += prompt - cached
+            if kvturn_id is not None:
+                route["X-KVTurn-Block-Size"] = str(self.BLOCK)
+                reuse, reused = "pending", 0
         else:
             if self.routes:
                 route = {"X-KVTurn-Route": "prefill", "X-KVTurn-Prefill-Choice":

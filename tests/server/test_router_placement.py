@@ -158,7 +158,9 @@ async def test_a_short_next_turn_runs_on_the_holding_decode_alone(
     assert resp.status_code == 200
     assert resp.headers["X-KVTurn-Route"] == "decode"
     assert "X-KVTurn-Prefill-Choice" not in resp.headers
-    assert resp.headers["X-KVTurn-Reuse"] == "hit"
+    # A stream's headers precede the decode's work: its reuse is known from its usage, after.
+    assert resp.headers["X-KVTurn-Reuse"] == ("pending" if stream else "hit")
+    assert metric(h, "kvturn_router_reuse_total", outcome="hit") == 1
     assert len(cluster.legs("prefill0")) == 1  # only the first turn had a prefill leg
     assert not cluster.calls("decode0.control", "POST")  # no pin
     body = cluster.bodies("decode0")[-1]

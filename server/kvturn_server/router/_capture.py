@@ -80,6 +80,7 @@ class Capture:
         services = self.ctx.services
         if not report.retained:
             services.metrics.capture("not_retained")
+            await self._still_held(backend)
             return report.reuse
         expires_in = report.expires_in if report.expires_in is not None \
             else services.config.retention_ttl
@@ -135,6 +136,25 @@ class Capture:
         readable, block_size = readable_tokens(result.params)
         await self._record(backend, result.engine_id or backend.engine_id, result.num_tokens,
                            result.expires_in, readable=readable, block_size=block_size)
+
+    async def _still_held(self, backend: Backend) -> None:
+        """The reply says this turn was not retained. The decode may still hold what the
+        record names (the conversation's earlier retention), or nothing: it was evicted or
+        expired before this turn, or this turn's retention replaced it and went at once (over
+        the budget). One describe tells; a record of nothing is forgotten, so that the next
+        turn is not sent to continue on it."""
+        old, ctx = self.old, self.ctx
+        if old is None or old.decode != backend.url or backend.control_url is None \
+                or not backend.control_trusted:
+            return
+        try:
+            result = await ctx.services.control.describe(backend.control_url,
+                                                         ctx.conversation)
+        except ControlError as exc:
+            ctx.control_failed(backend, "describe", exc)
+            return
+        if isinstance(result, Gone):
+            await ctx.delete_placement(old)
 
     def remember_affinity(self, backend: Backend) -> None:
         """Stock P/D (``kv_reuse`` off): nothing is retained, but the conversation's next turn

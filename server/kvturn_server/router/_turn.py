@@ -145,13 +145,15 @@ class Turn:
         assert placement is not None and holder is not None
         cfg = svc.config
         estimate, why = continuation(
-            placement=placement, holder=holder, transcript=self.transcript, now=svc.clock(),
+            placement=placement, holder=holder, transcript=self.transcript,
             max_tokens=cfg.decode_continue_tokens, budget=cfg.decode_continue_budget)
         if why:
             svc.metrics.not_continued(why)
             return None
         # What it reuses is what its cache still holds: its usage says (TurnReport.settle).
-        report.continued(expected_tokens=placement.cached_tokens,
+        # The record expects its retention's full blocks while the lease runs.
+        leased = placement.expires_at > svc.clock()
+        report.continued(expected_tokens=placement.cached_tokens if leased else 0,
                          block_size=placement.block_size)
         self.continued = estimate
         holder.continuing += estimate
@@ -205,6 +207,8 @@ class Turn:
         placement = self.placement
         if placement is None or self.holder is None:
             return False
+        if not placement.retained:
+            return False  # the decode serves the conversation but retains nothing to read
         gain = read_gain(placement, prefill)
         floor = read_floor(prefill, time.monotonic())
         if gain >= max(1, self.svc.config.min_read_tokens) and gain > floor:

@@ -218,20 +218,24 @@ async def test_a_long_turn_over_an_unretained_record_takes_no_pin(
     assert not h.cluster.calls("decode0.control", "POST")
 
 
-async def test_a_keepalive_the_decode_answers_evicted_keeps_the_record_unretained(
+async def test_a_keepalive_the_decode_answers_evicted_marks_the_record_lost(
         make_harness: MakeHarness) -> None:
     h = await continued(make_harness)
     evict(h)
     resp = await h.client.post("/kvturn/v1/conversations/c/keepalive")
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "evicted"
     record = await h.router.store.get(KEY)
-    assert record is not None and not record.retained
+    assert record is not None and not record.retained and record.lost
     assert metric(h, "kvturn_router_stale_handles_total", reason="evicted") == 1
     # The next keepalive is answered by the router alone: nothing to renew.
     calls = len(h.cluster.calls("decode0.control"))
     resp = await h.client.post("/kvturn/v1/conversations/c/keepalive")
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "no_retention"
     assert len(h.cluster.calls("decode0.control")) == calls
-    # A short turn still continues on that decode (its prefix cache decides what it finds).
+    # Its blocks were freed, most likely for other requests: the next turn takes a prefill
+    # (which may hold the prompt) rather than have the decode recompute the history; the
+    # record kept the affinity.
     resp = await h.chat("c", messages=TURN2)
-    assert resp.headers["X-KVTurn-Route"] == "decode"
+    assert (resp.headers["X-KVTurn-Route"], resp.headers["X-KVTurn-Reuse"]) == \
+        ("prefill", "miss")
+    assert metric(h, "kvturn_router_not_continued_total", why="lost") == 1

@@ -51,21 +51,21 @@ def test_decodes_run_the_connectors_table_on_the_simulated_clock() -> None:
     assert result["simulated_s"] > 86400
 
 
-def test_a_lapsed_ttl_still_continues_on_what_the_prefix_cache_kept() -> None:
+def test_fixed_ttl_misses_the_long_gap_the_lease_keeps() -> None:
     policies = standard_policies()
-    for gap in (10.0, 600.0):
+    # Turn 2 of a continued turn reports the decode's coverage of its prompt: "partial", its
+    # new message filling blocks of its own.
+    for gap, ttl_reason in ((10.0, "partial"), (600.0, "expired")):
         ttl = _run(policies["vllm-ttl-480"], _gap_of(gap))
         lease = _run(policies["kvturn-lease"], _gap_of(gap))
-        for result in (ttl, lease):
-            assert result["routes"] == {"prefill": 1, "decode": 1}, gap
-            assert result["reasons"]["miss"] == 1, gap  # turn 1
-    # Past a fixed TTL the retention is gone, but with nothing pushing it out the decode's
-    # prefix cache still holds its blocks: turn 2 continues there and computes no more than
-    # under the lease (the lease matters under memory pressure).
+        assert ttl["reasons"] == {"miss": 1, ttl_reason: 1}, gap  # turn 1, then turn 2
+        assert lease["reasons"] == {"miss": 1, "partial": 1}, gap
+        assert lease["routes"] == {"prefill": 1, "decode": 1}, gap
+    # The lapsed lease sends turn 2 to a prefill, which recomputes what its cache lacks.
     expired = _run(policies["vllm-ttl-480"], _gap_of(600.0))
     kept = _run(policies["kvturn-lease"], _gap_of(600.0))
-    assert expired["computed_tokens"] == kept["computed_tokens"]
-    assert expired["retention_stats"]["expired"] == 1
+    assert expired["routes"] == {"prefill": 2}
+    assert expired["computed_tokens"] > kept["computed_tokens"]
     # The lease renewed every 60 s of the 600 s gap, then was released at the end.
     stats = kept["retention_stats"]
     assert stats["renewed"] == 9 and stats["released"] == 1

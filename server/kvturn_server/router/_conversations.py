@@ -90,9 +90,9 @@ async def _forget(router: Router, key: str, placement: Placement, why: str | Non
         router.metrics.state_errors.inc()
 
 
-# Gone codes after which the decode that served the conversation may still hold it in its
-# plain prefix cache: the record keeps the decode and the history, unretained (as a stock
-# router's record: a short next turn still continues there). Released and replaced
+# Gone codes after which the record keeps the decode and the prefill for affinity, marked
+# lost (its blocks were freed: the next turn takes a prefill rather than continue on it, and
+# later keepalives are answered without calling the decode). Released and replaced
 # retentions, restarts and unknown decodes are forgotten.
 _UNRETAINED = frozenset({"expired", "evicted", "no_retention"})
 
@@ -100,7 +100,7 @@ _UNRETAINED = frozenset({"expired", "evicted", "no_retention"})
 async def _unretained(router: Router, key: str, placement: Placement, why: str) -> None:
     router.metrics.stale(why)
     try:
-        await router.store.put(key, replace(placement, retained=False))
+        await router.store.put(key, replace(placement, retained=False, lost=True))
     except StoreError:
         router.metrics.state_errors.inc()
 

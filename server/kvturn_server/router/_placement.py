@@ -103,20 +103,28 @@ def read_floor(prefill: Backend, now: float) -> int:
 
 
 def continuation(*, placement: Placement, holder: Backend, transcript: Transcript | None,
-                 max_tokens: int, budget: int) -> tuple[int, str]:
+                 now: float, max_tokens: int, budget: int) -> tuple[int, str]:
     """Whether ``holder`` (the decode that served the conversation's last turn) should
     continue this turn alone.
 
     The decision is stock conditional disaggregation's (:func:`conditional_decode`: the same
-    estimate of the new tokens, the same threshold) plus the budget of continued tokens per
-    decode; kvturn's retention only makes it likelier that the decode still holds the history.
-    So a record whose retention is gone (``placement.retained`` false: refused, evicted,
-    expired; or a lease run out) still continues a short turn: the decode's plain prefix cache
-    may hold it, as it does for a stock router, and the decode's usage reports what it found.
+    estimate of the new tokens, the same threshold), with what kvturn knows besides: a
+    retention whose lease ran out, or that the decode said is gone (``placement.lost``:
+    evicted or expired), was freed, most likely for other requests, so the turn takes a
+    prefill instead of having the decode recompute the history; and a budget of continued
+    tokens per decode. A turn the decode did not retain (``placement.retained`` false: over
+    the budget, too short) still continues: the decode just computed it, and its plain prefix
+    cache holds it as a stock router's decode would; its usage reports what it found.
 
     Returns ``(estimated tokens, "")`` when it should, else ``(0, why not)`` with why one of
-    ``off``, ``unhealthy``, ``stale``, ``no_history``, ``edited``, ``too_long``, ``busy``.
+    ``off``, ``unhealthy``, ``stale``, ``expired``, ``lost``, ``no_history``, ``edited``,
+    ``too_long``, ``busy``.
     """
+    if max_tokens > 0 and holder.healthy:
+        if placement.lost:
+            return 0, "lost"
+        if placement.retained and placement.expires_at <= now:
+            return 0, "expired"
     estimate, why = conditional_decode(placement=placement, holder=holder,
                                        transcript=transcript, max_tokens=max_tokens)
     if why:

@@ -67,6 +67,10 @@ class Placement:
             conversation, so the record keeps the decode and the history, as a stock router
             would; ``num_tokens`` is then what that decode processed of the last turn (prompt
             and reply) and nothing is pinned.
+        lost: the decode said, after the turn, that the retention is gone (evicted or
+            expired: its blocks were freed, under memory pressure most likely reused). The
+            record keeps the decode and the prefill for affinity, but the next turn does not
+            continue on that decode.
     """
 
     decode: str
@@ -81,6 +85,7 @@ class Placement:
     history: History | None = None
     version: float = 0.0
     retained: bool = True
+    lost: bool = False
 
     def to_json(self) -> bytes:
         data: dict[str, Any] = {
@@ -89,7 +94,7 @@ class Placement:
             "readable_tokens": self.readable_tokens, "block_size": self.block_size,
             "prefill": self.prefill, "prefill_tokens": self.prefill_tokens,
             "history": None if self.history is None else self.history.to_dict(),
-            "version": self.version, "retained": self.retained}
+            "version": self.version, "retained": self.retained, "lost": self.lost}
         return _json.dumps(data)
 
     @classmethod
@@ -109,7 +114,8 @@ class Placement:
                        prefill_tokens=int(raw.get("prefill_tokens") or 0),
                        history=History.from_dict(raw.get("history")),
                        version=float(raw.get("version") or 0.0),
-                       retained=raw.get("retained") is not False)
+                       retained=raw.get("retained") is not False,
+                       lost=raw.get("lost") is True)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise StoreError(f"unreadable placement record: {exc}") from exc
 

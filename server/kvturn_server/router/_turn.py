@@ -145,15 +145,13 @@ class Turn:
         assert placement is not None and holder is not None
         cfg = svc.config
         estimate, why = continuation(
-            placement=placement, holder=holder, transcript=self.transcript,
+            placement=placement, holder=holder, transcript=self.transcript, now=svc.clock(),
             max_tokens=cfg.decode_continue_tokens, budget=cfg.decode_continue_budget)
         if why:
             svc.metrics.not_continued(why)
             return None
         # What it reuses is what its cache still holds: its usage says (TurnReport.settle).
-        # The record expects its retention's full blocks while the lease runs.
-        leased = placement.expires_at > svc.clock()
-        report.continued(expected_tokens=placement.cached_tokens if leased else 0,
+        report.continued(expected_tokens=placement.cached_tokens,
                          block_size=placement.block_size)
         self.continued = estimate
         holder.continuing += estimate

@@ -233,8 +233,8 @@ class Simulation:
         retention = self._decode_of[placement.decode].table.keepalive(key)
         if retention is not None:
             self.placements[key] = replace(placement, expires_at=retention.expires_at)
-        else:  # gone: the router keeps the decode and the history, unretained
-            self.placements[key] = replace(placement, retained=False)
+        else:  # gone: the router keeps the record for affinity, lost (router/_conversations.py)
+            self.placements[key] = replace(placement, retained=False, lost=True)
 
     # Block hashes.
 
@@ -305,7 +305,7 @@ class Simulation:
             elif policy.retain:
                 estimate, why = routing.continuation(
                     placement=placement, holder=turn.holder, transcript=turn.transcript,
-                    max_tokens=s.router.decode_continue_tokens,
+                    now=self.now, max_tokens=s.router.decode_continue_tokens,
                     budget=s.router.decode_continue_budget)
                 if not why:
                     self._continue(turn, estimate)

@@ -21,6 +21,7 @@ Faults are scripted per backend with ``fail_next(...)`` (consumed one per leg re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections import deque
@@ -106,6 +107,10 @@ class FakeBackend:
         self._turns = itertools.count(1)
         self._late: dict[str, FakeRetention] = {}
         self.streams_closed = 0  # streams whose reader closed them (before or at their end)
+        # The connector's lost log (GET /kvturn/v1/lost): (key, reason, read id), numbered 1..
+        self.lost_log: list[tuple[str, str, str]] = []
+        self.lost_polls = 0
+        self._lost_added = asyncio.Event()
 
     def fail_next(self, *behaviors: Behavior) -> None:
         self.script.extend(behaviors)
@@ -120,10 +125,18 @@ class FakeBackend:
         self.retentions.clear()
         self.gone.clear()
         self.pins.clear()
+        self.lost_log.clear()
 
     def expire(self, key: str) -> None:
         self.retentions.pop(key, None)
         self.gone[key] = "expired"
+
+    def lose(self, key: str, reason: str = "evicted") -> None:
+        """Drop a retention on the decode's own account, as the connector logs it."""
+        retention = self.retentions.pop(key)
+        self.gone[key] = reason
+        self.lost_log.append((key, reason, retention.params["remote_request_id"]))
+        self._lost_added.set()
 
     # Completion legs.
 
@@ -246,6 +259,19 @@ class FakeBackend:
                 raise httpx2.ConnectError("connection refused")
             return httpx2.Response(200, json={"engine_id": self.engine_id, "role": self.role})
         route = parts[2:]
+        if route == ["lost"] and method == "GET":
+            self.lost_polls += 1
+            after = int(request.url.params.get("after", "0"))
+            wait = float(request.url.params.get("wait", "0"))
+            if wait > 0 and after >= len(self.lost_log):  # a long poll, as the connector's
+                self._lost_added.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._lost_added.wait(), wait)
+            entries = [{"key": k, "reason": r, "read_id": i}
+                       for k, r, i in self.lost_log[after:]]
+            return httpx2.Response(200, json={"engine_id": self.engine_id,
+                                              "seq": len(self.lost_log), "truncated": False,
+                                              "lost": entries})
         if route[0] == "retentions":
             key = route[1]
             if method == "GET":

@@ -4,6 +4,7 @@ router does with a record that outlived the decode's KV (docs/http-api.md, A "Re
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -225,7 +226,7 @@ async def test_a_keepalive_the_decode_answers_evicted_marks_the_record_lost(
     resp = await h.client.post("/kvturn/v1/conversations/c/keepalive")
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "evicted"
     record = await h.router.store.get(KEY)
-    assert record is not None and not record.retained and record.lost
+    assert record is not None and not record.retained and record.lost == "evicted"
     assert metric(h, "kvturn_router_stale_handles_total", reason="evicted") == 1
     # The next keepalive is answered by the router alone: nothing to renew.
     calls = len(h.cluster.calls("decode0.control"))
@@ -234,8 +235,99 @@ async def test_a_keepalive_the_decode_answers_evicted_marks_the_record_lost(
     assert len(h.cluster.calls("decode0.control")) == calls
     # Its blocks were freed, most likely for other requests: the next turn takes a prefill
     # (which may hold the prompt) rather than have the decode recompute the history; the
-    # record kept the affinity.
+    # record kept the affinity. The report says why, as a pin that found it gone would.
     resp = await h.chat("c", messages=TURN2)
     assert (resp.headers["X-KVTurn-Route"], resp.headers["X-KVTurn-Reuse"]) == \
-        ("prefill", "miss")
+        ("prefill", "stale")
     assert metric(h, "kvturn_router_not_continued_total", why="lost") == 1
+
+
+# The decodes' lost logs (router/_lost.py): a retention the decode dropped on its own.
+
+async def _following(make_harness: MakeHarness) -> Harness:
+    h = await continued(make_harness)
+    assert h.router.lost is not None
+    h.router.lost.start()
+    return h
+
+
+async def _until(check: Any, what: str) -> None:
+    for _ in range(500):
+        if await check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within 5 s: {what}")
+
+
+async def test_a_retention_the_decode_evicted_is_marked_lost_and_not_continued(
+        make_harness: MakeHarness) -> None:
+    h = await _following(make_harness)
+    decode = h.cluster.decodes[0]
+    await _until(lambda: _polled(decode), "the follower's first poll")
+    decode.lose(KEY)
+
+    async def marked() -> bool:
+        record = await h.router.store.get(KEY)
+        return record is not None and record.lost is not None
+
+    await _until(marked, "the record marked lost")
+    assert metric(h, "kvturn_router_lost_entries_total", outcome="evicted") == 1
+    # The next turn takes a prefill (no pin: nothing is retained) instead of having the
+    # decode recompute the history; the record kept the affinity.
+    resp = await h.chat("c", messages=TURN2)
+    assert (resp.headers["X-KVTurn-Route"], resp.headers["X-KVTurn-Reuse"]) == \
+        ("prefill", "stale")
+    assert metric(h, "kvturn_router_not_continued_total", why="lost") == 1
+    assert not h.cluster.calls("decode0.control", "POST")
+    # Its capture recorded the new retention: the one after continues again.
+    resp = await h.chat("c", messages=[*TURN2, REPLY, TOOL])
+    assert resp.headers["X-KVTurn-Route"] == "decode"
+    await h.router.lost.stop()  # type: ignore[union-attr]
+
+
+async def _polled(decode: Any) -> bool:
+    return bool(decode.lost_polls)
+
+
+async def test_an_older_retention_under_the_same_key_leaves_the_record_alone(
+        make_harness: MakeHarness) -> None:
+    h = await _following(make_harness)
+    decode = h.cluster.decodes[0]
+    await _until(lambda: _polled(decode), "the follower's first poll")
+    old = decode.retentions[KEY]
+    await h.chat("c", messages=TURN2)  # a newer retention under the same key
+    # The decode logs the older one as evicted (it went from the table before the newer
+    # one replaced it, say): the record names the newer one, by its read id.
+    decode.retentions[KEY], newer = old, decode.retentions[KEY]
+    decode.lose(KEY)
+    decode.retentions[KEY] = newer
+    await _until(lambda: _counted(h, "unmatched"), "the entry read")
+    record = await h.router.store.get(KEY)
+    assert record is not None and record.retained and not record.lost
+    await h.router.lost.stop()  # type: ignore[union-attr]
+
+
+async def _counted(h: Harness, outcome: str) -> bool:
+    return metric(h, "kvturn_router_lost_entries_total", outcome=outcome) >= 1
+
+
+async def test_a_router_started_after_the_drops_reads_only_what_follows(
+        make_harness: MakeHarness) -> None:
+    h = await continued(make_harness)
+    decode = h.cluster.decodes[0]
+    decode.lose(KEY)  # before the follower's first answer: not for this router to mark
+    assert h.router.lost is not None
+    h.router.lost.start()
+    await _until(lambda: _polled_twice(decode), "the follower's long poll")
+    record = await h.router.store.get(KEY)
+    assert record is not None and not record.lost
+    await h.router.lost.stop()
+
+
+async def _polled_twice(decode: Any) -> bool:
+    return decode.lost_polls >= 2
+
+
+async def test_no_follower_without_reuse_or_when_turned_off(make_harness: MakeHarness) -> None:
+    assert (await make_harness(follow_evictions=False)).router.lost is None
+    assert (await make_harness(kv_reuse=False)).router.lost is None

@@ -57,7 +57,7 @@ async def test_keepalive_of_an_expired_retention_is_a_404_and_marks_it_lost(
     assert resp.json()["error"]["code"] == "expired"
     # The decode and the prefill that served it stay known (affinity), the record lost.
     record = await h.router.store.get("-/c")
-    assert record is not None and not record.retained and record.lost
+    assert record is not None and not record.retained and record.lost == "expired"
 
 
 async def test_keepalive_after_a_decode_restart_is_stale(make_harness: MakeHarness) -> None:

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
-from kvturn_server.connector._params import ReadCoordinates, read_params
+from kvturn_server.connector._lost import LostLog
+from kvturn_server.connector._params import READ_PREFIX, ReadCoordinates, read_params
 from kvturn_server.connector._retention import GoneReason, Retention, RetentionTable
 
 RETENTION_EVENTS = ("created", "renewed", "released", "expired", "evicted", "replaced",
@@ -82,6 +83,8 @@ class RetentionKeeper:
         self._wake: Callable[[], object] = lambda: None
         self._counted = {name: 0 for name in RETENTION_EVENTS}
         self.pending_events: list[str] = []
+        # What the table dropped on its own, for routers to follow (control ``GET .../lost``).
+        self.lost = LostLog()
 
     # Set-up (engine thread, at start).
 
@@ -330,3 +333,6 @@ class RetentionKeeper:
             if new > old:
                 self._counted[name] += new - old
                 self.pending_events.extend([name] * (new - old))
+        lost = table.take_lost()
+        if lost:
+            self.lost.add((r.key, reason.value, READ_PREFIX + r.request_id) for r, reason in lost)

@@ -192,6 +192,8 @@ class RetentionTable:
         self._pin_ids = itertools.count(1)
         # Recently dropped keys and why, so that "no retention" can say "expired" or "evicted".
         self._gone: OrderedDict[str, GoneReason] = OrderedDict()
+        # Retentions the table dropped on its own (evicted, expired) since the last take_lost.
+        self._lost: list[tuple[Retention, GoneReason]] = []
 
     def __len__(self) -> int:
         """Retentions held, including expired ones not yet handed back by :meth:`expire`."""
@@ -396,15 +398,17 @@ class RetentionTable:
         if isinstance(blocks_needed, bool) or not isinstance(blocks_needed, int) \
                 or blocks_needed < 0:
             raise ValueError(f"blocks_needed must be a non-negative int, got {blocks_needed!r}")
-        return self._free_blocks(blocks_needed, self._clock())
+        return self._free_blocks(blocks_needed, self._clock(), for_live=True)
 
     # Internals. _entries, _retained_blocks and _heap_seq change only in _store and _drop.
 
-    def _free_blocks(self, needed: int, now: float) -> list[Retention]:
+    def _free_blocks(self, needed: int, now: float, *, for_live: bool = False) -> list[Retention]:
         """Drop retentions until ``needed`` blocks are free or nothing unpinned is left.
 
         Expired retentions go first, then the least recently used unpinned ones. A pinned
         retention frees nothing now (its blocks drain), so it is never chosen for room.
+        Evictions ``for_live`` requests are logged lost (their blocks are taken at once); one
+        over the budget leaves its blocks in the prefix cache until something needs them.
         """
         freed: list[Retention] = []
         while needed > 0:
@@ -418,6 +422,8 @@ class RetentionTable:
                 assert retention is not None
                 self.stats.evicted += 1
                 self._remember(victim, GoneReason.EVICTED)
+                if for_live:
+                    self._log_lost(retention, GoneReason.EVICTED)
             freed.append(retention)
             needed -= retention.num_blocks
         return freed
@@ -440,8 +446,10 @@ class RetentionTable:
                 return None
             heapq.heappop(heap)
             retention = self._drop(key)
+            assert retention is not None
             self.stats.expired += 1
             self._remember(key, GoneReason.EXPIRED)
+            self._log_lost(retention, GoneReason.EXPIRED)
             return retention
         return None
 
@@ -467,6 +475,20 @@ class RetentionTable:
             return []  # still in the table, unpinned now
         self._draining_blocks -= retention.num_blocks
         return [retention]
+
+    def take_lost(self) -> list[tuple[Retention, GoneReason]]:
+        """The retentions the table dropped on its own since the last call, oldest first:
+        evicted for live requests (:meth:`evict_for`: the blocks are taken at once) or
+        expired. Not evicted over the budget (the blocks stay in the prefix cache until
+        something needs them), released, replaced or refused: whoever asked for those knows.
+        At most ``remember`` are kept between calls (the oldest go first)."""
+        lost, self._lost = self._lost, []
+        return lost
+
+    def _log_lost(self, retention: Retention, reason: GoneReason) -> None:
+        self._lost.append((retention, reason))
+        if len(self._lost) > max(self.remember, 1):
+            del self._lost[:len(self._lost) - max(self.remember, 1)]
 
     def _remember(self, key: str, reason: GoneReason) -> None:
         if not self.remember:

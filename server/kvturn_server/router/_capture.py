@@ -19,6 +19,7 @@ from kvturn_server.router._history import Transcript
 from kvturn_server.router._legs import (
     DecodeUsage,
     ReuseReport,
+    read_id_of,
     readable_tokens,
     retained_report,
 )
@@ -91,7 +92,8 @@ class Capture:
             else services.config.retention_ttl
         await self._record(backend, report.engine_id or backend.engine_id,
                            report.num_tokens or 0, expires_in,
-                           readable=report.readable_tokens, block_size=report.block_size)
+                           readable=report.readable_tokens, block_size=report.block_size,
+                           read_id=report.read_id)
         return report.reuse
 
     async def described(self, backend: Backend, decode_started: float,
@@ -140,7 +142,8 @@ class Capture:
         assert result is not None
         readable, block_size = readable_tokens(result.params)
         await self._record(backend, result.engine_id or backend.engine_id, result.num_tokens,
-                           result.expires_in, readable=readable, block_size=block_size)
+                           result.expires_in, readable=readable, block_size=block_size,
+                           read_id=read_id_of(result.params))
 
     async def _record_unretained(self, backend: Backend, engine_id: str | None,
                                  usage: DecodeUsage | None) -> None:
@@ -168,7 +171,8 @@ class Capture:
 
     def _placement_for(self, backend: Backend, engine_id: str | None, num_tokens: int,
                        expires_in: float, *, readable: int | None,
-                       block_size: int, retained: bool = True) -> Placement:
+                       block_size: int, retained: bool = True,
+                       read_id: str | None = None) -> Placement:
         """This turn's record: where it is retained, and which prefill holds its prompt (the
         one that computed this turn's prefill leg, else the one recorded before)."""
         old = self.old
@@ -186,11 +190,12 @@ class Capture:
                          readable_tokens=readable, block_size=block_size, prefill=prefill,
                          prefill_tokens=prefill_tokens,
                          history=None if self.transcript is None else self.transcript.history(),
-                         retained=retained)
+                         retained=retained, read_id=read_id)
 
     async def _record(self, backend: Backend, engine_id: str | None, num_tokens: int,
                       expires_in: float, *, readable: int | None = None,
-                      block_size: int = 0, retained: bool = True) -> None:
+                      block_size: int = 0, retained: bool = True,
+                      read_id: str | None = None) -> None:
         services, key = self.ctx.services, self.ctx.conversation
         if engine_id is not None and engine_id != backend.engine_id:
             # The decode itself just named its engine: fresher than the last health check,
@@ -204,7 +209,7 @@ class Capture:
                       old_engine_id=old_engine, engine_id=engine_id)
         placement = self._placement_for(backend, engine_id, num_tokens, expires_in,
                                         readable=readable, block_size=block_size,
-                                        retained=retained)
+                                        retained=retained, read_id=read_id)
         try:
             evicted = await services.store.put(key, placement)
         except StoreError as exc:

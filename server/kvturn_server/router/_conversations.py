@@ -100,7 +100,7 @@ _UNRETAINED = frozenset({"expired", "evicted", "no_retention"})
 async def _unretained(router: Router, key: str, placement: Placement, why: str) -> None:
     router.metrics.stale(why)
     try:
-        await router.store.put(key, replace(placement, retained=False, lost=True))
+        await router.store.put(key, replace(placement, retained=False, lost=why))
     except StoreError:
         router.metrics.state_errors.inc()
 

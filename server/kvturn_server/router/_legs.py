@@ -214,6 +214,14 @@ class RetainedReport:
     readable_tokens: int | None = None
     block_size: int = 0
     reuse: ReuseReport | None = None
+    read_id: str | None = None
+
+
+def read_id_of(params: dict[str, Any]) -> str | None:
+    """A retention's read id in its params (vLLM's ``remote_request_id``): what tells it from
+    a newer retention under the same key, in the decode's lost log (``_lost.py``)."""
+    value = params.get("remote_request_id")
+    return value if isinstance(value, str) else None
 
 
 def retained_report(response: Any) -> RetainedReport | None:
@@ -238,7 +246,7 @@ def retained_report(response: Any) -> RetainedReport | None:
         engine_id=str(engine_id) if isinstance(engine_id, str | int) else None,
         num_tokens=_count(num_tokens) if num_tokens is not None else None,
         expires_in=_seconds(expires_in), readable_tokens=readable, block_size=block_size,
-        reuse=reuse_report(params))
+        reuse=reuse_report(params), read_id=read_id_of(params))
 
 
 @dataclass(frozen=True, slots=True)

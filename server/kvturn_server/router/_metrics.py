@@ -30,6 +30,10 @@
   ``no_retention``.
 - ``kvturn_router_captures_total{outcome}``: ``recorded``, ``not_retained``, ``failed``,
   ``superseded`` (a concurrent turn of the conversation recorded a newer retention).
+- ``kvturn_router_lost_entries_total{outcome}``: entries of the decodes' lost logs
+  (``_lost.py``): ``evicted`` / ``expired`` (a record marked lost), ``unmatched`` (no record
+  names that retention: a newer one, or another router's conversation), ``missed`` (the log
+  had dropped entries this router had not read).
 - ``kvturn_router_conversations``: conversations in the state table.
 - ``kvturn_router_conversation_evictions_total``: conversations the table cap pushed out.
 - ``kvturn_router_state_errors_total``: state-store calls that failed (the turn went on).
@@ -105,6 +109,9 @@ class RouterMetrics:
                               registry=r)
         self._captures = Counter("kvturn_router_captures", "retention captures by outcome",
                                  ["outcome"], registry=r)
+        self._lost = Counter("kvturn_router_lost_entries",
+                             "entries of the decodes' lost logs, by outcome", ["outcome"],
+                             registry=r)
         self.conversations = Gauge("kvturn_router_conversations",
                                    "conversations in the state table", registry=r)
         self.evictions = Counter("kvturn_router_conversation_evictions",
@@ -147,6 +154,9 @@ class RouterMetrics:
 
     def failure(self, role: str, backend: str, kind: str) -> None:
         self._child(self._failures, role, backend, kind).inc()
+
+    def lost_entries(self, outcome: str) -> None:
+        self._child(self._lost, outcome).inc()
 
     def stale(self, reason: str) -> None:
         self._child(self._stale, reason).inc()

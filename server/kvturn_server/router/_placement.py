@@ -121,7 +121,7 @@ def continuation(*, placement: Placement, holder: Backend, transcript: Transcrip
     ``too_long``, ``busy``.
     """
     if max_tokens > 0 and holder.healthy:
-        if placement.lost:
+        if placement.lost is not None:
             return 0, "lost"
         if placement.retained and placement.expires_at <= now:
             return 0, "expired"

@@ -67,10 +67,12 @@ class Placement:
             conversation, so the record keeps the decode and the history, as a stock router
             would; ``num_tokens`` is then what that decode processed of the last turn (prompt
             and reply) and nothing is pinned.
-        lost: the decode said, after the turn, that the retention is gone (evicted or
-            expired: its blocks were freed, under memory pressure most likely reused). The
+        lost: why the decode said, after the turn, that the retention is gone (``evicted`` or
+            ``expired``: its blocks were freed, under memory pressure most likely reused). The
             record keeps the decode and the prefill for affinity, but the next turn does not
             continue on that decode.
+        read_id: the retention's read id (its params' ``remote_request_id``), which the
+            decode's lost log names (``_lost.py``); None when unknown.
     """
 
     decode: str
@@ -85,7 +87,8 @@ class Placement:
     history: History | None = None
     version: float = 0.0
     retained: bool = True
-    lost: bool = False
+    lost: str | None = None
+    read_id: str | None = None
 
     def to_json(self) -> bytes:
         data: dict[str, Any] = {
@@ -94,7 +97,8 @@ class Placement:
             "readable_tokens": self.readable_tokens, "block_size": self.block_size,
             "prefill": self.prefill, "prefill_tokens": self.prefill_tokens,
             "history": None if self.history is None else self.history.to_dict(),
-            "version": self.version, "retained": self.retained, "lost": self.lost}
+            "version": self.version, "retained": self.retained, "lost": self.lost,
+            "read_id": self.read_id}
         return _json.dumps(data)
 
     @classmethod
@@ -115,7 +119,8 @@ class Placement:
                        history=History.from_dict(raw.get("history")),
                        version=float(raw.get("version") or 0.0),
                        retained=raw.get("retained") is not False,
-                       lost=raw.get("lost") is True)
+                       lost=raw["lost"] if isinstance(raw.get("lost"), str) else None,
+                       read_id=raw["read_id"] if isinstance(raw.get("read_id"), str) else None)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise StoreError(f"unreadable placement record: {exc}") from exc
 

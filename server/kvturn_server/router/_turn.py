@@ -37,7 +37,7 @@ from kvturn_server.router._history import Transcript
 from kvturn_server.router._identity import Identity
 from kvturn_server.router._legs import decode_body, local_coverage, reuse_report
 from kvturn_server.router._log import event
-from kvturn_server.router._pin import Pins
+from kvturn_server.router._pin import Pins, gone_reason
 from kvturn_server.router._placement import (
     choose_prefill,
     conditional_decode,
@@ -206,7 +206,11 @@ class Turn:
         if placement is None or self.holder is None:
             return False
         if not placement.retained:
-            return False  # the decode serves the conversation but retains nothing to read
+            # The decode serves the conversation but retains nothing to read; one it said it
+            # dropped reports why, as a pin that found it gone would (``_pin.py``).
+            if placement.lost is not None:
+                self.report.reason = gone_reason(placement.lost)
+            return False
         gain = read_gain(placement, prefill)
         floor = read_floor(prefill, time.monotonic())
         if gain >= max(1, self.svc.config.min_read_tokens) and gain > floor:

@@ -191,6 +191,9 @@ class RouterSpec:
     remember_expired_s: float = _ROUTER["remember_expired"]
     """The router forgets a record this long after it expired (then no affinity, no
     continuation)."""
+    follow_evictions: bool = _ROUTER["follow_evictions"]
+    """The router follows the decodes' lost logs (``router/_lost.py``): records of evicted or
+    expired retentions are marked lost at once."""
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from kvturn_server.connector._reuse import decide_reuse
 from kvturn_server.router import _placement as routing
 from kvturn_server.router._history import Transcript
 from kvturn_server.router._legs import coverage
+from kvturn_server.router._pin import gone_reason
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import Placement
 from kvturn_server.sim._config import GIB, SimSettings
@@ -58,8 +59,6 @@ from kvturn_server.sim._metrics import Recorder
 from kvturn_server.sim._workload import Conversation
 
 _PAD: dict[tuple[int, int], str] = {}
-# What X-KVTurn-Reuse says when a pin finds the retention gone (router/_turn.py).
-_GONE_REASON = {"expired": "expired", "released": "miss", "replaced": "miss"}
 
 
 def _pad(tokens: int, version: int) -> str:
@@ -111,6 +110,8 @@ class Simulation:
         host_blocks = math.floor(policy.host_gib * GIB / fleet.block_bytes)
         self.prefills = [SimPrefill(f"p{i}", fleet.prefill_capacity, host_blocks)
                          for i in range(fleet.prefills)]
+        # Each decode's lost log as the router has read it (``_lost_log``).
+        self._lost: dict[str, dict[str, tuple[str, str]]] = {}
         self.decodes = [SimDecode(f"d{i}", fleet.decode_capacity, policy,
                                   max_num_seqs=fleet.max_num_seqs, clock=self.clock,
                                   host_blocks=host_blocks)
@@ -234,7 +235,9 @@ class Simulation:
         if retention is not None:
             self.placements[key] = replace(placement, expires_at=retention.expires_at)
         else:  # gone: the router keeps the record for affinity, lost (router/_conversations.py)
-            self.placements[key] = replace(placement, retained=False, lost=True)
+            self.placements[key] = replace(placement, retained=False,
+                                           lost=str(self._decode_of[placement.decode]
+                                                    .table.gone_reason(key)))
 
     # Block hashes.
 
@@ -274,13 +277,29 @@ class Simulation:
 
     def _record(self, key: str) -> Placement | None:
         """The router's record of the conversation; the store forgets it ``remember_expired``
-        after its lease (or stock record) ran out."""
+        after its lease (or stock record) ran out. A retention its decode evicted or let
+        expire is marked lost, as the router following the decode's lost log marks it
+        (``router/_lost.py``: within milliseconds, so at once here)."""
         placement = self.placements.get(key)
         if placement is not None \
                 and self.now >= placement.expires_at + self.s.router.remember_expired_s:
             del self.placements[key]
             return None
+        if placement is not None and placement.retained and placement.lost is None \
+                and self.s.router.follow_evictions:
+            lost = self._lost_log(placement.decode).get(key)
+            if lost is not None and lost[0] == placement.turn:
+                placement = self.placements[key] = replace(placement, retained=False,
+                                                           lost=lost[1])
         return placement
+
+    def _lost_log(self, decode: str) -> dict[str, tuple[str, str]]:
+        """What the decode's lost log said so far (connector ``take_lost``): key -> (the
+        retention's request id, why), the latest per key."""
+        log = self._lost.setdefault(decode, {})
+        for retention, reason in self._decode_of[decode].table.take_lost():
+            log[retention.key] = (retention.request_id, reason.value)
+        return log
 
     def _route(self, turn: _Turn) -> None:
         s, policy = self.s, self.s.policy
@@ -365,12 +384,13 @@ class Simulation:
                 decode = self._decode_of[placement.decode]
                 pin = decode.table.pin(turn.conv.cid, s.router.pin_ttl_s)
                 if pin is None:
-                    turn.reason = _GONE_REASON.get(
-                        str(decode.table.gone_reason(turn.conv.cid)), "stale")
+                    turn.reason = gone_reason(str(decode.table.gone_reason(turn.conv.cid)))
                     self.placements.pop(turn.conv.cid, None)
             else:
                 pin_skipped = gain == 0
                 turn.reason = "below-threshold"
+        elif s.policy.retain and placement is not None and placement.lost is not None:
+            turn.reason = gone_reason(placement.lost)  # the router's _worth_pinning
         read_tokens = 0
         read_s = 0.0
         if pin is not None:

@@ -128,7 +128,7 @@ class KVTurnClientBase(_OpenAIClient):
              _extra_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> Self:
         """openai's ``copy``/``with_options`` (its arguments pass through), keeping kvturn's
         settings and the conversation (a copy of a scoped client is the same conversation:
-        same id, record and counters)."""
+        same id, last report and counters)."""
         extra = {"retry_policy": retry_policy or self.retry_policy,
                  "keepalive_interval": (self.keepalive_interval if keepalive_interval is None
                                         else keepalive_interval),

@@ -174,7 +174,8 @@ def test_a_continued_turn_whose_retention_was_evicted_reports_what_the_decode_re
     continues on the decode (the record says it holds the conversation), finds nothing,
     computes the whole prompt, and says so (``miss``, 0 tokens: what the decode's own
     metrics say its cache supplied), streamed or not; the record is then the new turn's
-    retention. A keepalive the decode answers ``evicted`` makes the router forget the record."""
+    retention. A keepalive the decode answers ``evicted`` marks the record lost: the next turn
+    takes a prefill leg instead of having the decode recompute the history."""
     cfg = stack.config
     model = cfg.served_model_name
     client = kvturn.OpenAI(base_url=f"{router_url}/v1", api_key="tenant-e", max_retries=0)
@@ -248,8 +249,9 @@ def test_a_continued_turn_whose_retention_was_evicted_reports_what_the_decode_re
     assert turn.reused_tokens == d.value.local_cache == \
         usage.prompt_tokens_details.cached_tokens > 0, (turn, d.value)
 
-    # A keepalive the decode answers "evicted": the router forgets the record, so the next
-    # turn takes a prefill leg instead of continuing on a decode that holds nothing.
+    # A keepalive the decode answers "evicted": the router marks the record lost (its blocks
+    # were freed), so the next turn takes a prefill leg instead of continuing on a decode that
+    # holds nothing.
     with pytest.raises(kvturn.ConversationNotFoundError):
         kept.keepalive()
     messages = histories[kept.id]

@@ -186,7 +186,7 @@ async def test_the_prefill_path_reports_as_before(make_harness: MakeHarness) -> 
 
 # Records that outlived the decode's KV.
 
-async def test_a_reply_not_retained_over_a_retention_gone_forgets_the_record(
+async def test_a_reply_not_retained_keeps_the_decode_and_the_history_unretained(
         make_harness: MakeHarness) -> None:
     h = await continued(make_harness)
     decode = h.cluster.decodes[0]
@@ -194,32 +194,48 @@ async def test_a_reply_not_retained_over_a_retention_gone_forgets_the_record(
     decode.retain = False  # this turn's retention did not stay either (over the budget)
     resp = await h.chat("c", messages=TURN2)
     assert resp.headers["X-KVTurn-Reuse"] == "miss"
-    assert await h.router.store.get(KEY) is None
-    # So the next turn is not sent to continue on nothing.
+    record = await h.router.store.get(KEY)
+    # As a stock router's record: the decode that served it and the turn's messages, no
+    # retention (nothing to pin), the tokens the decode's usage counted.
+    assert record is not None and not record.retained and record.cached_tokens == 0
+    assert record.decode == decode.url and record.num_tokens > 0
+    # So the next short turn still goes to that decode alone, whose plain prefix cache may
+    # hold the conversation; its usage says what it found.
     resp = await h.chat("c", messages=[*TURN2, REPLY, TOOL])
-    assert (resp.headers["X-KVTurn-Route"], resp.headers["X-KVTurn-Reuse"]) == \
-        ("prefill", "miss")
+    assert resp.headers["X-KVTurn-Route"] == "decode"
+    assert not h.cluster.calls("decode0.control", "POST")  # no pin, ever
 
 
-async def test_a_reply_not_retained_keeps_a_record_the_decode_still_holds(
+async def test_a_long_turn_over_an_unretained_record_takes_no_pin(
         make_harness: MakeHarness) -> None:
     h = await continued(make_harness)
     h.cluster.decodes[0].retain = False
-    before = await h.router.store.get(KEY)
     await h.chat("c", messages=TURN2)
-    assert await h.router.store.get(KEY) == before
-    resp = await h.chat("c", messages=[*TURN2, REPLY, TOOL])
-    assert resp.headers["X-KVTurn-Route"] == "decode"
+    long = {"role": "user", "content": "word " * 5000}
+    resp = await h.chat("c", messages=[*TURN2, REPLY, long])
+    assert (resp.headers["X-KVTurn-Route"], resp.headers["X-KVTurn-Reuse"]) == \
+        ("prefill", "miss")
+    assert not h.cluster.calls("decode0.control", "POST")
 
 
-async def test_a_keepalive_the_decode_answers_evicted_forgets_the_record(
+async def test_a_keepalive_the_decode_answers_evicted_marks_the_record_lost(
         make_harness: MakeHarness) -> None:
     h = await continued(make_harness)
     evict(h)
     resp = await h.client.post("/kvturn/v1/conversations/c/keepalive")
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "evicted"
-    assert await h.router.store.get(KEY) is None
+    record = await h.router.store.get(KEY)
+    assert record is not None and not record.retained and record.lost
+    assert metric(h, "kvturn_router_stale_handles_total", reason="evicted") == 1
+    # The next keepalive is answered by the router alone: nothing to renew.
+    calls = len(h.cluster.calls("decode0.control"))
+    resp = await h.client.post("/kvturn/v1/conversations/c/keepalive")
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "no_retention"
+    assert len(h.cluster.calls("decode0.control")) == calls
+    # Its blocks were freed, most likely for other requests: the next turn takes a prefill
+    # (which may hold the prompt) rather than have the decode recompute the history; the
+    # record kept the affinity.
     resp = await h.chat("c", messages=TURN2)
     assert (resp.headers["X-KVTurn-Route"], resp.headers["X-KVTurn-Reuse"]) == \
         ("prefill", "miss")
-    assert metric(h, "kvturn_router_stale_handles_total", reason="evicted") == 1
+    assert metric(h, "kvturn_router_not_continued_total", why="lost") == 1

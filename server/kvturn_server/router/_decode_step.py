@@ -178,9 +178,9 @@ class DecodeStep:
             report.usage = self.api.usage(payload)
             own = None
             if self.capture is not None and self.retains:
-                own = await self.capture.from_reply(backend, payload, t0)
+                own = await self.capture.from_reply(backend, payload, t0, report.usage)
             elif self.capture is not None:
-                self.capture.remember_affinity(backend)
+                await self.capture.remember_affinity(backend, report.usage)
             # A continued turn's reuse, from what the decode says its cache supplied (the
             # headers of a non-streaming reply are still to be sent).
             report.settle(own)
@@ -212,9 +212,7 @@ class DecodeStep:
         report.decode = backend
         decode_started = t0
         captured = False
-        hook, retained = self.hook, self.capture if self.retains else None
-        if retained is None and self.capture is not None:
-            self.capture.remember_affinity(backend)
+        hook, capturing, retains = self.hook, self.capture, self.retains
         tap = UsageTap(strip=self.strip_usage)
 
         async def capture(final: bytes = b"") -> None:
@@ -223,8 +221,11 @@ class DecodeStep:
                 captured = True
                 report.usage = self.api.usage(tap.event(final))
                 report.settle()
-                if retained is not None:
-                    await retained.described(backend, decode_started)
+                # Before [DONE]: the client's next turn must find this turn recorded.
+                if capturing is not None and retains:
+                    await capturing.described(backend, decode_started, report.usage)
+                elif capturing is not None:
+                    await capturing.remember_affinity(backend, report.usage)
             if final and hook is not None:
                 await hook.final_event(final)
 

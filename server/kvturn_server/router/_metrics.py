@@ -13,7 +13,7 @@
   ``prefill``, ``fallback``) and, for ``prefill``, ``X-KVTurn-Prefill-Choice``.
 - ``kvturn_router_not_continued_total{why}``: turns of a conversation held by a decode that
   took the prefill path instead, by why (``too_long``, ``busy``, ``edited``, ``no_history``,
-  ``expired``, ``stale``, ``unhealthy``, ``decode_failed``, ``off``).
+  ``expired``, ``lost``, ``stale``, ``unhealthy``, ``decode_failed``, ``off``).
 - ``kvturn_router_continued_short_total``: turns the decode continued alone whose own cache
   supplied more than a block less than the router's record said it held of the conversation:
   the record outlived the KV (its retention evicted, or expired and its blocks reused), or the

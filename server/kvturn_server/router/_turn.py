@@ -205,6 +205,8 @@ class Turn:
         placement = self.placement
         if placement is None or self.holder is None:
             return False
+        if not placement.retained:
+            return False  # the decode serves the conversation but retains nothing to read
         gain = read_gain(placement, prefill)
         floor = read_floor(prefill, time.monotonic())
         if gain >= max(1, self.svc.config.min_read_tokens) and gain > floor:

@@ -51,7 +51,9 @@ class TurnInfo(NamedTuple):
     """``X-KVTurn-Reused-Tokens``: prompt tokens whose KV was read from the decode (on a turn
     the decode continued alone, supplied by its own cache)."""
     no_reuse_reason: str | None
-    """Why the SDK asked the router not to reuse (``X-KVTurn-No-Reuse``), or None."""
+    """The caller's own ``X-KVTurn-No-Reuse`` value when it sent one (an explicit opt-out:
+    the router then reports ``disabled``), else None. The SDK never sends that header itself:
+    an edited history reuses its verified prefix."""
     router_conversation: str | None
     """``X-KVTurn-Conversation``: the id the router used (an echo of ``conversation_id``)."""
     request_id: str | None
@@ -131,7 +133,8 @@ class ConversationStats:
     outcomes: Mapping[str, int]
     """Turns per ``X-KVTurn-Reuse`` value (``"unreported"`` when the header was absent)."""
     no_reuse: Mapping[str, int]
-    """Turns the SDK sent with ``X-KVTurn-No-Reuse``, per reason."""
+    """Turns the caller sent with its own ``X-KVTurn-No-Reuse``, per value (see
+    ``TurnInfo.no_reuse_reason``)."""
     retries: int
     keepalives: int
     """Lease renewals that succeeded (heartbeat and explicit ``keepalive()``)."""

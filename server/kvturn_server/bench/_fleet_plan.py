@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvturn_server.bench._profiles import kv_bytes_per_token as kv_bytes_per_token
 from kvturn_server.bench.agent._loop import IDS as IDS
 from kvturn_server.bench.agent._loop import KVTURN as KVTURN
 from kvturn_server.bench.agent._loop import PLAIN as PLAIN
@@ -128,13 +129,6 @@ SIZINGS: dict[str, str] = {
 REAL_MODEL = "a 32B model (Qwen2.5-32B, bf16 KV: 256 KiB per token)"
 REAL_KV_BYTES_PER_TOKEN = 64 * 8 * 128 * 2 * 2
 REAL_CONTEXT_TOKENS = 32768
-
-
-def kv_bytes_per_token(size: str) -> int:
-    """The local model's KV bytes per token (K and V of every layer)."""
-    m = SIZES[size]
-    dtype_bytes = 4 if m.dtype == "float32" else 2
-    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * dtype_bytes
 
 
 # Settings.

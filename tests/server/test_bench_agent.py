@@ -980,8 +980,10 @@ async def test_the_offload_modes_run_on_instances_of_their_own_beside_the_plain_
                                "with vLLM's CPU KV offloading") for line in lines)
     assert "host" in lines[next(i for i, x in enumerate(lines) if x.startswith("mode "))]
     assert f"strongest stock mode against kvturn-offload: {heads['on']['against']}" in text
-    assert "kvturn-offload against stock-cond-offload:" in text
-    assert "kvturn (on) against stock-cond-offload:" in text
+    # (Which stock mode is the strongest depends on the fake's timing.)
+    assert all(f"{kvturn} against {base}" in text for base in ("off", "stock-cond",
+                                                                 "stock-cond-offload")
+               for kvturn in ("kvturn (on)", "kvturn-offload"))
     assert "computed tokens (prefill + decode) kvturn-offload <= stock-cond" in text
 
 

@@ -271,8 +271,8 @@ def run_scenario(scenario: Scenario, settings: FleetBenchSettings, counter: list
         say(f"[{scenario.name}] each prefill holds {kv['conversations_a_prefill_holds']:g} "
             f"conversations of {kv['active_per_prefill']:g} active per prefill; stands for "
             f"{kv['stands_for']}")
-        warm = {p: warm_up(f, settings, say) for p, f in fleets.fleets.items()} \
-            if settings.warmup else {}
+        warm = {p: warm_up(f, settings, lambda line, p=p: say(f"{p} instances: {line}"))
+                for p, f in fleets.fleets.items()} if settings.warmup else {}
         order = run_order(settings)
         for repeat, modes in order:
             for position, mode_name in enumerate(modes):

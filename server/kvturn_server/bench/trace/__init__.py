@@ -6,8 +6,9 @@ conversation and request: sizes, cuts, gaps, starts), ``_text`` (the words, from
 ``_plan`` (the modes, the settings, the instances' KV sizing and the real deployment it stands
 for, the order of the runs), ``_run`` (the instances of each profile, the warm-up, the runs),
 ``_summary`` (per run, per mode, the comparison with the strongest stock mode and every other,
-the JSON document), ``_report`` (the table), ``_plot`` (the PNG), ``_cli`` (the command line). The agents are the agent
-benchmarks' loop (``bench/agent/_loop.py``) through ``bench/_fleet_agents.run_mode``.
+the JSON document), ``_report`` (the table), ``_plot`` (the PNG), ``_cli`` (the command line).
+The agents are the agent benchmarks' loop (``bench/agent/_loop.py``) through
+``bench/_fleet_agents.run_mode``.
 """
 
 from kvturn_server.bench.trace._cli import add_trace_bench_parser, cmd_bench_trace

@@ -156,11 +156,12 @@ async def _warm_pair(url: str, plan: AgentPlan, settings: ClientSettings,
     return result, records
 
 
-def warm_up(fleet: Fleet, settings: ClientSettings, say: Callable[[str], None]) -> dict[
-        str, Any]:
+def warm_up(fleet: Fleet, settings: ClientSettings, say: Callable[[str], None],
+            label: str = "") -> dict[str, Any]:
     """One kvturn conversation on every prefill/decode pair, each through a router of its own
     that knows only that pair: NIXL handshakes both ways and first-request costs, before any
-    measured run. Returns each pair's TTFTs (ms), not counted anywhere else."""
+    measured run. Returns each pair's TTFTs (ms), not counted anywhere else; ``label`` starts
+    the line that says so."""
     args = ("--decode-continue-tokens", "0")
     out: dict[str, Any] = {}
     plan = warm_up_plan(settings)
@@ -177,7 +178,7 @@ def warm_up(fleet: Fleet, settings: ClientSettings, say: Callable[[str], None]) 
                 raise RuntimeError(f"the warm-up conversation on {p.name}/{d.name} failed: "
                                    f"{result.error} (logs: {fleet.config.state_dir / 'logs'})")
             out[f"{p.name}/{d.name}"] = [r.ttft_ms for r in records]
-    say("warm-up done: " + "; ".join(f"{k} TTFT {v} ms" for k, v in out.items()))
+    say(f"{label}warm-up done: " + "; ".join(f"{k} TTFT {v} ms" for k, v in out.items()))
     return out
 
 
@@ -271,7 +272,7 @@ def run_scenario(scenario: Scenario, settings: FleetBenchSettings, counter: list
         say(f"[{scenario.name}] each prefill holds {kv['conversations_a_prefill_holds']:g} "
             f"conversations of {kv['active_per_prefill']:g} active per prefill; stands for "
             f"{kv['stands_for']}")
-        warm = {p: warm_up(f, settings, lambda line, p=p: say(f"{p} instances: {line}"))
+        warm = {p: warm_up(f, settings, say, f"{p} instances: ")
                 for p, f in fleets.fleets.items()} if settings.warmup else {}
         order = run_order(settings)
         for repeat, modes in order:

@@ -136,7 +136,7 @@ def run_trace_bench(settings: TraceBenchSettings,
         kv = kv_statement(settings, plan, reported, block_size)
         say(f"KV: each instance {kv['blocks']} blocks x {kv['block_size']} = "
             f"{kv['capacity_tokens']} tokens; stands for {kv['stands_for']}")
-        warm = {p: warm_up(f, settings, lambda line, p=p: say(f"{p} instances: {line}"))
+        warm = {p: warm_up(f, settings, say, f"{p} instances: ")
                 for p, f in fleets.fleets.items()} if settings.warmup else {}
         order = run_order(settings)
         total = len(order) * len(settings.modes)

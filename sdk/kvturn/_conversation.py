@@ -114,7 +114,7 @@ class _ScopedBase(_Client):
     @property
     def stats(self) -> ConversationStats:
         """Counters of this conversation: turns, reused tokens, outcomes, misses, retries."""
-        return self._kvturn_conversation.stats.snapshot()
+        return self._kvturn_conversation.snapshot()
 
     @property
     def closed(self) -> bool:

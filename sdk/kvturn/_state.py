@@ -21,7 +21,7 @@ from kvturn._constants import (
 from kvturn._continuity import TurnRecord, check, describe_chat, describe_completion
 from kvturn._errors import ConversationClosedError, InvalidConversationIdError
 from kvturn._identity import child_id
-from kvturn._turns import StatsCounter, TurnInfo, TurnReport
+from kvturn._turns import ConversationStats, StatsCounter, TurnInfo, TurnReport
 
 _H = TypeVar("_H")
 
@@ -35,16 +35,18 @@ _TURN_APIS: dict[str, Api] = {CHAT_PATH: "chat", COMPLETIONS_PATH: "completions"
 class TurnPlan:
     """What the SDK decided for one turn before sending it."""
 
-    __slots__ = ("api", "choices", "echo", "no_reuse", "seq", "turn")
+    __slots__ = ("api", "choices", "echo", "no_reuse", "report", "seq", "turn", "usage")
 
     def __init__(self, api: Api, turn: TurnRecord | None, no_reuse: str | None,
-                 echo: bool = False, choices: int = 1) -> None:
+                 echo: bool = False, choices: int = 1, usage: bool = False) -> None:
         self.api = api
         self.turn = turn
         self.no_reuse = no_reuse
         self.echo = echo
         self.choices = choices  # the request's n
+        self.usage = usage  # a stream that asked for usage (stream_options.include_usage)
         self.seq = 0
+        self.report: TurnReport | None = None  # the router's report, once it answered
 
 
 def _as_dict(value: Any) -> Mapping[str, Any] | None:
@@ -228,7 +230,7 @@ class ConversationState:
             reason = check(previous, turn)
         n = body.get("n")
         return TurnPlan(api, turn, reason, echo=bool(body.get("echo")),
-                        choices=n if type(n) is int else 1)
+                        choices=n if type(n) is int else 1, usage=_asks_usage(body))
 
     # --- after the router answered -----------------------------------------------------------
 
@@ -239,6 +241,7 @@ class ConversationState:
         report = TurnReport(response.headers, conversation_id=self.id, api=plan.api,
                             no_reuse_reason=plan.no_reuse, attempts=attempts, streamed=streamed)
         turn = plan.turn
+        plan.report = report
         with self._lock:  # the counters' lock too
             self._seq += 1
             plan.seq = self._seq
@@ -253,8 +256,32 @@ class ConversationState:
 
     @property
     def last_turn(self) -> TurnInfo | None:
+        self._fold_pending()
         last = self._last
         return None if last is None else last.info()
+
+    def snapshot(self) -> ConversationStats:
+        """The counters, with what a stream has brought since (its usage) folded in."""
+        self._fold_pending()
+        return self.stats.snapshot()
+
+    def _fold_pending(self) -> None:
+        """Assemble what a stream of the last turn has queued (its reply, its usage)."""
+        fold = self._fold_reply
+        if fold is not None:
+            fold()  # outside the lock: it ends in finished() or settle()
+
+    def settle(self, plan: TurnPlan, usage: Any) -> None:
+        """A stream's usage event (``usage``, its JSON) has been read: a ``pending`` report
+        of turn ``plan`` is settled from its cached tokens (``TurnInfo.settled``)."""
+        report = plan.report
+        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if report is None or type(prompt) is not int or type(cached) is not int:
+            return
+        with self._lock:
+            self.stats.settle_locked(report, prompt, cached)
 
     def pending_reply(self, plan: TurnPlan, fold: Callable[[], None]) -> None:
         """The reply of turn ``plan`` arrives as a stream; ``fold`` assembles what has come
@@ -278,3 +305,12 @@ class ConversationState:
         with self._lock:
             self._record = self._fold_reply = None
             self._seq += 1
+
+
+def _asks_usage(body: Mapping[str, Any]) -> bool:
+    """A streamed turn whose usage event the caller will read (the router cuts it out of a
+    stream that did not ask)."""
+    if body.get("stream") is not True:
+        return False
+    options = body.get("stream_options")
+    return type(options) is dict and options.get("include_usage") is True

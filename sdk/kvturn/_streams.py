@@ -17,9 +17,11 @@ one process against this design; docs/sdk.md, session 10). Only the reply's own 
 kept once assembled.
 
 The reply is handed to the conversation (``ConversationState.finished``) by the fold that sees
-every choice's ``finish_reason``; following stops there (later chunks, such as usage, are
-dropped). A stream abandoned or cut before that leaves the reply unknown, and a chunk the
-follower cannot read stops the following, never the caller's iteration.
+every choice's ``finish_reason``; following stops there (later chunks are dropped), except
+that a call that asked for usage (``stream_options.include_usage``) has its usage event read
+by a later fold: it settles a ``pending`` report (``ConversationState.settle``; ``last_turn``
+and ``stats`` fold first). A stream abandoned or cut before that leaves the reply unknown,
+and a chunk the follower cannot read stops the following, never the caller's iteration.
 """
 
 from __future__ import annotations
@@ -103,8 +105,8 @@ class StreamFollower:
 
     def fold(self) -> None:
         """Assemble the queued chunks; once the reply is complete, hand it to the conversation
-        and stop following."""
-        replies = None
+        and stop following (but for the usage event, when the call asked for one)."""
+        replies = usage = None
         with self._lock:
             chunks = self.chunks
             count = len(chunks)  # chunks queued meanwhile stay queued
@@ -117,10 +119,14 @@ class StreamFollower:
                     self.following = False
                     log.debug("kvturn: cannot follow the stream of conversation %s; reply "
                               "left unknown", self._state.id, exc_info=True)
+            if not self.following and self._plan.usage:
+                usage = _last_usage(chunks, count)
             del chunks[:count]
+        # Outside the lock: both take the conversation's.
         if replies is not None:
-            # Outside the lock: finished() takes the conversation's.
             self._state.finished(self._plan, replies)
+        if usage is not None:
+            self._state.settle(self._plan, usage)
 
     def _add_all(self, chunks: Sequence[Any]) -> bool:
         """Take chunks' JSON in order; True once the reply is complete."""
@@ -128,6 +134,17 @@ class StreamFollower:
 
     def replies(self) -> list[Any]:
         raise NotImplementedError
+
+
+def _last_usage(chunks: Sequence[Any], count: int) -> Any:
+    """The usage of the last of ``chunks[:count]`` that has one (vLLM sends it last, after
+    every choice finished; with continuous usage every chunk has one, the last the whole)."""
+    for i in range(count - 1, -1, -1):
+        data = chunks[i]
+        usage = data.get("usage") if isinstance(data, dict) else None
+        if usage:
+            return usage
+    return None
 
 
 class ChatFollower(StreamFollower):

@@ -140,8 +140,10 @@ class AgentBenchRouter(ConversationEndpoints):
     cache supplied (``cached_tokens``): the conversation's previous prompt, or nothing for a
     conversation in ``forgotten`` (the decode evicted its history). With ``host_tier`` a
     forgotten history comes back from the decode's host tier instead (``host_loaded``), as
-    vLLM's CPU offloading loads it."""
+    vLLM's CPU offloading loads it. A kvturn conversation's decode turn is ``pending`` in its
+    headers (with the block size), as the router answers a stream it continues."""
 
+    BLOCK = 4
     REPLY = ("Sure", ",", " looking", " into", " it", ".")
 
     def __init__(self, routes: bool = False, host_tier: bool = False) -> None:
@@ -184,6 +186,9 @@ class AgentBenchRouter(ConversationEndpoints):
                 cached = previous
                 self.host_loaded += previous
             self.decode_computed += prompt - cached
+            if kvturn_id is not None:
+                route["X-KVTurn-Block-Size"] = str(self.BLOCK)
+                reuse, reused = "pending", 0
         else:
             if self.routes:
                 route = {"X-KVTurn-Route": "prefill", "X-KVTurn-Prefill-Choice":

@@ -8,7 +8,7 @@ import httpx2
 import pytest
 
 import kvturn
-from tests.fakes.router import FakeRouter, Recorded, chat_completion
+from tests.fakes.router import FakeRouter, Recorded, chat_chunks, chat_completion, sse_bytes
 
 MODEL = "kvturn-tiny"
 
@@ -91,3 +91,101 @@ async def test_async_reports(aclient: kvturn.AsyncOpenAI, arouter: FakeRouter) -
     assert conversation.last_turn is not None and conversation.last_turn.reuse == "hit"
     await stream.close()
     assert conversation.stats.hits == 1 and conversation.stats.misses == {"miss": 1}
+
+
+# A stream the decode continued alone: pending until its usage event says.
+
+def pending_stream(prompt: int, cached: int | None, *, block_size: str | None = "16") -> Any:
+    """A continued stream as the router answers it: ``pending`` headers, and (``cached`` not
+    None) the decode's usage event before ``[DONE]``, as a client that asked for it gets."""
+    def respond(recorded: Recorded) -> httpx2.Response:
+        headers = {"X-KVTurn-Reuse": "pending", "X-KVTurn-Reused-Tokens": "0",
+                   "X-KVTurn-Route": "decode", "content-type": "text/event-stream"}
+        if block_size is not None:
+            headers["X-KVTurn-Block-Size"] = block_size
+        chunks = chat_chunks()
+        if cached is not None:
+            chunks.append({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+                           "model": MODEL, "choices": [], "usage": {
+                               "prompt_tokens": prompt, "completion_tokens": 2,
+                               "total_tokens": prompt + 2,
+                               "prompt_tokens_details": {"cached_tokens": cached}}})
+        return httpx2.Response(200, headers=headers, content=b"".join(sse_bytes(chunks)))
+    return respond
+
+
+USAGE = {"stream": True, "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize(("block_size", "cached", "reuse"), [
+    ("16", 48, "hit"), ("16", 32, "partial"), ("16", 0, "miss"), (None, 48, "partial")])
+def test_a_pending_stream_is_settled_by_its_usage(client: kvturn.OpenAI, router: FakeRouter,
+                                                  block_size: str | None, cached: int,
+                                                  reuse: str) -> None:
+    conversation = client.conversation()
+    router.script.append(pending_stream(64, cached, block_size=block_size))
+    stream = conversation.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], **USAGE)
+    turn = conversation.last_turn
+    assert turn is not None and (turn.reuse, turn.reused_tokens) == ("pending", 0)
+    assert turn.block_size == (16 if block_size else None)
+    chunks = list(stream)
+    assert chunks[-1].usage is not None  # the caller's own usage chunk, as it asked
+    turn = conversation.last_turn
+    assert turn is not None and (turn.reuse, turn.reused_tokens) == (reuse, cached)
+    stats = conversation.stats
+    assert stats.outcomes == {reuse: 1} and stats.reused_tokens == cached
+    assert stats.hits == (reuse != "miss")
+
+
+def test_counters_taken_while_pending_are_settled_later(client: kvturn.OpenAI,
+                                                        router: FakeRouter) -> None:
+    conversation = client.conversation()
+    router.script.append(pending_stream(300, 256))
+    stream = conversation.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], **USAGE)
+    next(iter(stream))
+    assert conversation.stats.outcomes == {"pending": 1}
+    list(stream)
+    stats = conversation.stats
+    assert stats.outcomes == {"partial": 1} and stats.reused_tokens == 256 and stats.hits == 1
+
+
+def test_without_usage_a_pending_stream_stays_pending(client: kvturn.OpenAI,
+                                                      router: FakeRouter) -> None:
+    conversation = client.conversation()
+    # The router cuts the usage event out of a stream that did not ask for it.
+    router.script.append(pending_stream(64, None))
+    list(conversation.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True))
+    turn = conversation.last_turn
+    assert turn is not None and turn.reuse == "pending" and not turn.reused
+    assert conversation.stats.outcomes == {"pending": 1} and conversation.stats.hits == 0
+    assert dict(conversation.stats.misses) == {"pending": 1}
+
+
+def test_usage_leaves_a_report_that_was_not_pending_alone(client: kvturn.OpenAI,
+                                                          router: FakeRouter) -> None:
+    conversation = client.conversation()
+    router.stream_reply = lambda _: [*chat_chunks(), {
+        "choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 2,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}}]
+    messages: list[Any] = [{"role": "user", "content": "x"}]
+    list(conversation.chat.completions.create(model=MODEL, messages=messages, **USAGE))
+    messages += [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "y"}]
+    list(conversation.chat.completions.create(model=MODEL, messages=messages, **USAGE))
+    turn = conversation.last_turn
+    assert turn is not None and turn.reuse == "hit" and turn.reused_tokens > 0
+
+
+async def test_async_pending_streams_are_settled(aclient: kvturn.AsyncOpenAI,
+                                                 arouter: FakeRouter) -> None:
+    conversation = aclient.conversation()
+    arouter.script.append(pending_stream(64, 0))
+    stream = await conversation.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], **USAGE)
+    async for _ in stream:
+        pass
+    turn = conversation.last_turn
+    assert turn is not None and (turn.reuse, turn.reused_tokens) == ("miss", 0)
+    assert conversation.stats.misses == {"miss": 1}

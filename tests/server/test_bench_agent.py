@@ -1085,6 +1085,8 @@ async def test_repeats_rotate_the_modes_and_record_routes_gaps_and_reply_lengths
                                                                   "decode"] * 3
     assert off["routes"] == {"prefill": 3} and off["prefill_choices"] == {"round-robin": 3}
     assert on["routes"] == {"decode": 2, "prefill": 1}
+    # Continued turns count what the decode's cache supplied (their usage), not "pending".
+    assert "pending" not in on["reuse"]["outcomes"] and on["reuse"]["reused_tokens"] > 0
     assert on["prefill_choices"] == {"affinity": 1}
     assert off["decode_computed_tokens"] == 0 and on["decode_computed_tokens"] > 0
     assert on["computed_tokens"] == on["prefill_computed_tokens"] + on[

@@ -5,7 +5,7 @@ The decisions are kvturn's own code, imported: the router's placement
 prefill's verified reuse and read-or-compute choice (:func:`decide_reuse` with the connector's
 :class:`CostModel`), and the decode's retention table (:class:`RetentionTable`, with the
 simulator's clock). The stock baselines run the router's own stock decision
-(:func:`conditional_decode`, :func:`known_prompt_tokens`). This file only moves time: it
+(:func:`conditional_decode`, :func:`served_tokens`). This file only moves time: it
 decides nothing those modules decide.
 
 A turn, as the router runs it (``router/_turn.py``):
@@ -41,6 +41,7 @@ from kvturn_server.connector._cost import CostModel, CostSettings
 from kvturn_server.connector._reuse import decide_reuse
 from kvturn_server.router import _placement as routing
 from kvturn_server.router._history import Transcript
+from kvturn_server.router._legs import coverage
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import Placement
 from kvturn_server.sim._config import GIB, SimSettings
@@ -227,9 +228,13 @@ class Simulation:
         placement = self.placements.get(key)
         if placement is None:
             return
+        if not placement.retained:
+            return  # the router answers at once: nothing to renew
         retention = self._decode_of[placement.decode].table.keepalive(key)
         if retention is not None:
             self.placements[key] = replace(placement, expires_at=retention.expires_at)
+        else:  # gone: the router keeps the record for affinity, lost (router/_conversations.py)
+            self.placements[key] = replace(placement, retained=False, lost=True)
 
     # Block hashes.
 
@@ -303,7 +308,6 @@ class Simulation:
                     now=self.now, max_tokens=s.router.decode_continue_tokens,
                     budget=s.router.decode_continue_budget)
                 if not why:
-                    turn.reason = "hit"
                     self._continue(turn, estimate)
                     return
         prefill, _ = routing.choose_prefill(self.prefill_pool, s.router.prefill_policy,
@@ -352,7 +356,8 @@ class Simulation:
         decode = None
         pin_skipped = False
         placement = turn.placement
-        if s.policy.retain and placement is not None and turn.holder is not None:
+        if s.policy.retain and placement is not None and turn.holder is not None \
+                and placement.retained:
             # The router's _worth_pinning, then its pin (the control call is the table's pin).
             gain = routing.read_gain(placement, prefill)
             floor = routing.read_floor(prefill, self.now)
@@ -458,8 +463,10 @@ class Simulation:
         if turn.route == "decode":
             computed = max(1, turn.prompt - hit)
             turn.computed, turn.reused = computed, turn.prompt - computed
-            if s.policy.retain and not admission.retained:
-                turn.reason = "miss"  # the router's placement outlived the retention
+            if s.policy.retain:
+                # What the decode's usage reports: its cache's coverage of the prompt (the
+                # router's TurnReport.settle), the retention's or the plain prefix cache's.
+                turn.reason = coverage(turn.prompt - computed, turn.prompt, bs)
             compute_s = self.cost_model.work(computed, turn.prompt - computed) \
                 / s.cost.compute_tokens_per_s
             begin = max(start, decode.busy_until)
@@ -511,7 +518,9 @@ class Simulation:
                 if turn.prefill is None and old is not None:
                     self.placements[key] = replace(self.placements[key], prefill=old.prefill)
             else:
-                self.placements.pop(key, None)
+                # Not retained (refused over the budget): the router still records the
+                # decode and the messages (router/_capture.py, _record_unretained).
+                self._record_stock(turn, decode)
             if old is not None and old.decode != decode.name:
                 moved = self._decode_of[old.decode]
                 moved.give_back(moved.table.release(key)[1])
@@ -524,14 +533,14 @@ class Simulation:
         self._after(turn)
 
     def _record_stock(self, turn: _Turn, decode: SimDecode) -> None:
-        """What the stock router records of a turn (``router/_capture.py``,
-        ``remember_affinity``): the decode and prefill that served it, and, for conditional
-        disaggregation, the prompt's size and messages. Nothing is retained."""
+        """What the router records of a turn nothing retained (``router/_capture.py``,
+        ``remember_affinity`` and ``_record_unretained``): the decode and prefill that served
+        it, the tokens its usage counted (prompt and reply: ``_placement.served_tokens``) and
+        its messages."""
         key = turn.conv.cid
         old = self.placements.get(key)
         prefill_tokens = turn.prompt if turn.prefill is not None else 0
-        tokens = routing.known_prompt_tokens(old, prefill_tokens, turn.transcript) \
-            if self.s.policy.conditional_disagg else 0
+        tokens = turn.prompt + turn.conv.replies[turn.index]
         if turn.prefill is not None:
             prefill: str | None = turn.prefill.url
         else:
@@ -541,7 +550,8 @@ class Simulation:
             decode=decode.name, engine_id=None, num_tokens=tokens,
             expires_at=self.now + self.s.router.record_ttl_s,
             turn=f"r{next(self._request_ids)}", prefill=prefill, prefill_tokens=prefill_tokens,
-            history=None if turn.transcript is None else turn.transcript.history())
+            history=None if turn.transcript is None else turn.transcript.history(),
+            retained=False)
 
     def _drain(self, decode: SimDecode) -> None:
         while decode.waiting:

@@ -16,8 +16,11 @@ Start the local stack first (``.venv/bin/kvturn up``), then::
     .venv/bin/python examples/langgraph_agent.py --plain --base-url http://127.0.0.1:8300/v1
 
 ``--plain`` runs the same graph with a stock ``ChatOpenAI`` (no kvturn): against a plain vLLM
-it gives the reference outputs. As a library: ``run_agent(base_url, model, turns)`` returns
-one ``TurnReport`` per model turn.
+it gives the reference outputs. ``--plain --conversation-header`` is the stock client of stock
+conditional disaggregation (llm-d, NVIDIA Dynamo; ``kvturn router --no-kv-reuse
+--conditional-disagg 512``): the thread id as ``X-Conversation-ID`` on every request, nothing
+else. As a library: ``run_agent(base_url, model, turns)`` returns one ``TurnReport`` per model
+turn.
 
 Environment: ``KVTURN_BASE_URL``, ``KVTURN_MODEL``, ``OPENAI_API_KEY`` (flags win).
 """
@@ -181,7 +184,8 @@ def run_agent(base_url: str, model: str = "kvturn-tiny", turns: int = 6, *,
               max_tokens: int = 140, keepalive_interval: float = 60.0, tag: str = "",
               timeout: float = 120.0, http_client: httpx2.Client | None = None,
               callbacks: Sequence[BaseCallbackHandler] = (), manual: int = 0,
-              use_responses_api: bool | None = None) -> list[TurnReport]:
+              use_responses_api: bool | None = None,
+              conversation_header: bool = False) -> list[TurnReport]:
     """Run the agent for ``turns`` model turns (all but the last forced to call a tool) on
     thread ``thread_id`` (default: a new one) and report each turn. Streams the model
     (``stream_mode="messages"``), greedy (``temperature=0``), ``max_tokens`` per turn.
@@ -195,19 +199,28 @@ def run_agent(base_url: str, model: str = "kvturn-tiny", turns: int = 6, *,
     ``callbacks``: more LangChain callback handlers for the run (the demo measures with one).
     ``manual``: sections of tool manual appended to the system prompt (about 32 tokens each).
     ``use_responses_api``: True: the model talks ``/v1/responses`` (default: ChatOpenAI's own).
+    ``conversation_header``: with ``plain``, the stock ``ChatOpenAI`` sends the thread id as
+    ``X-Conversation-ID`` on every request (a default header) and nothing else: what a stock
+    router with conditional disaggregation needs (kvturn's client sends it itself).
     """
     if turns < 1:
         raise ValueError(f"turns must be at least 1, got {turns}")
+    if conversation_header and not plain:
+        raise ValueError("conversation_header is for plain runs: KVTurnChatOpenAI sends the "
+                         "conversation itself")
+    thread_id = thread_id or uuid.uuid4().hex
     common: dict[str, Any] = {"model": model, "temperature": 0, "max_tokens": max_tokens,
                               "base_url": base_url, "api_key": api_key, "timeout": timeout,
                               "max_retries": 1, "http_client": http_client,
                               "use_responses_api": use_responses_api}
+    if conversation_header:
+        common["default_headers"] = {"X-Conversation-ID": thread_id}
     llm = (ChatOpenAI(**common) if plain
            else KVTurnChatOpenAI(keepalive_interval=keepalive_interval, **common))
     agent = build_agent(llm, turns=turns, tool_latency=tool_latency, with_kvturn=not plain,
                         tag=tag, manual=manual)
     timer = FirstToken()
-    config: dict[str, Any] = {"configurable": {"thread_id": thread_id or uuid.uuid4().hex},
+    config: dict[str, Any] = {"configurable": {"thread_id": thread_id},
                               "callbacks": [timer, *callbacks],
                               "recursion_limit": 4 * turns + 10}
     final: dict[str, Any] = {}
@@ -249,11 +262,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--thread-id", default=None, help="LangGraph thread (default: new)")
     parser.add_argument("--plain", action="store_true",
                         help="stock ChatOpenAI, no kvturn (a reference run on plain vLLM)")
+    parser.add_argument("--conversation-header", action="store_true",
+                        help="with --plain: send the thread id as X-Conversation-ID on every "
+                             "request, as stock conditional disaggregation needs (kvturn "
+                             "router --no-kv-reuse --conditional-disagg 512)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.conversation_header and not args.plain:
+        print("error: --conversation-header goes with --plain (kvturn's client sends the "
+              "conversation itself)", file=sys.stderr)
+        return 2
     try:  # fail fast, with a clear message, when nothing is there
         kvturn.OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0,
                       timeout=10).models.list()
@@ -269,11 +290,13 @@ def main(argv: list[str] | None = None) -> int:
 
     thread_id = args.thread_id or f"agent-{uuid.uuid4().hex[:12]}"
     print(f"thread {thread_id} on {args.base_url} ({args.model}), {args.turns} model turns"
-          f"{' (plain ChatOpenAI)' if args.plain else ''}")
+          f"{' (plain ChatOpenAI)' if args.plain else ''}"
+          f"{', X-Conversation-ID on every request' if args.conversation_header else ''}")
     try:
         reports = run_agent(args.base_url, args.model, args.turns, api_key=args.api_key,
                             thread_id=thread_id, plain=args.plain,
-                            tool_latency=args.tool_latency, max_tokens=args.max_tokens)
+                            tool_latency=args.tool_latency, max_tokens=args.max_tokens,
+                            conversation_header=args.conversation_header)
     except openai.OpenAIError as error:
         print(f"error: the agent failed: {error}", file=sys.stderr)
         return 1

@@ -25,6 +25,7 @@ from kvturn_server.local import (
     read_running,
     stop_running,
 )
+from kvturn_server.local._demo_report import STOCK_ROUTER_ARGS
 from kvturn_server.local._process import log_tail
 from kvturn_server.local._progress import ProgressLine
 from kvturn_server.local._supervise import Backoff
@@ -274,17 +275,25 @@ def build_parser() -> argparse.ArgumentParser:
     router.set_defaults(func=cmd_router)
 
     demo = sub.add_parser(
-        "demo", help="run the demo: stack up, a tool agent with kvturn off and on, "
-                     "per-turn table and plot, stack down",
+        "demo", help="run the demo: stack up, a tool agent as stock P/D, stock conditional "
+                     "disaggregation and kvturn, per-turn table and plot, stack down",
         description="Build the tiny model, start the stack (vLLM's defaults: prefix caching "
-                    "on, on the prefill and the decode), run a LangGraph tool-calling agent "
-                    "twice through the router (kvturn off: stock P/D; on: the thread is a "
-                    "kvturn conversation), print per turn the time to first token, the route "
-                    "(the decode alone, or prefill then decode) and where the prompt's KV came "
-                    "from (the prefill's cache, the decode's retention, computed), write a "
-                    "PNG plot, stop the stack. Uses a running stack (kvturn up) as it is. A "
-                    "few minutes on a 2-core machine. --api picks the API the agent talks "
-                    "through the router.")
+                    "on, on the prefill and the decode) and a stock router beside its router "
+                    f"(kvturn router {' '.join(STOCK_ROUTER_ARGS)}, on the same prefill and "
+                    "decode), and run a LangGraph tool-calling agent three ways: "
+                    "stock-pd (a stock client without conversation ids, through the stock "
+                    "router: stock P/D), stock-cond (the stock client sending X-Conversation-ID, "
+                    "through the stock router: stock conditional disaggregation, as llm-d and "
+                    "NVIDIA Dynamo ship it: a short follow-up runs on the decode that served "
+                    "the conversation, from its plain prefix cache) and kvturn (the thread is a "
+                    "kvturn conversation, through the stack's router). Prints per turn the time "
+                    "to first token, the route (the decode alone, or prefill then decode), "
+                    "where the prompt's KV came from (the prefill's cache, the decode, "
+                    "computed) and kvturn's reuse report; per mode the median TTFT and the "
+                    "prompt tokens computed on turns 2 and on, against kvturn's; writes a PNG "
+                    "plot and stops what it started. Uses a running stack (kvturn up) as it "
+                    "is. A few minutes on a 2-core machine. --api picks the API the agent "
+                    "talks through the routers (every mode runs on each).")
     _add_stack_args(demo)
     demo.add_argument("--turns", type=int, default=6,
                       help="model turns of the agent, all but the last call a tool "

@@ -69,3 +69,15 @@ def test_plain_runs_are_untouched(example: ModuleType, router: FakeRouter) -> No
     assert [r.reuse for r in reports] == [None] * 3
     assert router.turn_ids() == [None] * 3
     assert router.releases() == [] and router.keepalives() == []
+
+
+def test_a_plain_run_can_send_the_thread_as_its_conversation(example: ModuleType,
+                                                            router: FakeRouter) -> None:
+    # Stock conditional disaggregation's client: the header on every turn, nothing else.
+    reports = run(example, router, turns=3, plain=True, conversation_header=True,
+                  thread_id="stock-1")
+    assert [r.reuse for r in reports] == [None] * 3
+    assert router.turn_ids() == ["stock-1"] * 3
+    assert router.releases() == [] and router.keepalives() == []
+    with pytest.raises(ValueError, match="plain runs"):
+        run(example, router, turns=1, conversation_header=True)

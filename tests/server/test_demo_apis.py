@@ -1,11 +1,14 @@
-"""``kvturn demo --api chat|responses|messages``: the flag reaches the demo, the LangGraph
-agent talks Responses when asked, and the Messages agent (local/_demo_messages.py) runs the
-forced-tool schedule over ``/v1/messages`` with the conversation header, measures each turn
-and releases the conversation at the end."""
+"""``kvturn demo``'s runs (local/_demo.py, _demo_router.py, _demo_messages.py): every mode
+through its router (the stock modes through a stock router started beside the stack's, kvturn
+through the stack's), warm-ups first, a fresh prompt per run; ``--api chat|responses|messages``
+reaches the agents; the Messages agent runs the forced-tool schedule over ``/v1/messages`` with
+the conversation header, measures each turn, and only kvturn's client releases."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -13,10 +16,14 @@ from typing import Any
 import httpx2
 import pytest
 
+from kvturn_server._control_secret import ENV, ENV_FILE
 from kvturn_server.cli import build_parser
 from kvturn_server.local import _demo
 from kvturn_server.local._demo_messages import read_stream, run_messages_agent
+from kvturn_server.local._demo_report import STOCK_ROUTER_ARGS, TurnReport
+from kvturn_server.local._demo_router import stock_router_spec
 from kvturn_server.local._metrics import PromptSources
+from kvturn_server.local._secret import SECRET_FILE
 from kvturn_server.local._stack import StackConfig
 
 TOOLS = (("check_calendar", "Check the calendar.", "Free all May."),
@@ -78,13 +85,16 @@ class MessagesRouter:
             "X-KVTurn-Reuse": "miss" if turn == 1 else "hit"})
 
 
-@pytest.mark.parametrize("conversation", ["demo-on-1", None], ids=["on", "off"])
-def test_the_messages_agent_runs_the_schedule_and_releases(conversation: str | None) -> None:
+@pytest.mark.parametrize(("conversation", "release"),
+                         [("demo-kvturn-1", True), ("demo-stock-cond-1", False), (None, False)],
+                         ids=["kvturn", "stock-cond", "stock-pd"])
+def test_the_messages_agent_runs_the_schedule_and_releases(conversation: str | None,
+                                                           release: bool) -> None:
     router = MessagesRouter()
     calls: list[Any] = []
     run_messages_agent(AGENT, "http://router.test", "kvturn-tiny", 3,  # type: ignore[arg-type]
-                       conversation=conversation, tool_latency=0.0, tag="t", manual=2,
-                       start=lambda: calls.append("start"),
+                       conversation=conversation, release=release, tool_latency=0.0, tag="t",
+                       manual=2, start=lambda: calls.append("start"),
                        first_token=lambda: calls.append("first"),
                        end=lambda tool, reuse: calls.append((tool, reuse)),
                        transport=httpx2.MockTransport(router))
@@ -113,10 +123,11 @@ def test_the_messages_agent_runs_the_schedule_and_releases(conversation: str | N
     deletes = [r for r in router.requests if r.method == "DELETE"]
     if conversation is None:
         assert all("x-conversation-id" not in r.headers for r in posts)
-        assert deletes == []
     else:
         assert {r.headers["x-conversation-id"] for r in posts} == {conversation}
-        assert [r.url.path for r in deletes] == [f"/kvturn/v1/conversations/{conversation}"]
+    # Only kvturn's client releases; a stock client sends the header and nothing else.
+    assert [r.url.path for r in deletes] == (
+        [f"/kvturn/v1/conversations/{conversation}"] if release else [])
 
 
 def test_the_cli_passes_the_api() -> None:
@@ -127,13 +138,19 @@ def test_the_cli_passes_the_api() -> None:
         parser.parse_args(["demo", "--api", "completions"])
 
 
+STOCK_URL = "http://127.0.0.1:9999"
+
+
 @pytest.mark.parametrize("api", ["chat", "responses", "messages"])
-def test_run_agents_talks_the_api_asked_for(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                            api: Any) -> None:
-    runs: list[tuple[str, Any]] = []
+def test_run_agents_runs_every_mode_through_its_router(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path, api: Any) -> None:
+    runs: list[dict[str, Any]] = []
 
     def run_agent(base_url: str, model: str, turns: int, **kwargs: Any) -> None:
-        runs.append(("langgraph", kwargs["use_responses_api"]))
+        runs.append({"url": base_url, "turns": turns, "plain": kwargs["plain"],
+                     "header": kwargs["conversation_header"], "tag": kwargs["tag"],
+                     "thread": kwargs["thread_id"], "responses": kwargs["use_responses_api"],
+                     "measured": bool(kwargs["callbacks"])})
         for callback in kwargs["callbacks"]:  # one measured model call
             callback.on_chat_model_start({}, [], run_id=None)
             message = SimpleNamespace(tool_calls=[], response_metadata={
@@ -143,22 +160,95 @@ def test_run_agents_talks_the_api_asked_for(monkeypatch: pytest.MonkeyPatch, tmp
 
     def messages_agent(agent: Any, root_url: str, model: str, turns: int,
                        **kwargs: Any) -> None:
-        runs.append(("messages", kwargs["conversation"]))
+        runs.append({"url": root_url, "turns": turns, "conversation": kwargs["conversation"],
+                     "release": kwargs["release"], "tag": kwargs["tag"],
+                     "measured": kwargs["start"] is not _demo._ignore})
         kwargs["start"]()
-        kwargs["end"](None, "hit" if kwargs["conversation"] else None)
+        # What the stock router sends a stock client (its reuse is "disabled"): not shown.
+        kwargs["end"](None, "hit" if kwargs["release"] else "disabled")
 
     monkeypatch.setattr(_demo, "load_agent", lambda: SimpleNamespace(
         TOOLS=TOOLS, run_agent=run_agent))
     monkeypatch.setattr(_demo, "run_messages_agent", messages_agent)
     monkeypatch.setattr(_demo, "prompt_sources", lambda url: PromptSources(0, 0, 0))
     cfg = StackConfig(state_dir=tmp_path)
-    reports = _demo.run_agents(cfg, 2, 0.0, api)
+    reports = _demo.run_agents(cfg, STOCK_URL, 2, 0.0, api)
 
-    assert [(r.mode, r.turn) for r in reports] == [("off", 1), ("on", 1)]
+    assert [(r.mode, r.turn) for r in reports] == [("stock-pd", 1), ("stock-cond", 1),
+                                                   ("kvturn", 1)]
+    assert [r.reuse for r in reports] == ["-", "-", "hit"]  # stock clients read no report
+    # Warm-ups first (stock P/D through the whole schedule, two turns of each other mode),
+    # then each mode measured, in the same order.
+    assert [r["measured"] for r in runs] == [False] * 3 + [True] * 3
+    assert [r["turns"] for r in runs] == [len(TOOLS) + 1, 2, 2, 2, 2, 2]
+    suffix = "" if api == "messages" else "/v1"
+    urls = [STOCK_URL + suffix, STOCK_URL + suffix, cfg.router_url + suffix]
+    assert [r["url"] for r in runs] == urls * 2
+    # A fresh tag per run: no mode finds another's prompt in any cache.
+    tags = [r["tag"] for r in runs]
+    assert len(set(tags)) == len(tags)
+    assert [t.split("-")[1:-1] for t in tags[3:]] == [["stock", "pd"], ["stock", "cond"],
+                                                      ["kvturn"]]
     if api == "messages":
-        assert [kind for kind, _ in runs] == ["messages"] * 3
-        assert runs[0][1] is None and runs[1][1] is None  # warm-up and off: no conversation
-        assert runs[2][1] is not None and runs[2][1].startswith("demo-on-")
-        assert [r.reuse for r in reports] == ["-", "hit"]
+        assert [r["conversation"] for r in runs[3:]] == [None, tags[4], tags[5]]
+        assert [r["release"] for r in runs[3:]] == [False, False, True]
     else:
-        assert runs == [("langgraph", True if api == "responses" else None)] * 3
+        assert [(r["plain"], r["header"]) for r in runs[3:]] == [
+            (True, False), (True, True), (False, False)]
+        assert [r["thread"] for r in runs] == tags
+        assert {r["responses"] for r in runs} == {True if api == "responses" else None}
+
+
+def test_the_stock_router_runs_on_the_stacks_instances(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    cfg = StackConfig(state_dir=tmp_path, prefill_port=8100, decode_port=8200,
+                      decode_control_port=8201)
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(ENV_FILE, raising=False)
+    spec = stock_router_spec(cfg, STOCK_ROUTER_ARGS, 12345)
+    argv = list(spec.argv)
+    assert argv[argv.index("--prefill") + 1] == "http://127.0.0.1:8100"
+    assert argv[argv.index("--decode") + 1] == ("http://127.0.0.1:8200,"
+                                                "control=http://127.0.0.1:8201")
+    assert argv[-3:] == ["--no-kv-reuse", "--conditional-disagg", "512"]
+    assert spec.health_url == "http://127.0.0.1:12345/health"
+    assert ENV_FILE not in spec.env  # no secret anywhere: none to pass
+    # A stack started from another shell: the router reads its secret from its state dir.
+    (tmp_path / SECRET_FILE).write_text("s" * 32 + "\n")
+    assert stock_router_spec(cfg, (), 12345).env[ENV_FILE] == str(tmp_path / SECRET_FILE)
+    # A secret in this process's environment (a stack the demo started) is inherited.
+    monkeypatch.setenv(ENV, "t" * 32)
+    assert ENV_FILE not in stock_router_spec(cfg, (), 12345).env
+
+
+def test_run_demo_runs_the_agents_beside_a_stock_router(monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str],
+                                                        ) -> None:
+    started: list[tuple[str, ...]] = []
+    got: list[str] = []
+
+    @contextmanager
+    def stock_router(cfg: StackConfig, args: tuple[str, ...]) -> Iterator[str]:
+        started.append(args)
+        yield STOCK_URL
+        started.append(("stopped",))
+
+    def run_agents(cfg: StackConfig, stock_url: str, turns: int, tool_latency: float,
+                   api: str) -> list[Any]:
+        got.append(stock_url)
+        assert started == [STOCK_ROUTER_ARGS]  # running while the agents run
+        none = PromptSources(0, 0, 0)
+        return [TurnReport(mode, 1, None, 10, 100.0, 150.0, "-", none, none)
+                for mode in ("stock-pd", "stock-cond", "kvturn")]
+
+    running = SimpleNamespace(config=StackConfig(state_dir=tmp_path))
+    monkeypatch.setattr(_demo, "load_agent", lambda: None)
+    monkeypatch.setattr(_demo, "read_running", lambda state_dir: running)
+    monkeypatch.setattr(_demo, "stock_router", stock_router)
+    monkeypatch.setattr(_demo, "run_agents", run_agents)
+    assert _demo.run_demo(StackConfig(state_dir=tmp_path), plot=tmp_path / "p.png") == 0
+    assert got == [STOCK_URL] and started[-1] == ("stopped",)
+    out = capsys.readouterr().out
+    assert "conditional-disagg 512" in out and "stock-cond" in out
+    assert (tmp_path / "p.png").stat().st_size > 0

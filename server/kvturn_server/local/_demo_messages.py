@@ -3,8 +3,9 @@
 The same agent as ``examples/langgraph_agent.py`` (its tools, system prompt, question and
 forced-tool schedule), written as a plain loop over ``POST /v1/messages`` because no
 Anthropic client is a dependency: streamed turns, tool results sent back as ``tool_result``
-blocks. With kvturn on, every turn carries the conversation in ``X-Conversation-ID`` and the
-end releases it; the tools (shorter than any lease) need no keepalive.
+blocks. With a conversation, every turn carries it in ``X-Conversation-ID``; kvturn's client
+also releases it at the end (a stock client, for a stock router's conditional disaggregation,
+sends the header and nothing else). The tools (shorter than any lease) need no keepalive.
 """
 
 from __future__ import annotations
@@ -57,13 +58,16 @@ def _events(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
 
 
 def run_messages_agent(agent: ModuleType, root_url: str, model: str, turns: int, *,
-                       conversation: str | None, tool_latency: float, tag: str,
+                       conversation: str | None, release: bool = True,
+                       tool_latency: float, tag: str,
                        manual: int, start: Start, first_token: Callable[[], None], end: End,
                        max_tokens: int = 140, timeout: float = 120.0,
                        transport: httpx2.BaseTransport | None = None) -> None:
     """Run ``turns`` model turns of ``agent`` (the example module) against ``root_url``'s
     ``/v1/messages``; ``start``, ``first_token`` and ``end(tool, reuse)`` frame each turn.
-    ``conversation``: kvturn's id (None: kvturn off, no id). ``transport``: for tests."""
+    ``conversation``: sent as ``X-Conversation-ID`` on every turn (None: no id);
+    ``release``: end it with ``DELETE /kvturn/v1/conversations/{id}`` (kvturn's client; a
+    stock client does not). ``transport``: for tests."""
     system = f"[{tag}] {agent.SYSTEM}" if tag else agent.SYSTEM
     if manual:
         system = f"{system} {agent.tool_manual(manual)}"
@@ -100,6 +104,6 @@ def run_messages_agent(agent: ModuleType, root_url: str, model: str, turns: int,
                     {"type": "tool_result", "tool_use_id": use["id"],
                      "content": results.get(use["name"], "unknown tool")} for use in uses]})
         finally:
-            if conversation:
+            if conversation and release:
                 http.delete(f"{root_url}/kvturn/v1/conversations/{quote(conversation, safe='')}",
                             headers=headers)

@@ -148,6 +148,7 @@ def test_run_agents_runs_every_mode_through_its_router(monkeypatch: pytest.Monke
 
     def run_agent(base_url: str, model: str, turns: int, **kwargs: Any) -> None:
         runs.append({"url": base_url, "turns": turns, "plain": kwargs["plain"],
+                     "manual": kwargs["manual"],
                      "header": kwargs["conversation_header"], "tag": kwargs["tag"],
                      "thread": kwargs["thread_id"], "responses": kwargs["use_responses_api"],
                      "measured": bool(kwargs["callbacks"])})
@@ -161,6 +162,7 @@ def test_run_agents_runs_every_mode_through_its_router(monkeypatch: pytest.Monke
     def messages_agent(agent: Any, root_url: str, model: str, turns: int,
                        **kwargs: Any) -> None:
         runs.append({"url": root_url, "turns": turns, "conversation": kwargs["conversation"],
+                     "manual": kwargs["manual"],
                      "release": kwargs["release"], "tag": kwargs["tag"],
                      "measured": kwargs["start"] is not _demo._ignore})
         kwargs["start"]()
@@ -184,11 +186,12 @@ def test_run_agents_runs_every_mode_through_its_router(monkeypatch: pytest.Monke
     suffix = "" if api == "messages" else "/v1"
     urls = [STOCK_URL + suffix, STOCK_URL + suffix, cfg.router_url + suffix]
     assert [r["url"] for r in runs] == urls * 2
-    # A fresh tag per run: no mode finds another's prompt in any cache.
+    # A tag of its own per run (no mode finds another's prompt in any cache), differing in
+    # one digit only (every mode's prompts have the same number of tokens).
     tags = [r["tag"] for r in runs]
-    assert len(set(tags)) == len(tags)
-    assert [t.split("-")[1:-1] for t in tags[3:]] == [["stock", "pd"], ["stock", "cond"],
-                                                      ["kvturn"]]
+    assert len(set(tags)) == len(tags) == 6
+    assert len({t[:-1] for t in tags}) == 1 and [t[-1] for t in tags] == list("123456")
+    assert all(r["manual"] == _demo.MANUAL_SECTIONS for r in runs)  # warm-ups full size too
     if api == "messages":
         assert [r["conversation"] for r in runs[3:]] == [None, tags[4], tags[5]]
         assert [r["release"] for r in runs[3:]] == [False, False, True]

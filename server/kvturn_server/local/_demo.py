@@ -158,38 +158,42 @@ def run_agents(cfg: StackConfig, stock_url: str, turns: int, tool_latency: float
     def run(mode: DemoMode, turns: int, tag: str, tool_latency: float,
             meter: Meter | None) -> None:
         conversation = None if mode.client == PLAIN else tag
-        manual = MANUAL_SECTIONS if meter else 0
         if api == "messages":
             run_messages_agent(
                 agent, urls[mode.router], cfg.served_model_name, turns,
                 conversation=conversation, release=mode.kvturn, tool_latency=tool_latency,
-                tag=tag, manual=manual, start=meter.start if meter else _ignore,
+                tag=tag, manual=MANUAL_SECTIONS, start=meter.start if meter else _ignore,
                 first_token=meter.first_token if meter else _ignore,
                 end=meter.end if meter else _ignore)
             return
         agent.run_agent(f"{urls[mode.router]}/v1", cfg.served_model_name, turns,
                         plain=not mode.kvturn, conversation_header=mode.client == IDS,
-                        thread_id=tag, tool_latency=tool_latency, tag=tag, manual=manual,
+                        thread_id=tag, tool_latency=tool_latency, tag=tag,
+                        manual=MANUAL_SECTIONS,
                         callbacks=[_tracer(meter)] if meter else [],
                         use_responses_api=True if api == "responses" else None)
 
-    # First-use costs stay out of the comparison, with short prompts and instant tools: every
-    # turn of the schedule as stock P/D (the NIXL handshake, and vLLM compiling the grammar of
-    # each tool's forced call on the prefill and on the decode: a one-off per tool, which the
-    # first mode would pay), then two turns of each other mode (each router's connections, a
-    # turn continued on the decode).
+    # First-use costs stay out of the comparison, with instant tools: every turn of the
+    # schedule as stock P/D (the NIXL handshake, the first long prompts, and vLLM compiling the
+    # grammar of each tool's forced call on the prefill and on the decode: a one-off per tool,
+    # which the first mode would pay), then two turns of each other mode (each router's
+    # connections, a turn continued on the decode).
     print("warming up (NIXL handshakes, tool-call grammars, both routers)", file=sys.stderr,
           flush=True)
+    # Each run's system prompt starts with a tag of its own, so that no run finds another's
+    # prompt in any cache; the tags differ in one digit only, so that every mode's prompts
+    # have the same number of tokens.
+    nonce = uuid.uuid4().hex[:8]
+    runs = iter(range(1, 2 * len(MODES) + 1))
     for mode in MODES:
         run(mode, len(agent.TOOLS) + 1 if mode.client == PLAIN else 2,
-            f"warm-up-{mode.name}-{uuid.uuid4().hex[:8]}", 0.0, None)
+            f"demo-{nonce}-run-{next(runs)}", 0.0, None)
     for mode in MODES:
         print(f"running the agent as {mode.name} ({mode.label}) on the {API_NAMES[api]} API: "
               f"{turns} model turns, tools take {tool_latency:g} s", file=sys.stderr,
               flush=True)
-        # A history of its own per mode: the runs share no prefix in any cache.
-        tag = f"demo-{mode.name}-{uuid.uuid4().hex[:8]}"
-        run(mode, turns, tag, tool_latency, Meter(mode, cfg, reports))
+        run(mode, turns, f"demo-{nonce}-run-{next(runs)}", tool_latency,
+            Meter(mode, cfg, reports))
     return reports
 
 

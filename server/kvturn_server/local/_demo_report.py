@@ -186,17 +186,19 @@ in any cache. stock-pd and stock-cond talk to a stock router (kvturn router
     still has (llm-d's prefix-based-pd-decider, NVIDIA Dynamo's conditional disaggregation).
   kvturn: the kvturn client through the kvturn router: the decode retains each turn under a
     lease (renewed through tool gaps), continues short turns itself, and a prefill reads what
-    it lacks from it; the reports say what was reused.
+    it lacks from it.
 prompt: prompt tokens of the model call. P cache: of them, found in the prefill's own prefix
 cache. from D: KV the decode supplied (kvturn's retention read by the prefill over NIXL, or, on
 route decode, the decode's own cache). computed: prompt tokens computed, prefill and decode
 together (every count from the instances' vllm:prompt_tokens_by_source_total).
 route: decode = the decode continued the turn alone (no prefill leg, no transfer); prefill =
 prefill leg, then decode leg.
-reuse: kvturn's report (X-KVTurn-Reuse, as the SDK settles it: hit = every full block of the
-prompt came from retained or cached KV, partial = a verified prefix did, pending = a streamed
-turn the decode continued whose usage did not come back: from D says what its cache
-supplied); stock clients get none (-)."""
+reuse: the report kvturn's client got (X-KVTurn-Reuse): hit = every full block of the prompt
+came from retained or cached KV, partial = a verified prefix did, miss = none; pending = a
+streamed turn the decode continued alone, whose headers went out before the decode knew what
+its cache held (the router settles it from the decode's usage, in its metrics and for a client
+that asks for stream usage; from D says what the decode's cache supplied); stock clients read
+no report (-)."""
 
 
 def write_plot(reports: list[TurnReport], path: Path, api: Api = "chat") -> bool:

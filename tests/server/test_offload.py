@@ -180,11 +180,18 @@ def test_with_offloading_wraps_a_connector_in_a_multiconnector_that_keeps_its_ro
         "kv_buffer_device": "cpu"}
     first, second = outer["kv_connector_extra_config"]["connectors"]
     assert first is inner  # asked first for external tokens: a transfer wins over the host tier
-    assert second == {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    assert second == {"kv_connector": "HostTierConnector",
+                      "kv_connector_module_path": "kvturn_server.offload",
+                      "kv_role": "kv_both",
                       "kv_connector_extra_config": {
                           "spec_name": "HostOffloadingSpec",
                           "spec_module_path": "kvturn_server.offload",
-                          "cpu_bytes_to_use": 1 << 30, "offload_prompt_only": False}}
+                          "cpu_bytes_to_use": 1 << 30, "eviction_policy": "kvturn",
+                          "offload_prompt_only": False}}
+    # vLLM's own behaviour (a stock baseline) is two keys away.
+    stock = offloading_connector(1 << 30, {"eviction_policy": "lru",
+                                           "offload_prompt_only": True})
+    assert stock["kv_connector_extra_config"]["eviction_policy"] == "lru"
     with pytest.raises(ValueError, match="positive"):
         offloading_connector(0)
 

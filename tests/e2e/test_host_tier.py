@@ -97,7 +97,6 @@ def decode_counters(cfg: StackConfig) -> dict[str, float]:
     s = scrape(cfg.decode_url)
     return {"host_cached": total(s, "vllm:prompt_tokens_cached_by_source_total", source="host"),
             "host_loaded": total(s, "kvturn:host_loaded_tokens_total"),
-            "discarded": total(s, "kvturn:host_discarded_blocks_total"),
             "evicted_none": total(s, "kvturn:host_evictions_total", standing="none"),
             "evicted_leased": total(s, "kvturn:host_evictions_total", standing="leased")}
 

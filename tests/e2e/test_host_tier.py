@@ -5,8 +5,9 @@ a plain reference and a router with the defaults a user gets (short turns contin
 decode), with ``kv_offload_gib`` set (vLLM's offloading connector beside kvturn's, with
 kvturn's spec: eviction in the lease's order, discards, host loads in the reuse report;
 docs/connector.md, "The host tier"). The decode keeps ``DECODE_BLOCKS`` blocks of KV, half of
-them for retentions, and ``HOST_BLOCKS`` in host memory: a few other conversations push one
-out of its device KV, and one-off requests flood the host tier, which evicts them first.
+them for retentions, and ``HOST_BLOCKS`` in host memory: another conversation's long turn pushes
+the others out of its device KV, and out of host memory the least recently used lease goes,
+not the one an agent kept alive.
 
 Every answer is held to the plain reference run (``_greedy``), text and logprobs.
 """
@@ -44,8 +45,8 @@ BLOCK_BYTES = 256 * 1024  # one block of the tiny model (2 layers, K and V, 2 x 
 MAX_MODEL_LEN = 4096
 DECODE_BLOCKS = MAX_MODEL_LEN // BLOCK + 1  # one longest request (and vLLM's null block)
 RETENTION_BUDGET = 0.5  # 16 blocks
-HOST_BLOCKS = 40  # A (5 blocks) and the one-offs (15) fit; D (~31) only if the one-offs go:
-# vLLM's LRU would evict A first, kvturn's order evicts the one-offs
+HOST_BLOCKS = 40  # A, B, C (5 blocks each) fit; D (30) only if one of them goes: vLLM's LRU
+# would evict A, stored first; kvturn's order the least recently used lease, B
 TTL = 300.0  # the leases outlive the module
 API_KEY = "host-tier"
 SHORT_WORDS = 130  # about 5 full blocks
@@ -97,7 +98,6 @@ def decode_counters(cfg: StackConfig) -> dict[str, float]:
     s = scrape(cfg.decode_url)
     return {"host_cached": total(s, "vllm:prompt_tokens_cached_by_source_total", source="host"),
             "host_loaded": total(s, "kvturn:host_loaded_tokens_total"),
-            "evicted_none": total(s, "kvturn:host_evictions_total", standing="none"),
             "evicted_leased": total(s, "kvturn:host_evictions_total", standing="leased")}
 
 
@@ -112,10 +112,14 @@ def turn(cfg: StackConfig, client: OpenAI, conversation: str,
     return answer
 
 
-def one_off(client: OpenAI, model: str, text: str) -> None:
-    """A request of no conversation (the router sends it P -> D without a key)."""
-    client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
-                                   max_tokens=4, temperature=0)
+def conversation_call(cfg: StackConfig, conversation: str, method: str, suffix: str = "") -> None:
+    """The router's conversation endpoint, as the SDK calls it (keepalive, release)."""
+    request = urllib.request.Request(
+        f"{cfg.router_url}/kvturn/v1/conversations/{conversation}{suffix}", method=method,
+        data=b"{}" if method == "POST" else None,
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 200
 
 
 def describe(cfg: StackConfig, conversation: str) -> tuple[int, dict[str, Any]]:
@@ -140,21 +144,27 @@ def test_a_conversation_pushed_out_of_device_kv_continues_from_host_memory(
                "A's whole turn in host memory")
     assert describe(cfg, a)[1]["where"] == "both"
 
-    # One-off requests fill the host tier; then another conversation's long turn needs nearly
-    # every block of the decode: live requests come first, so A's retention leaves the device
-    # and its blocks are reused, while in host memory the one-offs' blocks make room for D's,
-    # not A's.
+    # Two more conversations; A's agent keeps its lease alive (a tool is running); then
+    # another conversation's long turn needs nearly every block of the decode: live requests
+    # come first, so every retention leaves the device and their blocks are reused. In host
+    # memory D's blocks need room too: the least recently used lease goes (B), not A.
+    others = []
+    for name in ("b", "c"):
+        other = f"host-{name}-{uuid.uuid4().hex[:8]}"
+        turn(cfg, client, other, [{"role": "user", "content": words.text(other, SHORT_WORDS)}])
+        others.append(other)
+    b_tokens = describe(cfg, others[0])[1]["num_tokens"]
+    conversation_call(cfg, a, "POST", "/keepalive")
     before = decode_counters(cfg)
-    for i in range(3):
-        one_off(client, cfg.served_model_name,
-                words.text(f"one-off-{uuid.uuid4().hex[:8]}-{i}", SHORT_WORDS))
     d_id = f"host-d-{uuid.uuid4().hex[:8]}"
     turn(cfg, client, d_id, [{"role": "user", "content": words.text(d_id, LONG_WORDS)}])
     pressure = {k: v - before[k] for k, v in decode_counters(cfg).items()}
-    assert pressure["evicted_none"] > 0 and pressure["evicted_leased"] == 0, pressure
+    assert pressure["evicted_leased"] > 0, pressure
     status, spilled = describe(cfg, a)
     assert status == 200 and spilled["where"] == "host", spilled
     assert spilled["num_blocks"] == 0 and spilled["host_tokens"] == a_tokens, spilled
+    status, b = describe(cfg, others[0])  # B's host copy went: gone entirely, or its tail
+    assert (status == 404 and b["error"]["code"] == "evicted") or b["host_tokens"] < b_tokens, b
     # D itself is larger than the retention budget: kept, in host memory only.
     status, long_one = describe(cfg, d_id)
     assert status == 200 and long_one["where"] == "host", long_one
@@ -195,11 +205,7 @@ def test_a_released_conversation_leaves_host_memory_too(host_stack: Stack) -> No
     status, retained = describe(cfg, conversation)
     assert status == 200 and retained["host_tokens"] > 0, retained
     host = retention_stats(cfg.decode_control_url)["host"]
-    request = urllib.request.Request(
-        f"{cfg.router_url}/kvturn/v1/conversations/{conversation}", method="DELETE",
-        headers={"Authorization": f"Bearer {API_KEY}"})
-    with urllib.request.urlopen(request, timeout=10) as resp:
-        assert resp.status == 200
+    conversation_call(cfg, conversation, "DELETE")
     # Freed on the engine thread, woken while idle: the control endpoint's stats are live.
     blocks = retained["host_tokens"] // BLOCK
     wait_until(lambda: retention_stats(cfg.decode_control_url)["host"]["discarded"]

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from kvturn_server.connector._tiers import LeaseView, Standing
-from kvturn_server.offload._order import GONE, LEASED, NONE, HostOrder
+from kvturn_server.offload._order import GONE, LEASED, NONE, HostOrder, stores_request
 
 
 def k(name: str) -> bytes:
@@ -182,6 +182,11 @@ def test_without_conversations_the_order_is_vllms_lru() -> None:
     assert victims(order, 1) == [("b0", NONE)]
     # Within one use the head is the most recent: the tail goes first.
     assert victims(order, 1) == [("a1", NONE)]
+
+
+def test_a_decode_stores_conversations_only_everything_else_stores_every_request() -> None:
+    assert stores_request("A", leased=True) and not stores_request(None, leased=True)
+    assert stores_request("A", leased=False) and stores_request(None, leased=False)
 
 
 def test_residency_is_checked() -> None:

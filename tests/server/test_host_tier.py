@@ -108,17 +108,42 @@ def present(m: CPUOffloadingManager, blocks: list[OffloadKey]) -> list[bool]:
 # kvturn's order through vLLM's manager.
 
 
-def test_one_offs_make_room_before_a_leased_conversation_where_lru_would_drop_it(
+def test_a_leased_conversation_outlives_blocks_without_a_lease_where_lru_would_drop_it(
         leases: Leases) -> None:
     for policy, survives in (("kvturn", True), ("lru", False)):
         m = manager(8, leases, policy)
         history = keys("a", 4)
         request(m, "a1", history, "A")
         leases.lease("A")
-        request(m, "x1", keys("x", 4))  # the tier is full
-        request(m, "y1", keys("y", 4))  # needs 4 blocks: the one-offs' (kvturn) or A's (LRU)
+        request(m, "x1", keys("x", 4), "X")  # the tier is full; X's turn was not retained
+        request(m, "y1", keys("y", 4), "Y")  # needs 4 blocks: X's (kvturn) or A's (LRU)
         assert all(present(m, history)) is survives, policy
         assert m.resident_tokens("A") == (4 * TOKENS if policy == "kvturn" else 0)
+
+
+def test_a_decode_stores_no_one_off_request_a_prefill_and_vllms_policies_do(
+        leases: Leases) -> None:
+    decode = manager(8, leases)
+    assert request(decode, "x1", keys("x", 4)) == []  # nothing stored, nothing evicted
+    assert decode.usage()["blocks_used"] == 0 and not any(present(decode, keys("x", 4)))
+    for other in (manager(8, None), manager(8, leases, "lru")):  # a prefill; vLLM's LRU
+        request(other, "x1", keys("x", 4))
+        assert all(present(other, keys("x", 4)))
+
+
+def test_a_running_turns_first_blocks_are_not_evicted_by_its_own_later_ones(
+        leases: Leases) -> None:
+    m = manager(8, leases)
+    request(m, "a1", keys("a", 4), "A")
+    leases.lease("A")
+    ctx = context("d1", "D")  # a new conversation's long first turn: no lease yet
+    m.on_new_request(ctx)
+    for part in (keys("d", 4), keys("e", 4)):  # stored as it is computed, in two steps
+        out = m.prepare_store(part, ctx)
+        assert out is not None
+        m.complete_store(out.keys_to_store, ctx)
+    assert all(present(m, [*keys("d", 4), *keys("e", 4)]))  # A's blocks made the room
+    m.on_request_finished(ctx)
 
 
 def test_memory_stays_within_the_budget_under_a_flood_of_conversations(
@@ -127,18 +152,25 @@ def test_memory_stays_within_the_budget_under_a_flood_of_conversations(
     for i in range(60):
         conversation = f"c{i % 20}"
         request(m, f"r{i}", keys(f"{conversation}-t{i}-", 3), conversation)
-        leases.lease(conversation)
-        request(m, f"o{i}", keys(f"one-off-{i}-", 2))
+        if i % 3:
+            leases.lease(conversation)
+        else:
+            leases.live.pop(conversation, None)  # this turn was not retained: no lease
+        if i % 7 == 0 and leases.live:
+            ended = sorted(leases.live)[0]
+            del leases.live[ended]
+            m.discard([ended])
         assert m.usage()["blocks_used"] <= 16
         assert m._num_allocated_chunks <= 16
     counters = m.take_counters()
-    assert counters.evicted["none"] > 0
-    # With every conversation pinned, a store larger than the one-offs left finds no room and
-    # is refused; nothing is evicted.
-    for conversation in list(leases.live):
+    assert counters.evicted["gone"] > 0 and counters.evicted["leased"] > 0
+    assert counters.discarded > 0
+    # With every conversation pinned, a store finds no room and is refused; nothing is
+    # evicted.
+    for conversation in {f"c{i}" for i in range(20)}:
         leases.lease(conversation, Standing.PINNED)
     before = list(m._policy.chunks)
-    assert request(m, "late", keys("late", 5), "late") is None
+    assert request(m, "late", keys("late", 2), "late") is None
     assert list(m._policy.chunks) == before
 
 
@@ -174,10 +206,10 @@ def test_a_chunk_in_use_is_freed_when_its_copy_completes(leases: Leases) -> None
     m.complete_load(history, ctx)
     assert not any(present(m, history)) and m.usage()["blocks_used"] == 0
     # A chunk still being stored goes when its store completes (its copy may hold garbage).
-    ctx = context("b1")
+    ctx = context("b1", "B")
     m.on_new_request(ctx)
     out = m.prepare_store(keys("b", 1), ctx)
-    assert out is not None
+    assert out is not None and out.keys_to_store == keys("b", 1)
     assert m.discard_keys(keys("b", 1)) == 0
     m.complete_store(keys("b", 1), ctx)
     assert not any(present(m, keys("b", 1)))

@@ -12,6 +12,8 @@ needs on top (the :class:`~kvturn_server.connector._tiers.HostTier` protocol):
   host load and whether its copy failed; the keeper's decode side reads it into the turn's
   reuse report.
 - **what it holds of a conversation** (with kvturn's policy, ``_policy.py``).
+- **what it stores**: with kvturn's policy on a decode, only conversations' blocks
+  (``_order.stores_request`` says why); elsewhere everything, as vLLM does.
 
 It registers itself with the engine's :class:`~kvturn_server.connector._tiers.TierLink`, where
 kvturn's keeper finds it, and gives its policy the link to find the keeper's leases.
@@ -23,7 +25,12 @@ import logging
 from collections.abc import Collection, Iterable
 from typing import Any
 
-from vllm.v1.kv_offload.base import OffloadingEvent, OffloadKey, ReqContext
+from vllm.v1.kv_offload.base import (
+    OffloadingEvent,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+)
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from kvturn_server.connector._tiers import HostCounters, HostLoad, TierLink
@@ -129,7 +136,16 @@ class HostTierManager(CPUOffloadingManager):  # type: ignore[misc]
                                                    removed=True))
         return len(freed)
 
-    # vLLM's manager: a doomed chunk goes as soon as its copy is done.
+    # vLLM's manager: what is stored, and a doomed chunk goes as soon as its copy is done.
+
+    def prepare_store(self, keys: Collection[OffloadKey],
+                      req_context: ReqContext) -> PrepareStoreOutput | None:
+        if isinstance(self._policy, LeasedCachePolicy) and not self._policy.stores(req_context):
+            # What vLLM's manager answers when every key is stored already: nothing to copy.
+            return PrepareStoreOutput(keys_to_store=[], store_spec=self._get_load_store_spec(
+                [], []), evicted_keys=[])
+        output: PrepareStoreOutput | None = super().prepare_store(keys, req_context)
+        return output
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:

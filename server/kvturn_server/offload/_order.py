@@ -10,7 +10,9 @@ back to after a tool call goes as soon as a burst of one-off requests has passed
    no longer contains), least recently used first;
 2. blocks of conversations without a live lease (released, expired, never retained), the
    conversation least recently active first;
-3. blocks of leased conversations, the lease least recently used first;
+3. blocks of leased conversations, the lease least recently used first; a conversation whose
+   turn is running counts as used now (its lease is about to start or be renewed, and its own
+   later blocks must not evict its first ones);
 4. never a block of a pinned conversation (a read of its device blocks is in flight), nor a
    block being copied (the manager marks those busy).
 
@@ -22,6 +24,8 @@ Ownership comes from the requests: a conversation's request (``kvturn.conversati
 transfer params) claims the blocks it stores or reuses as it goes, and when it finishes its
 blocks, in prefix order, replace its previous turn's. Only a decode with kvturn's leases
 claims anything; elsewhere every block is unowned and the order is plain LRU, as vLLM's.
+
+Which requests are stored at all is :func:`stores_request`.
 
 Not thread-safe: the policy that wraps it (``_policy.py``) serialises access.
 """
@@ -38,6 +42,20 @@ Key = bytes
 
 NONE, GONE, LEASED = "none", "gone", "leased"
 """Standings of an evicted block's conversation, as the metrics label them."""
+
+
+def stores_request(conversation: str | None, leased: bool) -> bool:
+    """Whether the host tier stores a request's blocks: on an engine with kvturn's leases (a
+    decode) only a conversation's; elsewhere (a prefill, vLLM's own policies) every request's.
+
+    A kvturn decode loads from its host tier only for prompts it computes itself: turns the
+    router continues on the decode and decode legs after a failed prefill, which always carry
+    their conversation. A request of no conversation reaches it as a P -> D leg, whose prompt
+    arrives over NIXL (kvturn's connector, first in the ``MultiConnector``, takes the request),
+    so its host copy would never be loaded: storing it is copy traffic and churn for nothing
+    (docs/connector.md, "The host tier").
+    """
+    return conversation is not None or not leased
 
 
 class HostOrder:

@@ -16,6 +16,7 @@ before taking it: the keeper's lock and this one are never held together.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
@@ -26,8 +27,8 @@ from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 
 from kvturn_server.connector._params import conversation_key
-from kvturn_server.connector._tiers import TierLink
-from kvturn_server.offload._order import HostOrder
+from kvturn_server.connector._tiers import LeaseView, Standing, TierLink
+from kvturn_server.offload._order import HostOrder, stores_request
 
 POLICY_NAME = "kvturn"
 
@@ -42,6 +43,7 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
         self.link: TierLink | None = None
         self.evicted: dict[str, int] = {}  # blocks evicted by standing, since taken
         self.evicted_total: dict[str, int] = {}
+        self._running: dict[str, str] = {}  # request id -> conversation, turns in progress
         self._lock = threading.Lock()
 
     # What the keeper asks (any thread).
@@ -58,6 +60,11 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
         with self._lock:
             evicted, self.evicted = self.evicted, {}
         return evicted
+
+    def stores(self, req_context: ReqContext) -> bool:
+        """Whether the request's blocks are worth storing (``stores_request``)."""
+        leased = self.link is not None and self.link.leases is not None
+        return stores_request(self._owner(req_context), leased)
 
     # vLLM's CachePolicy (the manager, engine thread).
 
@@ -79,6 +86,7 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
         conversation = self._owner(req_context)
         with self._lock:
             if conversation is not None:
+                self._running[req_context.req_id] = conversation
                 self.order.claim(conversation, keys)
             self.order.use(keys)
 
@@ -92,13 +100,19 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
         keys = order_request_keys(key_groups, req_context)
         conversation = self._owner(req_context)
         with self._lock:
+            self._running.pop(req_context.req_id, None)
             self.order.finish(conversation, keys)
 
     def evict(self, n: int,
               protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         leases = self.link.leases if self.link is not None else None
-        standings = leases.standings() if leases is not None else {}
+        standings = dict(leases.standings()) if leases is not None else {}
         with self._lock:
+            # A running turn's conversation counts as used now (unless pinned).
+            for conversation in self._running.values():
+                view = standings.get(conversation)
+                if view is None or view.standing < Standing.PINNED:
+                    standings[conversation] = LeaseView(Standing.LEASED, math.inf)
             chosen = self.order.evict(n, protected, standings)
             if chosen is None:
                 return None
@@ -112,6 +126,7 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
     def clear(self) -> None:
         with self._lock:
             self.chunks.clear()
+            self._running.clear()
             self.order = HostOrder()
 
     def mark_evictable(self, key: OffloadKey) -> None:

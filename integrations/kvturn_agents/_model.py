@@ -4,8 +4,8 @@ their run.
 It holds no client of its own: each call asks ``RunLeases`` for its run's conversation and
 runs the SDK's own model (``OpenAIChatCompletionsModel`` or ``OpenAIResponsesModel``) on that
 conversation's scoped ``kvturn.AsyncConversation``, so the request and reply handling are the
-SDK's, unchanged, and kvturn adds only the conversation id, the continuity check, the reuse
-report, the keepalive between turns and the release at the run's end.
+SDK's, unchanged, and kvturn adds only the conversation id, the reuse report, the keepalive
+between turns and the release at the run's end.
 """
 
 from __future__ import annotations

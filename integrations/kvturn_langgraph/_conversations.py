@@ -2,7 +2,7 @@
 
 A thread's conversation and its forks are the SDK's own ``Conversation`` objects (one per path
 and flavour, created on first use and kept while the thread is live), so every SDK feature
-applies unchanged: the continuity check, reuse reports, retries, ``pause()`` and ``close()``.
+applies unchanged: reuse reports, retries, ``pause()`` and ``close()``.
 This module only decides which object a path maps to, and settles a thread when the root run
 that used it last ends (``LeasePolicy``): release, keep, or hold the lease until the thread
 resumes.
@@ -34,7 +34,7 @@ _V = TypeVar("_V", kvturn.Conversation, kvturn.AsyncConversation)
 _C = TypeVar("_C", kvturn.OpenAI, kvturn.AsyncOpenAI)
 
 # Threads kept in memory per client (least recently used first out). Dropping one forgets its
-# continuity record and counters; the router's lease then simply runs out.
+# counters; the router's lease then simply runs out.
 MAX_THREADS = 1024
 
 # Background releases (async conversations settled from a sync callback) must not be garbage

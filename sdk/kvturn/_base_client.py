@@ -5,15 +5,15 @@ request loop (``request``) alone: one API call costs what it costs in openai plu
 microseconds in these hooks (``tests/sdk/test_canary.py`` pins each):
 
 * ``_build_request``: called by openai's loop for each attempt, on its own copy of the request
-  options. A scoped client stamps the conversation id and the reuse hint there
-  (``ConversationState.prepare``, which also runs the continuity check), and the call's
-  bookkeeping for the retry hooks is noted (in a context variable, so threads and tasks never
-  mix calls up).
+  options. A scoped client stamps the conversation id there (``ConversationState.prepare``),
+  and the call's bookkeeping for the retry hooks is noted (in a context variable, so threads
+  and tasks never mix calls up).
 * ``_should_retry`` and ``_sleep_for_retry``: openai's loop asks them whether and when to try
   again; kvturn's ``RetryPolicy`` answers (rules in ``_retry``).
 * ``_process_response``: the response of the attempt that succeeded; a scoped client reads the
-  router's reuse report there and arranges to see the reply (``_observe``; a stream's chunks
-  reach it through a stand-in client of that one stream, so other calls pay nothing per chunk).
+  router's reuse report there (``_observe``); a ``pending`` stream that asked for usage is
+  followed for its usage event through a stand-in client of that one stream, so other calls
+  pay nothing per chunk.
 * ``copy`` / ``with_options``: carry kvturn's settings and the conversation to the copy; and
   ``__new__`` picks the scoped class when a conversation is handed over.
 * ``user_agent``: openai's own value, whatever the subclass is called.
@@ -128,7 +128,7 @@ class KVTurnClientBase(_OpenAIClient):
              _extra_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> Self:
         """openai's ``copy``/``with_options`` (its arguments pass through), keeping kvturn's
         settings and the conversation (a copy of a scoped client is the same conversation:
-        same id, record and counters)."""
+        same id, last report and counters)."""
         extra = {"retry_policy": retry_policy or self.retry_policy,
                  "keepalive_interval": (self.keepalive_interval if keepalive_interval is None
                                         else keepalive_interval),

@@ -11,7 +11,5 @@ from openai._base_client import get_platform
 from openai._httpx2 import timeout_exceptions
 from openai._legacy_response import LegacyAPIResponse
 from openai._models import FinalRequestOptions
-from openai._response import APIResponse, AsyncAPIResponse
 
-__all__ = ["APIResponse", "AsyncAPIResponse", "FinalRequestOptions", "LegacyAPIResponse",
-           "get_platform", "timeout_exceptions"]
+__all__ = ["FinalRequestOptions", "LegacyAPIResponse", "get_platform", "timeout_exceptions"]

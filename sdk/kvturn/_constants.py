@@ -11,6 +11,9 @@ HEADER_NO_REUSE = "X-KVTurn-No-Reuse"
 # Response: the router's report of what this turn reused.
 HEADER_REUSE = "X-KVTurn-Reuse"
 HEADER_REUSED_TOKENS = "X-KVTurn-Reused-Tokens"
+# With X-KVTurn-Reuse: pending (a stream the decode continued alone): the block size that tells
+# hit from partial once the stream's usage says how many prompt tokens the decode had cached.
+HEADER_BLOCK_SIZE = "X-KVTurn-Block-Size"
 HEADER_CONVERSATION_ECHO = "X-KVTurn-Conversation"
 HEADER_REQUEST_ID = "x-request-id"
 
@@ -26,7 +29,11 @@ RESPONSES_PATH = "/responses"
 
 # Every value the router documents for X-KVTurn-Reuse; the SDK passes unknown values through.
 REUSE_OUTCOMES = ("hit", "partial", "miss", "expired", "stale", "below-threshold",
-                  "unverified", "disabled")
+                  "unverified", "disabled", "pending")
+# Not known when the headers were sent: a stream the decode continued alone. The SDK settles it
+# from the stream's usage event (prompt_tokens_details.cached_tokens) when the caller asked for
+# one (stream_options.include_usage).
+PENDING = "pending"
 REUSED_OUTCOMES = frozenset({"hit", "partial"})
 # Key used in the statistics for a response without X-KVTurn-Reuse (e.g. a plain vLLM server).
 UNREPORTED = "unreported"

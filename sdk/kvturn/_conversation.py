@@ -1,7 +1,7 @@
 """``Conversation`` and ``AsyncConversation``: clients scoped to one conversation.
 
 A scoped client *is* a ``kvturn.OpenAI`` (``AsyncOpenAI``): the whole openai API, with every
-request carrying the conversation id, the continuity check on every turn, reuse reports, lease
+request carrying the conversation id, reuse reports, lease
 keepalive while a tool runs (``pause``), and release of the router's retention on ``close()``.
 It shares the parent's HTTP client: closing a conversation releases the retention and never
 closes the connection pool.
@@ -114,7 +114,7 @@ class _ScopedBase(_Client):
     @property
     def stats(self) -> ConversationStats:
         """Counters of this conversation: turns, reused tokens, outcomes, misses, retries."""
-        return self._kvturn_conversation.stats.snapshot()
+        return self._kvturn_conversation.snapshot()
 
     @property
     def closed(self) -> bool:
@@ -155,7 +155,6 @@ class _ScopedBase(_Client):
                 continue
             view = self if state is self._kvturn_conversation else self._view(state)
             yield state, view, conversation_url(self._kvturn_root, state.id)
-            state.forget()
 
 
 class Conversation(_ScopedBase, OpenAI):

@@ -18,33 +18,27 @@ from kvturn._constants import (
     HEADER_NO_REUSE,
     RESPONSES_PATH,
 )
-from kvturn._continuity import TurnRecord, check, describe_chat, describe_completion
 from kvturn._errors import ConversationClosedError, InvalidConversationIdError
 from kvturn._identity import child_id
-from kvturn._turns import StatsCounter, TurnInfo, TurnReport
+from kvturn._turns import ConversationStats, StatsCounter, TurnInfo, TurnReport
 
 _H = TypeVar("_H")
 
 Api = Literal["chat", "completions", "responses"]
-# Responses turns carry the conversation and report their reuse like the others; their
-# continuity is the router's (it expands previous_response_id), so they get no check here.
 _TURN_APIS: dict[str, Api] = {CHAT_PATH: "chat", COMPLETIONS_PATH: "completions",
                               RESPONSES_PATH: "responses"}
 
 
 class TurnPlan:
-    """What the SDK decided for one turn before sending it."""
+    """One turn as the SDK sent it, and the router's report once it answered."""
 
-    __slots__ = ("api", "choices", "echo", "no_reuse", "seq", "turn")
+    __slots__ = ("api", "no_reuse", "report", "usage")
 
-    def __init__(self, api: Api, turn: TurnRecord | None, no_reuse: str | None,
-                 echo: bool = False, choices: int = 1) -> None:
+    def __init__(self, api: Api, no_reuse: str | None, usage: bool) -> None:
         self.api = api
-        self.turn = turn
-        self.no_reuse = no_reuse
-        self.echo = echo
-        self.choices = choices  # the request's n
-        self.seq = 0
+        self.no_reuse = no_reuse  # the caller's own X-KVTurn-No-Reuse, if it sent one
+        self.usage = usage  # a stream that asked for usage (stream_options.include_usage)
+        self.report: TurnReport | None = None
 
 
 def _as_dict(value: Any) -> Mapping[str, Any] | None:
@@ -52,6 +46,16 @@ def _as_dict(value: Any) -> Mapping[str, Any] | None:
     if type(value) is dict or (not isinstance(value, NotGiven) and isinstance(value, Mapping)):
         return cast(Mapping[str, Any], value)
     return None
+
+
+def _header(headers: Mapping[str, Any], name: str) -> Any:
+    """The value of header ``name`` in any case (the last spelling, as ``_pop_header``)."""
+    lowered = name.lower()
+    value = None
+    for key, item in headers.items():
+        if key.lower() == lowered:
+            value = item
+    return value
 
 
 def _pop_header(headers: MutableMapping[str, Any], name: str) -> Any:
@@ -72,36 +76,29 @@ def _multipart(headers: Mapping[str, Any]) -> bool:
 
 
 class ConversationState:
-    """Identity, continuity record, reuse counters and lifecycle of one conversation.
+    """Identity, reuse counters and lifecycle of one conversation.
 
-    The continuity record changes only when the router has answered a turn (a failed or retried
-    attempt leaves it untouched): ``started`` records the request as soon as the response
-    starts, with the reply still unknown; ``finished`` adds the reply once it is complete (at
-    once for a plain response; for a stream, when the batch of chunks that completes it is
-    assembled: every 64 chunks, and at the latest before the next turn is compared).
+    It keeps nothing of a turn's messages or reply: whether a turn extends the previous one is
+    the server's to find out, exactly (the router's message digests decide whether the decode
+    may continue it; the prefill's connector reads only blocks whose content hashes verify).
     """
 
     # Slots: a turn touches these a few times each, between openai's much larger work, where
     # every object it reaches is cold: the fewer places they live in, the cheaper.
-    __slots__ = ("_fold_reply", "_last", "_lock", "_record", "_seq", "children", "closed",
-                 "heartbeat", "id", "keepalive_interval", "stats")
+    __slots__ = ("_last", "_lock", "children", "closed", "heartbeat", "id",
+                 "keepalive_interval", "stats")
 
     def __init__(self, conversation_id: str, *, keepalive_interval: float) -> None:
         self.id = conversation_id
         self.keepalive_interval = keepalive_interval
         self._lock = threading.Lock()
-        # One lock for the record and the counters: a turn updates both at once.
+        # One lock for the last report and the counters: a turn updates both at once.
         self.stats = StatsCounter(self._lock)
         self._last: TurnReport | None = None
         self.closed = False
         self.children: dict[str, ConversationState] = {}
         # Created by the first pause() (it needs the client that sends the keepalives).
         self.heartbeat: Any = None
-        self._record: TurnRecord | None = None
-        # Assembles what a stream of the recorded turn has queued (_streams.StreamFollower):
-        # called before the next turn is compared with it.
-        self._fold_reply: Callable[[], None] | None = None
-        self._seq = 0
 
     # --- structure and lifecycle -------------------------------------------------------------
 
@@ -145,8 +142,8 @@ class ConversationState:
 
     def prepare(self, options: FinalRequestOptions) -> TurnPlan | None:
         """Make ``options`` (openai's own copy for one attempt: changing it changes nothing of
-        the caller's) carry this conversation, plus the reuse hint for a turn. Returns the
-        turn's plan, or None for requests that are not turns.
+        the caller's) carry this conversation. Returns the turn's plan, or None for requests
+        that are not turns.
 
         The id goes in the body when there is a JSON body (the router's first source), else in
         the ``X-Conversation-ID`` header. Not in both: with httpx2 every header costs each
@@ -177,12 +174,10 @@ class ConversationState:
                 raise ConversationClosedError(
                     f"conversation {self.id!r} is closed (its retention was released); "
                     "start a new one with client.conversation(...)")
-            merged = {**body, **extra} if extra else body
-            requested = _pop_header(headers, HEADER_NO_REUSE) if headers else None
-            plan = self._plan(api, merged, requested if isinstance(requested, str) else None)
-            if plan.no_reuse is not None:
-                headers = headers if headers is not None else {}
-                headers[HEADER_NO_REUSE] = plan.no_reuse
+            # The caller's own opt-out goes to the router as written; the report names it.
+            requested = _header(headers, HEADER_NO_REUSE) if headers else None
+            plan = TurnPlan(api, requested if isinstance(requested, str) else None,
+                            _asks_usage({**body, **extra} if extra else body))
 
         # A body with files, or a multipart Content-Type, is sent as form fields (or, files
         # without that header, not at all), where the router never looks: not a JSON body.
@@ -212,69 +207,46 @@ class ConversationState:
                 f"this client is scoped to conversation {self.id!r} but the request's {where} "
                 f"names {value!r}; use client.conversation({value!r}) for that one")
 
-    def _plan(self, api: Api, body: Mapping[str, Any], requested: str | None) -> TurnPlan:
-        turn = (describe_chat(body) if api == "chat" else describe_completion(body)
-                if api == "completions" else None)
-        with self._lock:
-            # The fold stays set until a turn starts (``started``): this one may still fail,
-            # and the stream's tail is then the next turn's to assemble. A second call
-            # assembles only what was queued since.
-            previous, fold = self._record, self._fold_reply
-        if fold is not None:
-            fold()  # outside the lock: it ends in finished()
-        # The caller's own X-KVTurn-No-Reuse wins: it knows something the SDK cannot see.
-        reason = requested
-        if reason is None and turn is not None:
-            reason = check(previous, turn)
-        n = body.get("n")
-        return TurnPlan(api, turn, reason, echo=bool(body.get("echo")),
-                        choices=n if type(n) is int else 1)
-
     # --- after the router answered -----------------------------------------------------------
 
     def started(self, plan: TurnPlan, response: httpx2.Response, *, attempts: int,
-                streamed: bool, replies: Any = None) -> None:
-        """The router answered the turn (``response``); ``replies``, when already known (a
-        parsed response), is its reply."""
+                streamed: bool) -> TurnReport:
+        """The router answered the turn (``response``): its report is the last turn's."""
         report = TurnReport(response.headers, conversation_id=self.id, api=plan.api,
                             no_reuse_reason=plan.no_reuse, attempts=attempts, streamed=streamed)
-        turn = plan.turn
+        plan.report = report
         with self._lock:  # the counters' lock too
-            self._seq += 1
-            plan.seq = self._seq
-            # This turn is now what the router retains (or tried to): the next one is compared
-            # with it even if its reply is never seen (prefix-only check then).
-            self._record = turn
-            self._fold_reply = None
             self._last = report
-            if turn is not None and replies is not None:
-                turn.set_replies(replies)
             self.stats.turn_locked(report)
+        return report
 
     @property
     def last_turn(self) -> TurnInfo | None:
         last = self._last
         return None if last is None else last.info()
 
-    def pending_reply(self, plan: TurnPlan, fold: Callable[[], None]) -> None:
-        """The reply of turn ``plan`` arrives as a stream; ``fold`` assembles what has come
-        of it (the next turn calls it first). Ignored when a later turn has started since (two
-        threads streaming on one conversation): the fold of the newer turn stays."""
-        with self._lock:
-            if plan.seq == self._seq:
-                self._fold_reply = fold
+    def snapshot(self) -> ConversationStats:
+        return self.stats.snapshot()
 
-    def finished(self, plan: TurnPlan, replies: Any) -> None:
-        """Attach the complete reply (of a stream) to the record, unless a later turn has
-        started since."""
-        if plan.turn is None or replies is None:
-            return
+    def settle(self, plan: TurnPlan, usage: Any) -> bool:
+        """A stream's usage event (``usage``, its JSON) has been read: a ``pending`` report
+        of turn ``plan`` is settled from its cached tokens (``TurnInfo.settled``). False when
+        the usage does not say them (then a later event may)."""
+        report = plan.report
+        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if report is None or type(prompt) is not int or type(cached) is not int:
+            return False
         with self._lock:
-            if plan.seq == self._seq:
-                plan.turn.set_replies(replies)
+            self.stats.settle_locked(report, prompt, cached)
+        return True
 
-    def forget(self) -> None:
-        """Drop the continuity record (after a release there is nothing to extend)."""
-        with self._lock:
-            self._record = self._fold_reply = None
-            self._seq += 1
+
+def _asks_usage(body: Mapping[str, Any]) -> bool:
+    """A streamed turn whose usage event the caller will read (the router cuts it out of a
+    stream that did not ask)."""
+    if body.get("stream") is not True:
+        return False
+    options = body.get("stream_options")
+    return type(options) is dict and options.get("include_usage") is True

@@ -212,12 +212,18 @@ print(json.dumps({{"id": chat.id, "messages": messages}}))
         assert info.reuse in ("hit", "partial") and info.reused_tokens > 0, info
 
 
-def test_history_edited_mid_run_reuses_only_the_verified_prefix(stack: Stack) -> None:
-    """A framework trims the last answer (a plain openai client: no SDK check in between).
-    The prefill reads the decode's blocks up to the edit and no further."""
+@pytest.mark.parametrize("sdk", [False, True], ids=["openai", "kvturn"])
+def test_history_edited_mid_run_reuses_only_the_verified_prefix(stack: Stack, sdk: bool) -> None:
+    """A framework trims the last answer, through a plain openai client or a kvturn
+    conversation (which sends it as written, no hint). The prefill reads the decode's blocks
+    up to the edit and no further."""
     cfg = stack.config
-    client = openai.OpenAI(base_url=f"{cfg.router_url}/v1", api_key="agents", max_retries=0)
     conversation = f"edited-{uuid.uuid4().hex}"
+    client: Any = openai.OpenAI(base_url=f"{cfg.router_url}/v1", api_key="agents",
+                                max_retries=0)
+    if sdk:
+        client = kvturn.OpenAI(base_url=f"{cfg.router_url}/v1", api_key="agents",
+                               max_retries=0).conversation(conversation)
     messages = _history(conversation)
     fields = answer_fields(conversation_id=conversation)
     generated: list[int] = []
@@ -252,6 +258,11 @@ def test_history_edited_mid_run_reuses_only_the_verified_prefix(stack: Stack) ->
     expected = max(0, verified - int(p.value.local_cache))
     assert reused == (expected if expected >= 64 else 0), (reused, verified, p.value)
     assert raw.headers["x-kvturn-reuse"] in ("partial", "hit") and reused > 0, raw.headers
+    if sdk:
+        assert "x-kvturn-no-reuse" not in raw.http_request.headers
+        assert client.last_turn.reused_tokens == reused
+        assert client.last_turn.no_reuse_reason is None
+        client.close()
 
 
 @pytest.mark.restarts_decode

@@ -63,19 +63,28 @@ def _tool_result(turn: int) -> str:
     return "Boxes: " + " ".join(f"box {i} ok." for i in range(250))
 
 
-def _check_reuse(turn: int, headers: httpx2.Headers, p: Delta) -> None:
+def _check_reuse(turn: int, headers: httpx2.Headers, p: Delta, cached: int | None) -> None:
+    """``cached``: the decode's usage, what its own cache supplied (its cached tokens)."""
     if turn == 1:
         assert headers["x-kvturn-route"] == "prefill", headers
         return
-    assert headers["x-kvturn-reuse"] in ("hit", "partial"), (turn, headers)
     if turn < 6:
         assert headers["x-kvturn-route"] == "decode", (turn, headers)
         assert p.value is not None and p.value.computed == 0, p.value
-    else:
-        assert headers["x-kvturn-route"] == "prefill", headers
-        reused = int(headers["x-kvturn-reused-tokens"])
-        assert p.value is not None and reused > 0 and reused == p.value.transferred, \
-            (reused, p.value)
+        # A continued turn reports what the decode's cache supplied; a stream's headers are
+        # sent before that is known ("pending"), and its usage says it.
+        assert cached is not None and cached > 0, (turn, cached)
+        if headers["x-kvturn-reuse"] == "pending":
+            assert headers["x-kvturn-reused-tokens"] == "0", headers
+        else:
+            assert headers["x-kvturn-reuse"] in ("hit", "partial"), (turn, headers)
+            assert int(headers["x-kvturn-reused-tokens"]) == cached, (turn, headers)
+        return
+    assert headers["x-kvturn-reuse"] in ("hit", "partial"), (turn, headers)
+    assert headers["x-kvturn-route"] == "prefill", headers
+    reused = int(headers["x-kvturn-reused-tokens"])
+    assert p.value is not None and reused > 0 and reused == p.value.transferred, \
+        (reused, p.value)
 
 
 # Responses.
@@ -149,7 +158,8 @@ def test_responses_tool_conversation_by_previous_response_id(
                 answer = resp.json()
         assert "kv_transfer_params" not in resp.text
         _same_output(answer["output"], reference["output"])
-        _check_reuse(turn, resp.headers, p)
+        _check_reuse(turn, resp.headers, p,
+                     answer["usage"]["input_tokens_details"]["cached_tokens"])
         if conversation is None:
             conversation = resp.headers["x-kvturn-conversation"]
         assert resp.headers["x-kvturn-conversation"] == conversation
@@ -206,7 +216,7 @@ def test_messages_tool_conversation(stack: Stack, router_url: str) -> None:
         answer = resp.json()
         assert "kv_transfer_params" not in answer
         _same_content(answer["content"], reference["content"])
-        _check_reuse(turn, resp.headers, p)
+        _check_reuse(turn, resp.headers, p, answer["usage"].get("cache_read_input_tokens"))
         uses = [b for b in answer["content"] if b["type"] == "tool_use"]
         if turn % 2:
             assert uses, answer["content"]

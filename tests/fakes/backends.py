@@ -7,7 +7,11 @@
   params, ``miss`` otherwise).
 - ``http://decode{i}:8200``: vLLM decodes. A decode leg with ``kvturn.conversation`` retains
   the sequence under that key when it finishes (non-streaming replies say so in
-  ``kv_transfer_params.kvturn``; streams retain after their last chunk).
+  ``kv_transfer_params.kvturn``; streams retain after their last chunk). Replies carry
+  ``usage`` as vLLM with ``--enable-prompt-tokens-details`` does (streams: a usage event before
+  ``[DONE]`` when ``stream_options.include_usage`` asks): ``usage_prompt_tokens`` prompt
+  tokens, of which ``cached_tokens`` came from the decode's own cache on a turn it continues
+  while it holds the conversation's retention (none when it does not; all on a P/D leg).
 - ``http://decode{i}:8201``: the decodes' control endpoints (docs/http-api.md, section C).
 
 Faults are scripted per backend with ``fail_next(...)`` (consumed one per leg request) and
@@ -17,6 +21,7 @@ Faults are scripted per backend with ``fail_next(...)`` (consumed one per leg re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections import deque
@@ -88,6 +93,9 @@ class FakeBackend:
         self.report: dict[str, Any] | None = None  # overrides the prefill's reuse report
         self.chunks: list[bytes] = list(DEFAULT_SSE)
         self.gate: asyncio.Event | None = None  # streams pause after their first chunk
+        self.usage_prompt_tokens = 64  # decodes: usage.prompt_tokens of a leg's reply
+        self.cached_tokens = 48  # decodes: cached tokens of a continued turn it holds
+        self.prompt_details = True  # decodes: usage says its cached tokens
         self.retain = True  # decodes: retain finished conversation turns
         self.report_retained = True  # non-streaming replies carry kvturn.retained
         self.retain_late = 0  # describe calls that still see the old retention
@@ -99,6 +107,10 @@ class FakeBackend:
         self._turns = itertools.count(1)
         self._late: dict[str, FakeRetention] = {}
         self.streams_closed = 0  # streams whose reader closed them (before or at their end)
+        # The connector's lost log (GET /kvturn/v1/lost): (key, reason, read id), numbered 1..
+        self.lost_log: list[tuple[str, str, str]] = []
+        self.lost_polls = 0
+        self._lost_added = asyncio.Event()
 
     def fail_next(self, *behaviors: Behavior) -> None:
         self.script.extend(behaviors)
@@ -113,10 +125,18 @@ class FakeBackend:
         self.retentions.clear()
         self.gone.clear()
         self.pins.clear()
+        self.lost_log.clear()
 
     def expire(self, key: str) -> None:
         self.retentions.pop(key, None)
         self.gone[key] = "expired"
+
+    def lose(self, key: str, reason: str = "evicted") -> None:
+        """Drop a retention on the decode's own account, as the connector logs it."""
+        retention = self.retentions.pop(key)
+        self.gone[key] = reason
+        self.lost_log.append((key, reason, retention.params["remote_request_id"]))
+        self._lost_added.set()
 
     # Completion legs.
 
@@ -172,9 +192,25 @@ class FakeBackend:
         return httpx2.Response(200, headers={"content-type": "text/event-stream"},
                                stream=_Stream(self, self._stream(body, break_after)))
 
+    def usage(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A decode leg's usage, as its request starts (before it retains anything)."""
+        params = body.get("kv_transfer_params") or {}
+        key = (params.get("kvturn") or {}).get("conversation")
+        prompt = self.usage_prompt_tokens
+        if params.get("do_remote_prefill"):
+            cached = prompt  # loaded from the prefill
+        else:
+            cached = self.cached_tokens if key in self.retentions else 0
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": 2,
+                                 "total_tokens": prompt + 2}
+        if self.prompt_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
+
     def _decode(self, body: dict[str, Any]) -> httpx2.Response:
         if body.get("stream"):
             return self.stream_response(body)
+        usage = self.usage(body)
         retention = self._finish(body)
         params: dict[str, Any] = {"do_remote_decode": True}
         if self.report_retained and retention is not None:
@@ -190,11 +226,17 @@ class FakeBackend:
             "id": f"cmpl-{self.name}", "object": "chat.completion",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"},
                          "finish_reason": "stop"}],
-            "kv_transfer_params": params})
+            "usage": usage, "kv_transfer_params": params})
 
     async def _stream(self, body: dict[str, Any], break_after: int | None = None
                       ) -> AsyncIterator[bytes]:
-        for i, chunk in enumerate(self.chunks):
+        chunks = list(self.chunks)
+        options = body.get("stream_options") or {}
+        if options.get("include_usage"):
+            at = len(chunks) - 1 if chunks and chunks[-1].startswith(b"data: [DONE]") \
+                else len(chunks)
+            chunks[at:at] = sse({"choices": [], "usage": self.usage(body)})
+        for i, chunk in enumerate(chunks):
             if break_after is not None and i == break_after:
                 raise httpx2.ReadError("connection reset by peer")
             yield chunk
@@ -217,6 +259,19 @@ class FakeBackend:
                 raise httpx2.ConnectError("connection refused")
             return httpx2.Response(200, json={"engine_id": self.engine_id, "role": self.role})
         route = parts[2:]
+        if route == ["lost"] and method == "GET":
+            self.lost_polls += 1
+            after = int(request.url.params.get("after", "0"))
+            wait = float(request.url.params.get("wait", "0"))
+            if wait > 0 and after >= len(self.lost_log):  # a long poll, as the connector's
+                self._lost_added.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._lost_added.wait(), wait)
+            entries = [{"key": k, "reason": r, "read_id": i}
+                       for k, r, i in self.lost_log[after:]]
+            return httpx2.Response(200, json={"engine_id": self.engine_id,
+                                              "seq": len(self.lost_log), "truncated": False,
+                                              "lost": entries})
         if route[0] == "retentions":
             key = route[1]
             if method == "GET":

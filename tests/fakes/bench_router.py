@@ -138,13 +138,19 @@ class AgentBenchRouter(ConversationEndpoints):
     on the decode (which then computes what its cache lacks), every other turn takes a prefill
     leg chosen by round-robin or affinity; such a decode turn's usage says what the decode's
     cache supplied (``cached_tokens``): the conversation's previous prompt, or nothing for a
-    conversation in ``forgotten`` (the decode evicted its history)."""
+    conversation in ``forgotten`` (the decode evicted its history). With ``host_tier`` a
+    forgotten history comes back from the decode's host tier instead (``host_loaded``), as
+    vLLM's CPU offloading loads it. A kvturn conversation's decode turn is ``pending`` in its
+    headers (with the block size), as the router answers a stream it continues."""
 
+    BLOCK = 4
     REPLY = ("Sure", ",", " looking", " into", " it", ".")
 
-    def __init__(self, routes: bool = False) -> None:
+    def __init__(self, routes: bool = False, host_tier: bool = False) -> None:
         super().__init__()
         self.routes = routes
+        self.host_tier = host_tier
+        self.host_loaded = 0
         self.decode_computed = 0
         self.last_prompt: dict[str, int] = {}
         self.computed = 0
@@ -176,7 +182,13 @@ class AgentBenchRouter(ConversationEndpoints):
         if self.routes and previous is not None:
             route = {"X-KVTurn-Route": "decode"}
             cached = 0 if conversation in self.forgotten else previous
+            if conversation in self.forgotten and self.host_tier:
+                cached = previous
+                self.host_loaded += previous
             self.decode_computed += prompt - cached
+            if kvturn_id is not None:
+                route["X-KVTurn-Block-Size"] = str(self.BLOCK)
+                reuse, reused = "pending", 0
         else:
             if self.routes:
                 route = {"X-KVTurn-Route": "prefill", "X-KVTurn-Prefill-Choice":

@@ -35,7 +35,7 @@ from kvturn_langgraph import (
     current_conversation,
     kvturn_node,
 )
-from tests.integrations._router import FakeRouter
+from tests.integrations._router import FakeRouter, breaks
 from tests.integrations.conftest import BASE_URL, ModelFactory
 
 Clients = tuple[kvturn.OpenAI, kvturn.AsyncOpenAI]
@@ -104,8 +104,8 @@ def tool_loop(model: Any, tools: list[BaseTool], **compile_kwargs: Any) -> Any:
 
 
 def assert_extends(router: FakeRouter) -> None:
-    """Every turn extended its conversation: the SDK never sent a no-reuse hint."""
-    assert [turn.no_reuse for turn in router.turns()] == [None] * len(router.turns())
+    """Every chat turn extended its conversation's previous one exactly (``breaks``)."""
+    assert breaks(router) == []
 
 
 # --- create_agent ------------------------------------------------------------------------------

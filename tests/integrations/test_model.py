@@ -13,7 +13,7 @@ from langgraph.graph import START, MessagesState, StateGraph
 
 import kvturn
 from kvturn_langgraph import KVTurnChatOpenAI
-from tests.integrations._router import FakeRouter
+from tests.integrations._router import FakeRouter, breaks
 from tests.integrations.conftest import BASE_URL, ModelFactory
 
 Clients = tuple[kvturn.OpenAI, kvturn.AsyncOpenAI]
@@ -59,7 +59,7 @@ async def test_async_calls_outside_langgraph(router: FakeRouter,
                                                       {"metadata": {"thread_id": "a-9"}})]
     assert reply.response_metadata["kvturn"]["reuse"] == "miss"
     assert chunks[0].response_metadata["kvturn"]["reuse"] == "hit"
-    assert router.turns()[1].no_reuse is None
+    assert breaks(router) == []
     assert router.turn_ids() == ["a-9", "a-9"]
 
 
@@ -76,14 +76,15 @@ def test_tool_call_arguments_go_back_verbatim_unless_edited(router: FakeRouter,
     bound.invoke(history, config)
     sent = router.turns()[1].body["messages"][1]["tool_calls"][0]["function"]["arguments"]
     assert sent == '{"q":"search-1"}'  # as the server wrote it, not json.dumps's '{"q": ...}'
-    assert router.turns()[1].no_reuse is None
+    assert breaks(router) == []
 
     edited = reply.model_copy(update={"tool_calls": [{**reply.tool_calls[0],
                                                        "args": {"q": "other"}}]})
     bound.invoke([HumanMessage("find x"), edited, history[2]], config)
     sent = router.turns()[2].body["messages"][1]["tool_calls"][0]["function"]["arguments"]
     assert sent == '{"q": "other"}'
-    assert router.turns()[2].no_reuse == "edited"  # the SDK says why it cannot reuse
+    assert breaks(router) == [(2, "history")]  # sent as edited: reuse stops at the edit
+    assert "x-kvturn-no-reuse" not in router.turns()[2].headers
 
 
 def test_streamed_arguments_are_kept_too(router: FakeRouter, model: KVTurnChatOpenAI) -> None:

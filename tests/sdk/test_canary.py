@@ -20,7 +20,7 @@ from openai._legacy_response import LegacyAPIResponse
 from openai._models import FinalRequestOptions
 
 import kvturn
-from kvturn._streams import ChatFollower, CompletionFollower
+from kvturn._streams import StreamFollower
 
 
 def params(fn: Any) -> list[tuple[str, Any]]:
@@ -113,29 +113,13 @@ def test_streams_decode_every_chunk_through_the_client(cls: type) -> None:
     assert "self._decoder = client._make_sse_decoder()" in inspect.getsource(cls.__init__)
     assert params(BaseClient._process_response_data) == [
         ("self", POS), ("data", KW), ("cast_to", KW), ("response", KW)]
-    for follower in (ChatFollower, CompletionFollower):
-        assert params(follower.take) == params(BaseClient._process_response_data)
+    assert params(StreamFollower.take) == params(BaseClient._process_response_data)
 
 
 def test_raw_responses_cache_their_parse() -> None:
     # kvturn._observe parses a with_raw_response result early; the caller gets the same object.
     source = inspect.getsource(LegacyAPIResponse.parse)
     assert "self._parsed_by_type[cache_key] = parsed" in source
-
-
-def test_model_objects_keep_their_fields_in_vars() -> None:
-    # kvturn._continuity._plain reads a reply object's fields with vars() + model_extra,
-    # instead of running model_dump on every turn; it must agree with model_dump.
-    from openai.types.chat import ChatCompletionMessage
-
-    message = ChatCompletionMessage.model_validate({
-        "role": "assistant", "content": "x", "refusal": None, "reasoning": "r",
-        "tool_calls": [{"id": "1", "type": "function",
-                        "function": {"name": "f", "arguments": "{}"}}]})
-    message._request_id = "req"  # type: ignore[attr-defined]
-    from kvturn._continuity import _plain
-
-    assert _plain(message) == _plain(message.model_dump(exclude_none=True))
 
 
 def test_user_agent_is_a_property_named_after_the_class() -> None:

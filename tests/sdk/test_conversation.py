@@ -1,4 +1,4 @@
-"""Scoped clients: ids on every request, forks, release on close, continuity hints on the wire."""
+"""Scoped clients: ids on every request, forks, release on close, turns sent as written."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import openai
 import pytest
 
 import kvturn
-from kvturn._streams import FOLD_EVERY, StreamClient, StreamFollower
-from tests.fakes.router import FakeRouter, chat_chunks, chat_completion, completion, error
+from tests.fakes.router import FakeRouter, chat_chunks, chat_completion, error
 
 MODEL = "kvturn-tiny"
 CALL = {"id": "call_1", "type": "function",
@@ -188,206 +187,79 @@ async def test_async_context_manager_releases(aclient: kvturn.AsyncOpenAI,
             model=MODEL, messages=[{"role": "user", "content": "x"}])
 
 
-# --- continuity on the wire ------------------------------------------------------------------
+# --- edited histories on the wire ----------------------------------------------------------
+# The SDK sends every turn as the caller wrote it: whether it extends the previous one is the
+# router's and the connector's to find out, exactly (docs/sdk.md, "Edited histories").
 
-def test_a_conversation_that_extends_its_turns_never_says_no_reuse(client: kvturn.OpenAI,
-                                                                    router: FakeRouter) -> None:
-    router.reply = lambda r: (chat_completion(None, tool_calls=[CALL], reasoning="Need data.")
-                              if len(r.body["messages"]) == 2
-                              else chat_completion("Sunny, 22C."))
-    with client.conversation() as conversation:
-        messages: list[Any] = [{"role": "system", "content": "Be brief."},
-                               {"role": "user", "content": "Weather in Lisbon?"}]
-        reply = ask(conversation, messages)
-        messages += [reply.choices[0].message,  # the pydantic object, as returned
-                     {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]
-        reply = ask(conversation, messages)
-        messages += [reply.choices[0].message.model_dump(),  # a dict with None fields
-                     {"role": "user", "content": "Thanks"}]
-        ask(conversation, messages)
-    assert [r.no_reuse for r in router.turns()] == [None, None, None]
-    assert [t for t in conversation.stats.outcomes] == ["miss", "hit"]
-
-
-def test_edits_are_flagged_and_the_next_turn_extends_the_edited_one(
-        client: kvturn.OpenAI, router: FakeRouter) -> None:
-    conversation = client.conversation()
-    messages: list[Any] = [{"role": "system", "content": "Be brief."},
-                           {"role": "user", "content": "Hi"}]
-    ask(conversation, messages)
-    messages += [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "More"}]
-    messages[0]["content"] = "Be verbose."  # edited in place, after the first turn
-    ask(conversation, messages)
-    assert conversation.last_turn is not None
-    assert conversation.last_turn.no_reuse_reason == "system-changed"
-    assert conversation.last_turn.reuse == "disabled"
-    messages += [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Ok"}]
-    ask(conversation, messages)
-    assert [r.no_reuse for r in router.turns()] == [None, "system-changed", None]
-    assert conversation.stats.no_reuse == {"system-changed": 1}
-
-
-def test_stripped_reasoning_is_flagged(client: kvturn.OpenAI, router: FakeRouter) -> None:
+def test_edited_histories_go_to_the_router_as_written(client: kvturn.OpenAI,
+                                                      router: FakeRouter) -> None:
     router.reply = lambda r: chat_completion("It is 4.", reasoning="2+2 is 4")
     conversation = client.conversation()
-    messages: list[Any] = [{"role": "user", "content": "2+2?"}]
+    messages: list[Any] = [{"role": "system", "content": "Be brief."},
+                           {"role": "user", "content": "2+2?"}]
     reply = ask(conversation, messages)
+    # the reply without its reasoning, the system prompt edited in place, then a truncation,
+    # the same prompt again, a changed reply, and a switch of API
     messages += [{"role": "assistant", "content": reply.choices[0].message.content},
                  {"role": "user", "content": "And 3+3?"}]
+    messages[0]["content"] = "Be verbose."
     ask(conversation, messages)
-    assert router.turns()[-1].no_reuse == "reasoning-stripped"
+    ask(conversation, messages[:1])
+    ask(conversation, messages[:1])
+    ask(conversation, [*messages[:1], {"role": "assistant", "content": "Not what was said"},
+                       {"role": "user", "content": "?"}])
+    conversation.completions.create(model=MODEL, prompt="Goodbye")
+    sent = router.turns()
+    assert len(sent) == 6 and all("x-kvturn-no-reuse" not in r.headers for r in sent)
+    assert sent[1].body["messages"][0] == {"role": "system", "content": "Be verbose."}
+    # the router reuses what still verifies (the fake one reports every retained turn a hit)
+    assert conversation.last_turn is not None and conversation.last_turn.reuse == "hit"
+    assert conversation.last_turn.no_reuse_reason is None
+    stats = conversation.stats
+    assert stats.no_reuse == {} and stats.hits == 5 and stats.misses == {"miss": 1}
 
 
-def test_a_streamed_reply_is_reassembled_without_buffering(client: kvturn.OpenAI,
-                                                           router: FakeRouter) -> None:
+@pytest.mark.parametrize("spelling", ["x-kvturn-no-reuse", "X-KVTurn-No-Reuse"])
+def test_the_callers_own_no_reuse_header_goes_as_written_and_is_reported(
+        client: kvturn.OpenAI, router: FakeRouter, spelling: str) -> None:
+    conversation = client.conversation()
+    ask(conversation, [{"role": "user", "content": "Hi"}])
+    ask(conversation, [{"role": "user", "content": "Hi"}],
+        extra_headers={spelling: "tenant-policy"})
+    assert router.turns()[-1].headers.get_list("x-kvturn-no-reuse") == ["tenant-policy"]
+    assert conversation.last_turn is not None
+    assert conversation.last_turn.no_reuse_reason == "tenant-policy"
+    assert conversation.last_turn.reuse == "disabled"
+    assert conversation.stats.no_reuse == {"tenant-policy": 1}
+
+
+def test_a_failed_turn_is_not_counted(client: kvturn.OpenAI, router: FakeRouter) -> None:
+    conversation = client.conversation()
+    ask(conversation, [{"role": "user", "content": "Hi"}])
+    first = conversation.last_turn
+    router.script.append(error(400, message="nope"))
+    with pytest.raises(openai.BadRequestError):
+        ask(conversation, [{"role": "user", "content": "something else entirely"}])
+    assert conversation.last_turn == first and conversation.stats.turns == 1
+
+
+def test_a_stream_reaches_the_caller_unbuffered_and_unwrapped(client: kvturn.OpenAI,
+                                                              router: FakeRouter) -> None:
     router.stream_reply = lambda r: chat_chunks("Let me check the weather.",
                                                 reasoning="I need data", tool_calls=[CALL])
     conversation = client.conversation()
-    messages: list[Any] = [{"role": "user", "content": "Weather?"}]
-    stream = ask(conversation, messages, stream=True)
+    stream = ask(conversation, [{"role": "user", "content": "Weather?"}], stream=True)
+    assert stream._client is conversation  # nothing of kvturn's runs per chunk
     body = router.bodies[-1]
     first = next(stream)
     assert first.choices[0].delta.role == "assistant"
     assert body.produced < len(body.events)  # the caller got a chunk before the body ended
-    rest = list(stream)
-    assert body.produced == len(body.events)
-    # what a caller rebuilds from the deltas (vLLM's field names)
-    content = "".join(c.choices[0].delta.content or "" for c in [first, *rest])
-    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning", "")
-                        for c in [first, *rest])
-    messages += [{"role": "assistant", "content": content, "reasoning": reasoning,
-                  "tool_calls": [CALL]},
-                 {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]
-    ask(conversation, messages)
-    assert router.turns()[-1].no_reuse is None
-
-
-def follower_of(stream: Any) -> StreamFollower:
-    """The follower of a conversation's stream: the stand-in client's per-chunk hook."""
-    assert isinstance(stream._client, StreamClient)
-    follower = stream._client._process_response_data.__self__
-    assert isinstance(follower, StreamFollower)
-    return follower
-
-
-def test_a_long_stream_is_assembled_in_bounded_batches(client: kvturn.OpenAI,
-                                                       router: FakeRouter) -> None:
-    words = [f"w{i}" for i in range(3 * FOLD_EVERY)]
-    router.stream_reply = lambda r: chat_chunks(" ".join(words))
-    conversation = client.conversation()
-    messages: list[Any] = [{"role": "user", "content": "Talk"}]
-    stream = ask(conversation, messages, stream=True)
-    follower = follower_of(stream)
-    queued = [len(follower.chunks) for _ in stream]
-    assert len(queued) > 2 * FOLD_EVERY and max(queued) < FOLD_EVERY  # memory stays bounded
-    assert follower.chunks and follower.following  # the tail waits for the next turn
-    # the tail is assembled when the next turn is compared: the exact reply extends...
-    ask(conversation, [*messages, {"role": "assistant", "content": " ".join(words)},
-                       {"role": "user", "content": "More"}])
-    assert router.turns()[-1].no_reuse is None
-    assert not follower.following and not follower.chunks
-    # ...and one word changed near its end does not
-    conversation = client.conversation()
-    list(ask(conversation, messages, stream=True))
-    ask(conversation, [*messages, {"role": "assistant", "content": " ".join([*words[:-1], "x"])},
-                       {"role": "user", "content": "More"}])
-    assert router.turns()[-1].no_reuse == "reply-changed"
-
-
-def test_a_stream_abandoned_midway_leaves_only_a_prefix_check(client: kvturn.OpenAI,
-                                                              router: FakeRouter) -> None:
-    conversation = client.conversation()
-    messages: list[Any] = [{"role": "user", "content": "Hi"}]
-    stream = ask(conversation, messages, stream=True)
-    next(stream)
-    stream.close()
-    # the reply was never seen whole: any assistant message may follow the same prefix
-    ask(conversation, [*messages, {"role": "assistant", "content": "He"},
-                       {"role": "user", "content": "?"}])
-    assert router.turns()[-1].no_reuse is None
-    ask(conversation, [{"role": "user", "content": "Hello"}])
-    assert router.turns()[-1].no_reuse == "edited"
-
-
-def test_a_turn_refused_mid_stream_leaves_the_streams_reply_to_the_next_turn(
-        client: kvturn.OpenAI, router: FakeRouter) -> None:
-    # The refused turn started nothing: the stream's turn is still the record, and its reply
-    # (assembled when a later turn needs it) is still compared in full.
-    router.stream_reply = lambda r: chat_chunks("Hello there")
-    conversation = client.conversation()
-    messages: list[Any] = [{"role": "user", "content": "Hi"}]
-    stream = ask(conversation, messages, stream=True)
-    next(stream)
-    router.script.append(error(400))
-    with pytest.raises(openai.BadRequestError):
-        ask(conversation, [*messages, {"role": "user", "content": "too soon"}])
     list(stream)
-    ask(conversation, [*messages, {"role": "assistant", "content": "Hello here"},
-                       {"role": "user", "content": "?"}])
-    assert router.turns()[-1].no_reuse == "reply-changed"
+    assert body.produced == len(body.events)
 
 
-def test_a_stream_cut_before_finish_reason_is_not_a_reply(client: kvturn.OpenAI,
-                                                          router: FakeRouter) -> None:
-    router.stream_reply = lambda r: chat_chunks("Partial answer", finish=False)
-    conversation = client.conversation()
-    messages: list[Any] = [{"role": "user", "content": "Hi"}]
-    list(ask(conversation, messages, stream=True))
-    ask(conversation, [*messages, {"role": "assistant", "content": "something else"},
-                       {"role": "user", "content": "?"}])
-    assert router.turns()[-1].no_reuse is None
-
-
-def test_the_callers_own_no_reuse_header_wins(client: kvturn.OpenAI, router: FakeRouter) -> None:
-    conversation = client.conversation()
-    ask(conversation, [{"role": "user", "content": "Hi"}],
-        extra_headers={"x-kvturn-no-reuse": "tenant-policy"})
-    assert router.turns()[-1].headers.get_list("x-kvturn-no-reuse") == ["tenant-policy"]
-    assert conversation.stats.no_reuse == {"tenant-policy": 1}
-
-
-def test_completions_continuity(client: kvturn.OpenAI, router: FakeRouter) -> None:
-    conversation = client.conversation()
-    conversation.completions.create(model=MODEL, prompt="Hello")
-    conversation.completions.create(model=MODEL, prompt="Hello world, and")
-    assert router.turns()[-1].no_reuse is None
-    conversation.completions.create(model=MODEL, prompt="Hello world, and then some")
-    list(conversation.completions.create(model=MODEL, prompt="Hello world, and then some more",
-                                         stream=True))
-    assert router.turns()[-1].no_reuse == "reply-changed"
-    conversation.completions.create(model=MODEL, prompt="Goodbye")
-    assert router.turns()[-1].no_reuse == "edited"
-    router.script.append(httpx2.Response(200, json=completion(" x", token_ids=[7, 8])))
-    conversation.completions.create(model=MODEL, prompt=[1, 2, 3])
-    assert router.turns()[-1].no_reuse == "edited"
-    conversation.completions.create(model=MODEL, prompt=[1, 2, 3, 7, 8, 9])
-    assert router.turns()[-1].no_reuse is None
-
-
-def test_a_chat_turn_after_a_completion_is_not_an_extension(client: kvturn.OpenAI,
-                                                            router: FakeRouter) -> None:
-    conversation = client.conversation()
-    conversation.completions.create(model=MODEL, prompt="Hello")
-    ask(conversation, [{"role": "user", "content": "Hello"}])
-    assert router.turns()[-1].no_reuse == "api-changed"
-
-
-def test_a_failed_turn_leaves_the_record_as_it_was(client: kvturn.OpenAI,
-                                                   router: FakeRouter) -> None:
-    conversation = client.conversation()
-    messages: list[Any] = [{"role": "user", "content": "Hi"}]
-    ask(conversation, messages)
-    router.script.append(error(400, message="nope"))
-    with pytest.raises(openai.BadRequestError):
-        ask(conversation, [{"role": "user", "content": "something else entirely"}])
-    ask(conversation, [*messages, {"role": "assistant", "content": "Hello"},
-                       {"role": "user", "content": "next"}])
-    assert router.turns()[-1].no_reuse is None
-    assert conversation.stats.turns == 2
-
-
-async def test_async_continuity_and_streaming(aclient: kvturn.AsyncOpenAI,
-                                              arouter: FakeRouter) -> None:
+async def test_async_streams_and_edits(aclient: kvturn.AsyncOpenAI,
+                                       arouter: FakeRouter) -> None:
     arouter.stream_reply = lambda r: chat_chunks("Sure thing.", reasoning="easy")
     conversation = aclient.conversation()
     messages: list[Any] = [{"role": "user", "content": "Hi"}]
@@ -400,69 +272,12 @@ async def test_async_continuity_and_streaming(aclient: kvturn.AsyncOpenAI,
         if not parts:
             assert body.produced < len(body.events)
         parts.append(chunk.choices[0].delta.content or "")
-    messages += [{"role": "assistant", "content": "".join(parts), "reasoning_content": "easy "},
+    messages += [{"role": "assistant", "content": "".join(parts)},
                  {"role": "user", "content": "Again"}]
+    messages[0] = {"role": "user", "content": "Hello"}
     await conversation.chat.completions.create(model=MODEL, messages=messages)
-    assert arouter.turns()[-1].no_reuse is None
-    messages[1] = {"role": "assistant", "content": "".join(parts)}
-    await conversation.chat.completions.create(model=MODEL, messages=messages)
-    assert arouter.turns()[-1].no_reuse == "reasoning-stripped"
-
-
-def test_raw_responses_are_observed_too(client: kvturn.OpenAI, router: FakeRouter) -> None:
-    conversation = client.conversation()
-    messages: list[Any] = [{"role": "user", "content": "Hi"}]
-    raw = conversation.chat.completions.with_raw_response.create(
-        model=MODEL, messages=messages, stream=True)
-    text = "".join(c.choices[0].delta.content or "" for c in raw.parse())
-    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "x"}]
-    conversation.chat.completions.with_raw_response.create(model=MODEL, messages=messages)
-    assert router.turns()[-1].no_reuse is None
-    # the raw (non-streamed) reply was seen: a different one is caught
-    messages += [{"role": "assistant", "content": "not what was said"},
-                 {"role": "user", "content": "y"}]
-    ask(conversation, messages)
-    assert router.turns()[-1].no_reuse == "reply-changed"
-
-
-def test_with_streaming_response_leaves_the_reply_unknown(client: kvturn.OpenAI,
-                                                          router: FakeRouter) -> None:
-    conversation = client.conversation()
-    messages: list[Any] = [{"role": "user", "content": "Hi"}]
-    with conversation.chat.completions.with_streaming_response.create(
-            model=MODEL, messages=messages) as response:
-        assert conversation.last_turn is not None and conversation.last_turn.reuse == "miss"
-        response.read()
-    messages += [{"role": "assistant", "content": "whatever"}, {"role": "user", "content": "y"}]
-    ask(conversation, messages)
-    assert router.turns()[-1].no_reuse is None  # prefix-only check
-
-
-def test_a_stream_of_unexpected_shape_only_makes_the_reply_unknown(
-        client: kvturn.OpenAI, router: FakeRouter) -> None:
-    router.stream_reply = lambda r: [{"id": "x", "object": "chat.completion.chunk", "created": 1,
-                                      "model": MODEL, "choices": [{"index": 0, "delta": "odd",
-                                                                   "finish_reason": None}]}]
-    conversation = client.conversation()
-    messages: list[Any] = [{"role": "user", "content": "Hi"}]
-    assert len(list(ask(conversation, messages, stream=True))) == 1  # the caller still gets it
-    ask(conversation, [*messages, {"role": "assistant", "content": "anything"},
-                       {"role": "user", "content": "?"}])
-    assert router.turns()[-1].no_reuse is None  # prefix-only check
-
-
-def test_an_abandoned_stream_is_not_kept_alive(client: kvturn.OpenAI) -> None:
-    import gc
-    import weakref
-
-    conversation = client.conversation()
-    stream = ask(conversation, [{"role": "user", "content": "Hi"}], stream=True)
-    response = weakref.ref(stream.response)
-    follower_of(stream)  # it is followed
-    stream.close()
-    del stream
-    gc.collect()
-    assert response() is None
+    assert "x-kvturn-no-reuse" not in arouter.turns()[-1].headers
+    assert conversation.last_turn.reuse == "hit" and conversation.stats.no_reuse == {}
 
 
 async def test_a_conversation_inherits_the_clients_platform(aclient: kvturn.AsyncOpenAI) -> None:

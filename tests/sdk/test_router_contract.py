@@ -39,7 +39,7 @@ async def routed() -> AsyncIterator[tuple[kvturn.AsyncOpenAI, Router, Cluster]]:
 
 async def test_turns_reuse_hints_keepalive_and_release(
         routed: tuple[kvturn.AsyncOpenAI, Router, Cluster]) -> None:
-    client, router, _ = routed
+    client, router, cluster = routed
     async with client.conversation("agent/run:1#x") as chat:
         messages: list[Any] = [{"role": "user", "content": "hi"}]
         reply = await chat.chat.completions.create(model="m", messages=messages)
@@ -53,11 +53,23 @@ async def test_turns_reuse_hints_keepalive_and_release(
         text = "".join([c.choices[0].delta.content or "" async for c in stream])
         await router.wait_idle()
 
+        # An edited history goes as written: the router pins the retention and hands it to
+        # the prefill, whose connector reads only the blocks that verify (up to the edit).
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "x"}]
         messages[0] = {"role": "user", "content": "edited"}
+        cluster.log.clear()
         await chat.chat.completions.create(model="m", messages=messages)
         await router.wait_idle()
-        assert chat.last_turn.no_reuse_reason == "edited"
+        assert cluster.calls("decode0.control", "POST") != []  # the pin
+        [prefill] = cluster.bodies("prefill0")
+        assert prefill["kv_transfer_params"]["remote_engine_id"] is not None
+        assert chat.last_turn.no_reuse_reason is None and chat.last_turn.reuse == "hit"
+
+        # The caller's explicit opt-out is the router's to honour, and the report names it.
+        await chat.chat.completions.create(model="m", messages=messages,
+                                           extra_headers={"X-KVTurn-No-Reuse": "policy"})
+        await router.wait_idle()
+        assert chat.last_turn.no_reuse_reason == "policy"
         assert chat.last_turn.reuse == "disabled"
 
         lease = await chat.keepalive()

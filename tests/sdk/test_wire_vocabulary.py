@@ -17,6 +17,7 @@ import pytest
 from kvturn import _constants as sdk
 from kvturn._errors import InvalidConversationIdError
 from kvturn._identity import validate_conversation_id
+from kvturn._turns import TurnInfo
 from kvturn_server.connector._config import ConnectorConfig
 from kvturn_server.connector._control import PREFIX as CONTROL_PREFIX
 from kvturn_server.connector._retention import GoneReason
@@ -25,7 +26,7 @@ from kvturn_server.router import Router, RouterConfig, create_app
 from kvturn_server.router._conversations import PREFIX as CONVERSATIONS_PREFIX
 from kvturn_server.router._errors import ApiError
 from kvturn_server.router._identity import _SOURCES, MAX_ID_LENGTH, validate_id
-from kvturn_server.router._legs import REUSE_REASONS
+from kvturn_server.router._legs import PENDING, REUSE_REASONS, DecodeUsage, continued_reuse
 from tests.fakes.backends import Cluster, ManualClock
 from tests.server.conftest import TEST_SETTINGS
 
@@ -37,10 +38,26 @@ def _default(cls: type, name: str) -> Any:
 
 
 def test_reuse_outcomes_are_the_routers_and_the_connectors() -> None:
-    assert set(sdk.REUSE_OUTCOMES) == REUSE_REASONS == {reason.value for reason in ReuseReason}
+    # The connector's reasons, plus the router's own "pending" (a continued stream).
+    assert {reason.value for reason in ReuseReason} == REUSE_REASONS
+    assert set(sdk.REUSE_OUTCOMES) == REUSE_REASONS | {PENDING}
+    assert sdk.PENDING == PENDING and PENDING not in REUSE_REASONS
     assert len(sdk.REUSE_OUTCOMES) == len(set(sdk.REUSE_OUTCOMES))
     assert {ReuseReason.HIT.value, ReuseReason.PARTIAL.value} == sdk.REUSED_OUTCOMES
     assert sdk.UNREPORTED not in REUSE_REASONS
+
+
+def test_the_sdk_settles_a_pending_turn_as_the_router_does() -> None:
+    pending = TurnInfo("c", "chat", PENDING, 0, None, None, None, 1, True, None)
+    for block_size in (0, 16, 128):
+        for prompt in (1, 16, 17, 64, 129, 300):
+            for cached in (0, 16, 32, 48, 64, 128, 256, 300):
+                settled = pending._replace(block_size=block_size or None).settled(prompt,
+                                                                                  cached)
+                found = continued_reuse(DecodeUsage(prompt, 1, cached), None, block_size)
+                assert found is not None
+                assert (settled.reuse, settled.reused_tokens) == \
+                    (found.reason, found.reused_tokens), (block_size, prompt, cached)
 
 
 def test_gone_codes_are_the_connectors_plus_stale() -> None:
@@ -88,7 +105,7 @@ def test_default_lease_is_the_connectors_and_the_routers() -> None:
 async def test_header_names_and_paths_through_the_router() -> None:
     cluster = Cluster()
     config = RouterConfig(**{"prefill": cluster.prefill_urls, "decode": cluster.decode_urls,
-                             **TEST_SETTINGS})
+                             **TEST_SETTINGS, "decode_continue_tokens": 512})
     app = create_app(config, cluster.transport(), clock=ManualClock())
     router: Router = app.state.router
     await router.start(health_checks=False)
@@ -115,6 +132,17 @@ async def test_header_names_and_paths_through_the_router() -> None:
             completion = await http.post(sdk.COMPLETIONS_PATH.lstrip("/"),
                                          json={"model": "m", "prompt": "hi"})
             assert completion.status_code == 200, completion.text
+
+            # A stream the decode continues alone: pending, with the block size.
+            continued = await http.post(
+                sdk.CHAT_PATH.lstrip("/"),
+                json={**body, "stream": True, "messages": [
+                    *body["messages"], {"role": "assistant", "content": "Hello"},
+                    {"role": "user", "content": "and?"}]},
+                headers={sdk.HEADER_CONVERSATION_ID: "wire"})
+            await router.wait_idle()
+            assert continued.headers[sdk.HEADER_REUSE] == sdk.PENDING
+            assert int(continued.headers[sdk.HEADER_BLOCK_SIZE]) > 0
 
             released = await http.delete(f"{_ROOT}{sdk.CONVERSATIONS_PATH}wire")
             assert released.status_code == 200 and released.json()["released"] is True

@@ -29,6 +29,7 @@ from kvturn_server.bench._stats import (
 )
 from kvturn_server.bench.agent import (
     DEFAULT_MODES,
+    KVTURN_MODES,
     MODE_TABLE,
     MODES,
     MODES_BY_NAME,
@@ -66,6 +67,7 @@ from tests.fakes.bench_router import AgentBenchRouter as FakeRouter
 from tests.fakes.bench_router import Routers, failing_turn
 
 REPO = Path(__file__).resolve().parents[2]
+PLAIN_MODES = tuple(m for m in MODES if MODES_BY_NAME[m].profile == "plain")
 
 MIB = 1024 * 1024
 
@@ -73,17 +75,32 @@ MIB = 1024 * 1024
 # The modes.
 
 def test_the_mode_table_gives_each_mode_its_router_flags_client_and_peer() -> None:
-    table_ = {m.name: (m.label, m.router_args, m.client) for m in MODE_TABLE}
+    table_ = {m.name: (m.label, m.router_args, m.client, m.profile) for m in MODE_TABLE}
+    cond = ("--no-kv-reuse", "--conditional-disagg", "512")
     assert table_ == {
-        "off": ("stock-pd", ("--no-kv-reuse",), "plain"),
-        "stock-cond": ("stock-cond", ("--no-kv-reuse", "--conditional-disagg", "512"), "ids"),
+        "off": ("stock-pd", ("--no-kv-reuse",), "plain", "plain"),
+        "stock-cond": ("stock-cond", cond, "ids", "plain"),
         "stock-cond-2k": ("stock-cond-2k", ("--no-kv-reuse", "--conditional-disagg", "2048"),
-                          "ids"),
-        "on": ("kvturn", (), "kvturn"),
+                          "ids", "plain"),
+        # stock-cond as it is, on instances with vLLM's CPU offloading.
+        "stock-cond-offload": ("stock-cond-offload", cond, "ids", "offload"),
+        "on": ("kvturn", (), "kvturn", "plain"),
+        "kvturn-offload": ("kvturn-offload", (), "kvturn", "offload"),
     }
-    assert MODES == ("off", "stock-cond", "stock-cond-2k", "on")
+    assert MODES == ("off", "stock-cond", "stock-cond-2k", "stock-cond-offload", "on",
+                     "kvturn-offload")
     assert DEFAULT_MODES == ("off", "stock-cond", "on") == AgentBenchSettings().modes
-    assert STOCK_MODES == ("off", "stock-cond", "stock-cond-2k")
+    assert STOCK_MODES == ("off", "stock-cond", "stock-cond-2k", "stock-cond-offload")
+    assert KVTURN_MODES == ("on", "kvturn-offload")
+    offload = MODES_BY_NAME["stock-cond-offload"]
+    # The peers it stands for, with sources: llm-d's CPU tier, LMCache, vLLM's connector.
+    assert "llm-d's P2P KV sharing" in offload.stands_for and "2x" in offload.stands_for
+    assert "offload_prompt_only false" in offload.stands_for
+    assert any("OffloadingConnector" in x for x in offload.sources)
+    assert any("llm-d guides" in x for x in offload.sources)
+    assert any("LMCache" in x for x in offload.sources)
+    assert any("prefix_based_pd_decider" in x for x in offload.sources)
+    assert MODES_BY_NAME["off"].describe()["profile"] == "plain"
     # stock-cond decides on kvturn's own threshold: the router's decode_continue_tokens.
     default = next(f.default for f in fields(RouterConfig) if f.name == "decode_continue_tokens")
     assert MODES_BY_NAME["stock-cond"].router_args[-1] == str(default)
@@ -112,7 +129,7 @@ def test_every_mode_s_flags_make_a_router_the_router_accepts() -> None:
              *mode.router_args]))
     assert {m: (c.kv_reuse, c.conditional_disagg) for m, c in configs.items()} == {
         "off": (False, 0), "stock-cond": (False, 512), "stock-cond-2k": (False, 2048),
-        "on": (True, 0)}
+        "stock-cond-offload": (False, 512), "on": (True, 0), "kvturn-offload": (True, 0)}
 
 
 # The gap distribution.
@@ -255,7 +272,8 @@ def test_each_repeat_rotates_the_order_of_the_modes() -> None:
     assert mode_order(("on",), 5) == ("on",)
     # With as many repeats as modes, every mode runs once in every position.
     orders = [mode_order(MODES, r) for r in range(len(MODES))]
-    assert orders[1] == ("stock-cond", "stock-cond-2k", "on", "off")
+    assert orders[1] == ("stock-cond", "stock-cond-2k", "stock-cond-offload", "on",
+                         "kvturn-offload", "off")
     assert all({o[position] for o in orders} == set(MODES) for position in range(len(MODES)))
 
 
@@ -368,7 +386,8 @@ def test_a_mode_summary_counts_only_successful_turns() -> None:
     assert on["reuse"] == {"outcomes": {"hit": 1, "miss": 1, "partial": 1},
                            "reused_tokens": 2528}
     assert on["prefill_tokens"] == {"computed": 1500.0, "local_cache": 0.0,
-                                    "transferred": 2528.0}
+                                    "transferred": 2528.0, "host": 0.0}
+    assert on["host_tokens"] == 0.0 and on["profile"] == "plain"
     assert on["retained_mib"] == {"max": 4.0, "mean": 2.0, "samples": 3}
     assert off["completion_tokens"] == 192 and off["completion_tokens_requested"] == 192
     assert off["replies_short"] == 0 and off["finish_reasons"] == {"unreported": 3}
@@ -548,6 +567,7 @@ def test_the_results_document_has_settings_seed_summaries_records_and_samples(
         "decode_blocks": None, "model": "tiny", "agents": 1, "turns": 4,
         "system_tokens": 2500, "message_tokens": [100, 300],
         "reply": settings.reply_description(), "repeats": 1, "orders": [["off", "on"]],
+        "instances": {"plain": {"modes": ["off", "stock-cond", "on"], "host_tier": None}},
         "cpu_model": "AMD EPYC", "amx": False, "cpus": 2}
     assert len(data["turns"]) == 7 and len(data["samples"]) == 6
     assert set(data["turns"][0]) == {
@@ -573,10 +593,12 @@ def test_the_results_document_has_settings_seed_summaries_records_and_samples(
         "ttft_ms_p50_off_over_on"]
     lines = table(data).splitlines()
     assert lines[0].startswith("configuration: prefill prefix cache ON (vLLM default)")
-    assert "1 prefill + 1 decode + a router per run" in lines[0]
+    assert "1 prefill + 1 decode (plain for off, stock-cond, on: no host tier) + a router per " \
+           "run" in lines[0]
     assert "tool profile, 64 tokens" in lines[0] and "AMD EPYC, 2 CPUs, no AMX" in lines[0]
-    assert lines[1].startswith("off (stock-pd): router --no-kv-reuse; client plain")
-    assert lines[2].startswith("on (kvturn): router (defaults); client kvturn")
+    assert lines[1].startswith("off (stock-pd): router --no-kv-reuse; client plain; plain "
+                               "instances")
+    assert lines[2].startswith("on (kvturn): router (defaults); client kvturn; plain instances")
     assert lines[5].startswith("off ") and lines[6].startswith("on ")
     assert any(line.startswith("strongest stock mode: off (stock-pd)") for line in lines)
     assert "kvturn (on) against off (stock-pd), the strongest stock mode:" in lines
@@ -657,7 +679,9 @@ def test_the_sampler_always_has_a_first_and_a_last_point() -> None:
     assert samples[0].t_s < samples[1].t_s
 
 
-def test_the_command_line_maps_onto_the_settings(tmp_path: Path) -> None:
+def test_the_command_line_maps_onto_the_settings(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "10000")  # no line breaks inside an option's name
     parser = argparse.ArgumentParser()
     agent_parser = add_agent_bench_parser(parser.add_subparsers())
     args = parser.parse_args(["agent", "--json", str(tmp_path / "a.json")])
@@ -695,6 +719,18 @@ def test_the_command_line_maps_onto_the_settings(tmp_path: Path) -> None:
     assert "'stock-cond': stock conditional" in flat and "'stock-cond-2k': stock" in flat
     assert "--conditional-disagg 2048" in flat and "prefix-based-pd-decider" in flat
     assert "--decode-blocks 320 --agents 16" in flat and "--max-tokens 256" in flat
+    # The host tier: the offload modes, their instances and the flag that sizes them.
+    assert "'stock-cond-offload': stock-cond on instances with vLLM's CPU KV offloading" in flat
+    assert "client ids; offload instances" in flat and "'kvturn-offload': kvturn" in flat
+    assert "--modes off,stock-cond,stock-cond-offload,on,kvturn-offload" in flat
+    assert "--host-tier X" in flat and "device KV" in flat
+    assert s.host_tier_multiple == 2.0
+    args = parser.parse_args(["agent", "--json", "x.json", "--host-tier", "3",
+                              "--modes", "stock-cond-offload,kvturn-offload"])
+    s = settings_from_args(args)
+    assert s.host_tier_multiple == 3.0 and s.modes == ("stock-cond-offload", "kvturn-offload")
+    with pytest.raises(ValueError, match="--host-tier"):
+        replace(s, host_tier_multiple=0.0)
 
 
 # The agent loop against an in-process fake router.
@@ -712,7 +748,8 @@ class FakeProbe:
         return PromptSources(float(self.router.computed), 0.0, 0.0)
 
     def decode_sources(self) -> PromptSources | None:
-        return PromptSources(float(self.router.decode_computed), 0.0, 0.0)
+        host = float(self.router.host_loaded)
+        return PromptSources(float(self.router.decode_computed), 0.0, host, host)
 
     def decode_block_size(self) -> int | None:
         return 4
@@ -797,8 +834,9 @@ async def test_every_mode_runs_through_a_router_of_its_own_as_its_client() -> No
     router = FakeRouter(routes=True)
     router.forgotten = {"bench-stock-cond-r0-a1"}  # the decode evicted this one's history
     settings = AgentBenchSettings(agents=2, turns=3, system_tokens=20, message_tokens=(5, 5),
-                                  modes=MODES, progress_interval_s=0, sample_interval_s=3600.0,
-                                  repeats=1, router_args=("--log-level", "debug"))
+                                  modes=PLAIN_MODES, progress_interval_s=0,
+                                  sample_interval_s=3600.0, repeats=1,
+                                  router_args=("--log-level", "debug"))
 
     async def instant(seconds: float) -> None:
         await asyncio.sleep(0)
@@ -818,7 +856,8 @@ async def test_every_mode_runs_through_a_router_of_its_own_as_its_client() -> No
         ("router-stock-cond-2k-r0", (*cond, "2048", *debug)),
         ("router-on-r0", debug)]
     assert "[stock-cond 1/1] 2 agents x 3 turns, starting 1 s apart; stock-cond, router " \
-           "--no-kv-reuse --conditional-disagg 512 --log-level debug, client ids" in said
+           "--no-kv-reuse --conditional-disagg 512 --log-level debug, client ids, plain " \
+           "instances" in said
     # The stock-cond modes' clients send X-Conversation-ID and nothing else: one id per agent
     # and run, no body id, no keepalive, no release.
     sent = router.requests[2:]  # after the warm-up's two turns
@@ -845,7 +884,7 @@ async def test_every_mode_runs_through_a_router_of_its_own_as_its_client() -> No
     assert [t["cached_tokens"] for t in cond_turns[3:]] == [0, 0, 0]
     assert all(t["cached_tokens"] == 0 for t in turns if t["mode"] == "off")  # new prompts
     modes = results["modes"]
-    assert list(modes) == list(MODES) and results["block_size"] == 4
+    assert list(modes) == list(PLAIN_MODES) and results["block_size"] == 4
     assert modes["stock-cond"]["decode_turns"] == {
         "later_turns": 4, "turns": 4, "reported": 4, "found_history": 2, "missed_history": 2,
         "prompt_tokens": sum(t["prompt_tokens"] for t in cond_turns if t["turn"] > 1),
@@ -860,8 +899,92 @@ async def test_every_mode_runs_through_a_router_of_its_own_as_its_client() -> No
     assert set(results["comparisons"]) == {"off", "stock-cond", "stock-cond-2k"}
     assert results["headline"]["against"] in STOCK_MODES
     assert [m["router_args"] for m in results["mode_table"]] == [
-        [*MODES_BY_NAME[m].router_args, *debug] for m in MODES]
+        [*MODES_BY_NAME[m].router_args, *debug] for m in PLAIN_MODES]
     assert "later turns the decode served alone (route decode):" in table(results)
+
+
+async def test_the_offload_modes_run_on_instances_of_their_own_beside_the_plain_ones() -> None:
+    plain, offload = FakeRouter(routes=True), FakeRouter(routes=True, host_tier=True)
+    # Both decodes evicted agent 1's history; only the offload one has it in host memory.
+    plain.forgotten = {"bench-stock-cond-r1-a1"}
+    offload.forgotten = {"bench-stock-cond-offload-r1-a1"}
+    modes = ("off", "stock-cond", "stock-cond-offload", "on", "kvturn-offload")
+    settings = AgentBenchSettings(agents=2, turns=3, system_tokens=20, message_tokens=(5, 5),
+                                  modes=modes, progress_interval_s=0, sample_interval_s=3600.0,
+                                  repeats=2, decode_blocks=100)
+
+    async def instant(seconds: float) -> None:
+        await asyncio.sleep(0)
+
+    said: list[str] = []
+    routers = {"plain": Routers(plain.handle), "offload": Routers(offload.handle)}
+    results = await measure(settings, routers, "kvturn-tiny",
+                            {"plain": FakeProbe(plain), "offload": FakeProbe(offload)},
+                            say=said.append, sleep=instant)
+    # Each profile's instances are warmed up once, then every mode runs on its own profile's
+    # instances through a router of its own, in rotated order across both profiles.
+    assert [name for name, _ in routers["plain"].started] == [
+        "router-warm-up", "router-off-r0", "router-stock-cond-r0", "router-on-r0",
+        "router-stock-cond-r1", "router-on-r1", "router-off-r1"]
+    assert [name for name, _ in routers["offload"].started] == [
+        "router-warm-up-offload", "router-stock-cond-offload-r0", "router-kvturn-offload-r0",
+        "router-stock-cond-offload-r1", "router-kvturn-offload-r1"]
+    assert results["order"] == [*modes, *mode_order(modes, 1)]
+    assert "[kvturn-offload 1/2] 2 agents x 3 turns, starting 1 s apart; kvturn-offload, " \
+           "router (defaults), client kvturn, offload instances" in said
+    assert {r["body"].get("conversation_id") or r["headers"].get("x-conversation-id", "")
+            for r in offload.requests[2:]} >= {"bench-stock-cond-offload-r0-a0"}
+    assert not any("bench-stock-cond-r" in r["headers"].get("x-conversation-id", "")
+                   for r in offload.requests)
+    # What the instances say: the offload decode loaded agent 1's history from its host tier
+    # (found in its cache, by vLLM's own count), the plain one recomputed it.
+    m = results["modes"]
+    assert m["stock-cond-offload"]["profile"] == "offload" and m["on"]["profile"] == "plain"
+    assert m["stock-cond"]["host_tokens"] == 0 and m["stock-cond-offload"]["host_tokens"] > 0
+    assert m["stock-cond"]["decode_turns"]["missed_history"] == 1  # repeat 2 only: median
+    assert m["stock-cond-offload"]["decode_turns"]["missed_history"] == 0
+    assert m["off"]["host_tokens"] == 0 and m["kvturn-offload"]["host_tokens"] == 0
+    # The configuration names each profile's modes and host tier.
+    instances = results["configuration"]["instances"]
+    assert instances["plain"] == {"modes": ["off", "stock-cond", "on"], "host_tier": None}
+    tier = instances["offload"]["host_tier"]
+    assert instances["offload"]["modes"] == ["stock-cond-offload", "kvturn-offload"]
+    assert tier["decode_gib"] == round(2 * 100 * 128 * 2048 / 2 ** 30, 4)  # 50 MiB
+    assert tier["prefill_gib"] == 2.0 and tier["multiple_of_device_kv"] == 2.0
+    assert tier["offload_extra"] == {"offload_prompt_only": False}
+    assert results["warmup_ttft_ms_by_profile"].keys() == {"plain", "offload"}
+    # Both kvturn modes against every stock mode that ran, each headlined against the
+    # strongest by the one rule.
+    stock = ["off", "stock-cond", "stock-cond-offload"]
+    by_mode = results["comparisons_by_mode"]
+    assert list(by_mode) == ["on", "kvturn-offload"]
+    assert all(list(by_mode[k]) == stock for k in by_mode)
+    assert by_mode["kvturn-offload"]["stock-cond-offload"]["mode"] == "kvturn-offload"
+    assert by_mode["kvturn-offload"]["stock-cond-offload"]["pooled"]["turns"] == {
+        "base": 12, "on": 12}
+    assert results["comparisons"] == by_mode["on"]
+    heads = results["headlines"]
+    assert heads["on"] == results["headline"] and heads["on"]["mode"] == "on"
+    assert heads["kvturn-offload"]["against"] == heads["on"]["against"] in stock
+    assert [m["profile"] for m in results["mode_table"]] == [
+        "plain", "plain", "offload", "plain", "offload"]
+    text = table(results)
+    lines = text.splitlines()
+    assert "1 prefill + 1 decode of 100 KV blocks per instance profile, side by side (plain " \
+           "for off, stock-cond, on: no host tier; offload for stock-cond-offload, " \
+           "kvturn-offload: vLLM CPU offloading, host tier 2x the device KV: prefill 2.00 GiB " \
+           "(device 1.00 GiB), decode 50 MiB (device 25 MiB), offload_prompt_only false)" \
+           in lines[0]
+    assert any(line.startswith("stock-cond-offload: router --no-kv-reuse --conditional-disagg "
+                               "512; client ids; offload instances: stock-cond on instances "
+                               "with vLLM's CPU KV offloading") for line in lines)
+    assert "host" in lines[next(i for i, x in enumerate(lines) if x.startswith("mode "))]
+    assert f"strongest stock mode against kvturn-offload: {heads['on']['against']}" in text
+    # (Which stock mode is the strongest depends on the fake's timing.)
+    assert all(f"{kvturn} against {base}" in text for base in ("off", "stock-cond",
+                                                                 "stock-cond-offload")
+               for kvturn in ("kvturn (on)", "kvturn-offload"))
+    assert "computed tokens (prefill + decode) kvturn-offload <= stock-cond" in text
 
 
 async def test_an_on_agent_keeps_its_lease_alive_during_each_tool_gap() -> None:
@@ -962,6 +1085,8 @@ async def test_repeats_rotate_the_modes_and_record_routes_gaps_and_reply_lengths
                                                                   "decode"] * 3
     assert off["routes"] == {"prefill": 3} and off["prefill_choices"] == {"round-robin": 3}
     assert on["routes"] == {"decode": 2, "prefill": 1}
+    # Continued turns count what the decode's cache supplied (their usage), not "pending".
+    assert "pending" not in on["reuse"]["outcomes"] and on["reuse"]["reused_tokens"] > 0
     assert on["prefill_choices"] == {"affinity": 1}
     assert off["decode_computed_tokens"] == 0 and on["decode_computed_tokens"] > 0
     assert on["computed_tokens"] == on["prefill_computed_tokens"] + on[

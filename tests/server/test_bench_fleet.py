@@ -62,16 +62,22 @@ MIB = 1024 * 1024
 # stock conditional disaggregation of issue 25.
 
 def test_the_mode_table_maps_each_mode_to_its_router_flags_and_client() -> None:
-    table_ = {m.name: (m.router_args, m.client) for m in MODE_TABLE}
+    table_ = {m.name: (m.router_args, m.client, m.profile) for m in MODE_TABLE}
     cond = ("--no-kv-reuse", "--conditional-disagg")
     assert table_ == {
-        "stock-rr": (("--no-kv-reuse", "--prefill-policy", "round-robin"), PLAIN),
-        "stock-affinity": (("--no-kv-reuse", "--prefill-policy", "affinity"), IDS),
-        "stock-cond": ((*cond, "512", "--prefill-policy", "kv-aware"), IDS),
-        "stock-cond-2k": ((*cond, "2048", "--prefill-policy", "kv-aware"), IDS),
-        "kvturn-ll": (("--prefill-policy", "least-loaded"), KVTURN),
-        "kvturn-kv": ((), KVTURN),
+        "stock-rr": (("--no-kv-reuse", "--prefill-policy", "round-robin"), PLAIN, "plain"),
+        "stock-affinity": (("--no-kv-reuse", "--prefill-policy", "affinity"), IDS, "plain"),
+        "stock-cond": ((*cond, "512", "--prefill-policy", "kv-aware"), IDS, "plain"),
+        "stock-cond-2k": ((*cond, "2048", "--prefill-policy", "kv-aware"), IDS, "plain"),
+        "stock-cond-offload": ((*cond, "512", "--prefill-policy", "kv-aware"), IDS, "offload"),
+        "kvturn-ll": (("--prefill-policy", "least-loaded"), KVTURN, "plain"),
+        "kvturn-kv": ((), KVTURN, "plain"),
+        "kvturn-offload": ((), KVTURN, "offload"),
     }
+    offload = MODES["stock-cond-offload"].stands_for
+    assert "llm-d's P2P KV sharing" in offload and "LMCache" in offload
+    assert "OffloadingConnector" in offload and "offload_prompt_only false" in offload
+    assert not MODES["stock-cond-offload"].by_default and not MODES["kvturn-offload"].by_default
     assert all(m.stands_for for m in MODE_TABLE)
     assert "prefix-based-pd-decider" in MODES["stock-cond"].stands_for
     assert "Dynamo" in MODES["stock-cond-2k"].stands_for
@@ -95,7 +101,8 @@ def test_settings_refuse_unknown_or_repeated_choices() -> None:
     for bad in ({"modes": ("stock-rr", "stock-rr")}, {"modes": ("fast",)},
                 {"profiles": ("chat",)}, {"sizings": ("huge",)}, {"repeats": 0},
                 {"prefills": 0}, {"message_tokens": (300, 100)}, {"prefill_holds": 0.0},
-                {"decode_continue_tokens": -1}):
+                {"decode_continue_tokens": -1}, {"host_tier_multiple": 0.0},
+                {"gpu": True, "modes": ("stock-cond-offload", "kvturn-kv")}):
         with pytest.raises(ValueError):
             FleetBenchSettings(**bad)  # type: ignore[arg-type]
     s = FleetBenchSettings(time_scale=0.1)
@@ -202,13 +209,14 @@ def _turn(mode: str, agent: int, turn: int, ttft: float | None, reused: int = 0,
                      error=error)
 
 
-def _snap(p0: float, p1: float, d0: float, reused: float = 0.0) -> dict[str, Counters | None]:
+def _snap(p0: float, p1: float, d0: float, reused: float = 0.0,
+          host: float = 0.0) -> dict[str, Counters | None]:
     return {"prefill0": Counters(p0, 10.0, 0.0, reused), "prefill1": Counters(p1, 0.0, 0.0, 0.0),
-            "decode0": Counters(d0, 0.0, 5.0, 0.0)}
+            "decode0": Counters(d0, 0.0, 5.0 + host, 0.0, host)}
 
 
 def _run(mode: str, repeat: int, ttfts: list[float], computed: float, reused: float = 0.0,
-         held: list[int | None] | None = None) -> ModeRun:
+         held: list[int | None] | None = None, host: float = 0.0) -> ModeRun:
     records = [_turn(mode, 0, i + 1, t, reused=int(reused) // len(ttfts)) for i, t in
                enumerate(ttfts)]
     for r in records:
@@ -218,9 +226,9 @@ def _run(mode: str, repeat: int, ttfts: list[float], computed: float, reused: fl
                    records=records,
                    agents=[AgentOutcome(mode, 0, None, len(records), repeat=repeat)],
                    samples=samples, itl_ms=[10.0, 20.0, 30.0, 40.0, 1000.0],
-                   before=_snap(100.0, 200.0, 3.0), after=_snap(100.0 + computed * 0.75,
-                                                                200.0 + computed * 0.25,
-                                                                3.0 + 2, reused),
+                   before=_snap(100.0, 200.0, 3.0, host=7.0),
+                   after=_snap(100.0 + computed * 0.75, 200.0 + computed * 0.25, 3.0 + 2,
+                               reused, host=7.0 + host),
                    turns_planned=len(records), router_args=("--x",))
 
 
@@ -245,6 +253,10 @@ def test_a_run_summary_sums_computed_tokens_over_every_instance() -> None:
     assert s["routes"] == {"prefill": 1, "unreported": 2}
     assert s["prefill_choices"] == {"holder": 1, "unreported": 2}
     assert s["router_args"] == ["--x"]
+    assert s["host_tokens"] == {"total": 0.0, "by_instance": {
+        "decode0": 0.0, "prefill0": 0.0, "prefill1": 0.0}}
+    s = summarize(_run("stock-cond-offload", 0, [100.0], computed=1000.0, host=640.0))
+    assert s["host_tokens"]["total"] == 640.0 and s["host_tokens"]["by_instance"]["decode0"] == 640
 
 
 def test_an_unreadable_instance_makes_the_fleet_sum_unknown_not_smaller() -> None:
@@ -325,6 +337,64 @@ def test_the_strongest_stock_mode_is_the_fastest_on_later_turns_and_every_ratio_
     assert cmp["kvturn-kv"]["computed_tokens"]["ratio"] == pytest.approx(5002 / 4002, abs=1e-3)
 
 
+def test_offload_modes_report_their_instances_host_tokens_and_every_stock_ratio(
+        tmp_path: Path) -> None:
+    modes = ("stock-rr", "stock-cond", "stock-cond-offload", "kvturn-kv", "kvturn-offload")
+    settings = FleetBenchSettings(agents=1, repeats=2, modes=modes, host_tier_multiple=3.0)
+    assert settings.describe()["host_tier_multiple"] == 3.0
+    raw = []
+    for r in range(2):
+        raw += [_run("stock-rr", r, [400.0, 500.0], 9000.0),
+                _run("stock-cond", r, [400.0, 300.0], 6000.0),
+                # The host tier gives stock-cond-offload the fastest later turns: the strongest.
+                _run("stock-cond-offload", r, [400.0, 200.0], 5000.0, host=900.0),
+                _run("kvturn-kv", r, [300.0, 150.0], 4000.0, 2000.0),
+                _run("kvturn-offload", r, [300.0, 100.0], 4000.0, 2000.0, host=300.0)]
+    sc = scenarios(settings)[0]
+    fleet = {"prefills": 2, "decodes": 1, "model": "tiny", "max_model_len": 4480,
+             "retention_budget": 0.5, "decoder_kv_blocks_ttl": 48.0, "profiles": {
+                 "plain": {"host_tier": None},
+                 "offload": {"host_tier": {
+                     "prefill_gib": 0.0484, "decode_gib": 3.0, "prefill_device_kv_gib": 0.0161,
+                     "decode_device_kv_gib": 1.0, "multiple_of_device_kv": 3.0,
+                     "offload_extra": {"offload_prompt_only": False}}}}}
+    doc = scenario_result(sc.name, {"name": "tool", "reply_tokens": [64, 64], "turns": 6,
+                                    "system_tokens": 2500, "message_tokens": [100, 300],
+                                    "what": "tool calls"}, "tight", sc.kv_statement(66), fleet,
+                          [list(modes)] * 2, raw)
+    data = build_results(settings, [doc], raw)
+    assert [m["profile"] for m in data["mode_table"]] == [
+        "plain", "plain", "offload", "plain", "offload"]
+    (s,) = data["scenarios"]
+    assert s["modes"]["stock-cond-offload"]["host_tokens"]["median"] == 900.0
+    assert s["modes"]["stock-cond"]["host_tokens"]["median"] == 0.0
+    cmp = s["comparison"]
+    assert cmp["strongest_stock"] == "stock-cond-offload"
+    assert cmp["stock_ttft_turn2plus_p50_ms"] == {"stock-rr": 500.0, "stock-cond": 300.0,
+                                                  "stock-cond-offload": 200.0}
+    # Both kvturn modes against the strongest, and against every stock mode that ran.
+    off = cmp["kvturn-offload"]
+    assert off["ttft_turn2plus_p50_ms"]["ratio"] == 2.0
+    assert list(off["by_stock_mode"]) == ["stock-rr", "stock-cond", "stock-cond-offload"]
+    assert off["by_stock_mode"]["stock-cond"]["ttft_turn2plus_p50_ms"] == 3.0
+    assert cmp["kvturn-kv"]["by_stock_mode"]["stock-cond-offload"]["ttft_turn2plus_p50_ms"] \
+        == round(200 / 150, 3)
+    text = table(data)
+    assert "  plain instances (stock-rr, stock-cond, kvturn-kv): no host tier" in text
+    assert "  offload instances (stock-cond-offload, kvturn-offload): vLLM CPU offloading, " \
+           "host tier 3x the device KV: prefill 50 MiB (device 16 MiB), decode 3.00 GiB " \
+           "(device 1.00 GiB), offload_prompt_only false" in text
+    assert "from host" in text
+    (work,) = [line.split() for line in text.splitlines()
+               if line.startswith("  stock-cond-offload ") and "[" in line and "ms" not in line
+               and "prefill0" in line]
+    assert work[-4:-2] == ["900", "[900-900]"]  # from host, then retained MiB
+    assert "stock-cond-offload / kvturn-offload: TTFT p50 1.50x" in text
+    assert "every stock mode / kvturn-offload (medians; TTFT p50, turns 2+ p50, computed): " \
+           "stock-rr 2.25, 5.00, 2.25; stock-cond 1.75, 3.00, 1.50; stock-cond-offload 1.50, " \
+           "2.00, 1.25" in text
+
+
 def _results(tmp_path: Path) -> dict[str, Any]:
     settings = FleetBenchSettings(agents=1, repeats=2, seed=5, json_path=tmp_path / "f.json")
     sc = scenarios(settings)[0]
@@ -362,7 +432,7 @@ def test_the_results_document_states_the_configuration_and_keeps_every_turn(
     assert "66 blocks x 128" in text and "decode0 4096 blocks" in text
     assert "target ttft_p50_tight: 2.80x >= 1.5: met" in text
     assert "strongest stock mode: stock-affinity, by the stock mode with the lowest TTFT p50 " \
-        "of turns 2+" in text
+        "of later turns (turns 2+, every repeat's turns pooled)" in text
     assert "stock-affinity / kvturn-kv: TTFT p50 2.80x" in text
     latency, work = [line.split() for line in text.splitlines()
                      if line.startswith("  kvturn-kv ")]
@@ -376,7 +446,8 @@ def test_the_table_names_each_mode_s_router_flags(tmp_path: Path) -> None:
     assert [m["router_args"] for m in data["mode_table"]][:2] == [
         ["--no-kv-reuse", "--prefill-policy", "round-robin"],
         ["--no-kv-reuse", "--prefill-policy", "affinity"]]
-    assert table(data).startswith("stock-rr        router --no-kv-reuse")
+    assert table(data).startswith("stock-rr           router --no-kv-reuse --prefill-policy "
+                                  "round-robin; client plain; plain instances: stock P/D")
 
 
 def test_the_plot_is_a_png(tmp_path: Path) -> None:
@@ -411,6 +482,13 @@ def test_the_command_line_maps_onto_the_settings(tmp_path: Path) -> None:
     assert "--prefills" in help_text
     assert "stock-cond: stock conditional disaggregation" in " ".join(help_text.split())
     assert "stock-cond-2k" in help_text and "20 runs" in help_text
+    flat = " ".join(help_text.split())
+    assert "stock-cond-offload: stock-cond on instances with vLLM's CPU KV offloading" in flat
+    assert "offload instances; on request)" in flat and "--host-tier" in flat
+    s = settings_from_args(parser.parse_args([
+        "fleet", "--json", "x.json", "--modes", "stock-cond-offload,kvturn-offload",
+        "--host-tier", "1.5"]))
+    assert s.modes == ("stock-cond-offload", "kvturn-offload") and s.host_tier_multiple == 1.5
 
 
 # The agents against a fake router.
@@ -448,7 +526,8 @@ async def test_stock_rr_agents_send_no_conversation_id(small: Scenario) -> None:
     assert all(r.conversation_id is None for r in run.records)
 
 
-@pytest.mark.parametrize("mode", ["stock-affinity", "stock-cond", "stock-cond-2k"])
+@pytest.mark.parametrize("mode", ["stock-affinity", "stock-cond", "stock-cond-2k",
+                                  "stock-cond-offload"])
 async def test_affinity_and_conditional_agents_send_an_id_header_and_nothing_else(
         small: Scenario, mode: str) -> None:
     router = FakeRouter()
@@ -580,4 +659,5 @@ def test_every_mode_s_flags_make_a_router_the_router_accepts() -> None:
              *FleetBenchSettings(decode_continue_tokens=0).router_args(mode.name)]))
     assert {m: (c.kv_reuse, c.conditional_disagg) for m, c in configs.items()} == {
         "stock-rr": (False, 0), "stock-affinity": (False, 0), "stock-cond": (False, 512),
-        "stock-cond-2k": (False, 2048), "kvturn-ll": (True, 0), "kvturn-kv": (True, 0)}
+        "stock-cond-2k": (False, 2048), "stock-cond-offload": (False, 512),
+        "kvturn-ll": (True, 0), "kvturn-kv": (True, 0), "kvturn-offload": (True, 0)}

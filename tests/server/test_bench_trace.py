@@ -261,8 +261,19 @@ def test_the_routers_thresholds_scale_with_the_tokens() -> None:
                                                      "2048")
     assert deployed.router_args("kvturn") == ("--decode-continue-tokens", "512",
                                               "--decode-continue-budget", "1024")
-    assert {m: MODES[m].client for m in MODES} == {
-        "stock-pd": "plain", "stock-cond": "ids", "stock-cond-2k": "ids", "kvturn": "kvturn"}
+    assert {m: (MODES[m].client, MODES[m].profile) for m in MODES} == {
+        "stock-pd": ("plain", "plain"), "stock-cond": ("ids", "plain"),
+        "stock-cond-2k": ("ids", "plain"), "stock-cond-offload": ("ids", "offload"),
+        "kvturn": ("kvturn", "plain"), "kvturn-offload": ("kvturn", "offload")}
+    # The offload modes are stock-cond and kvturn as they are, on instances with a host tier.
+    assert s.router_args("stock-cond-offload") == s.router_args("stock-cond")
+    assert s.router_args("kvturn-offload") == s.router_args("kvturn")
+    offload = MODES["stock-cond-offload"].stands_for
+    assert "llm-d's P2P KV sharing" in offload and "LMCache" in offload
+    assert "OffloadingConnector" in offload and "offload_prompt_only false" in offload
+    # On request: the defaults start one prefill and one decode.
+    assert TraceBenchSettings().modes == ("stock-pd", "stock-cond", "stock-cond-2k", "kvturn")
+    assert s.describe()["mode_profiles"] == {m: "plain" for m in TraceBenchSettings().modes}
 
 
 def test_settings_refuse_unknown_modes_and_the_lease_scales_with_the_gaps() -> None:
@@ -270,6 +281,10 @@ def test_settings_refuse_unknown_modes_and_the_lease_scales_with_the_gaps() -> N
         TraceBenchSettings(modes=("stock-pd", "stock-pd"))
     with pytest.raises(ValueError, match="modes must be distinct"):
         TraceBenchSettings(modes=("stock-rr",))
+    with pytest.raises(ValueError, match="--host-tier"):
+        TraceBenchSettings(host_tier_multiple=-1.0)
+    with pytest.raises(ValueError, match="without --gpu"):
+        TraceBenchSettings(gpu=True, modes=("kvturn-offload",))
     s = TraceBenchSettings(scaling=Scaling(time_scale=0.05))
     assert s.retention_ttl == 24.0 and s.keepalive_interval == 3.0
     assert TraceBenchSettings(retention_ttl_s=10.0).retention_ttl == 10.0
@@ -371,11 +386,14 @@ def test_the_results_compare_kvturn_with_the_best_stock_mode(
     assert kv["transferred_tokens"]["median"] == 400.0
     cmp = data["comparison"]
     assert cmp["stock_modes"] == ["stock-pd", "stock-cond"]
-    # stock-cond is the best stock mode: 105 / 57.5 ms at p50, 900 / 600 computed tokens
+    # stock-cond is the strongest stock mode (later turns: 195 against 325 ms): 105 / 57.5 ms
+    # at p50, 900 / 600 computed tokens
+    assert cmp["strongest_stock"] == "stock-cond"
+    assert cmp["stock_ttft_later_p50_ms"] == {"stock-pd": 325.0, "stock-cond": 195.0}
     assert cmp["kvturn"]["ttft_p50_ms"]["ratio"] == round(105 / 57.5, 3)
     assert cmp["kvturn"]["computed_tokens"]["ratio"] == 1.5
     pooled = cmp["kvturn"]["pooled"]["ttft_all_p50"]
-    assert pooled["best_stock"] == "stock-cond" and pooled["ratio"] == round(105 / 57.5, 3)
+    assert pooled["stock"] == "stock-cond" and pooled["ratio"] == round(105 / 57.5, 3)
     assert pooled["low"] is not None and pooled["low"] <= pooled["ratio"] <= pooled["high"]
     # the fake turns all say 100 prompt tokens: off the plan by what it planned
     check = data["plan_check"]["kvturn"]
@@ -389,12 +407,74 @@ def test_the_results_compare_kvturn_with_the_best_stock_mode(
     text = table(data)
     assert "tokens x1/8" in text and "85 blocks x 128" in text and "test CPU" in text
     assert "stands for: a 32B model" in text
-    assert "TTFT p50 1.83 (" in text and "vs stock-cond" in text
+    assert "pooled over repeats against stock-cond (95 % CI): TTFT p50 1.83 (" in text
+    assert "strongest stock mode: stock-cond, by the stock mode with the lowest TTFT p50 of " \
+           "later turns" in text
+    assert "stock-cond / kvturn (above 1: kvturn better)" in text
     assert "kvturn 8 of 8 turns off" in text
     latency, tokens = [line.split() for line in text.splitlines()
                        if line.startswith("  kvturn ") and "router" not in line]
     assert latency[:5] == ["kvturn", "8", "0", "58", "[58-58]"] and "180" in latency
     assert tokens[:4] == ["kvturn", "600", "[600-600]", "50"]
+
+
+def test_every_kvturn_mode_meets_the_strongest_stock_mode_by_one_rule_and_every_other(
+        traces: tuple[TraceConversation, ...]) -> None:
+    plan = plan_replay(traces, Scaling(token_divisor=8, max_requests=2, conversations=2))
+    modes = ("stock-pd", "stock-cond", "stock-cond-offload", "kvturn", "kvturn-offload")
+    s = TraceBenchSettings(modes=modes, repeats=2, scaling=plan.scaling)
+    # stock-pd has the fastest first turns (and TTFT p50 of all turns), stock-cond-offload the
+    # fastest later turns: the latter is the strongest, and every ratio is against it.
+    ttfts = {"stock-pd": [50.0, 50.0, 320.0, 330.0],
+             "stock-cond": [400.0, 400.0, 150.0, 160.0],
+             "stock-cond-offload": [400.0, 400.0, 100.0, 110.0],
+             "kvturn": [400.0, 400.0, 100.0, 100.0],
+             "kvturn-offload": [400.0, 400.0, 50.0, 50.0]}
+    runs = [_run(mode, repeat, ttfts[mode], 600.0) for repeat, order in run_order(s)
+            for mode in order]
+    for run in runs:
+        if run.mode.endswith("-offload"):
+            decode = run.after["decode0"]
+            assert decode is not None
+            run.after["decode0"] = Counters(decode.computed, 0.0, decode.transferred, 0.0, 256.0)
+    fleet = {"profiles": {"plain": {"host_tier": None}, "offload": {"host_tier": {
+        "prefill_gib": 0.0415, "decode_gib": 0.0415, "prefill_device_kv_gib": 0.0208,
+        "decode_device_kv_gib": 0.0208, "multiple_of_device_kv": 2.0,
+        "offload_extra": {"offload_prompt_only": False}}}}}
+    data = build_results(s, plan, runs, kv_statement(s, plan, 85), {"cpus": 2},
+                         extra={"fleet": fleet})
+    cmp = data["comparison"]
+    assert cmp["strongest_stock"] == "stock-cond-offload"
+    assert cmp["stock_ttft_later_p50_ms"] == {"stock-pd": 325.0, "stock-cond": 155.0,
+                                              "stock-cond-offload": 105.0}
+    off = cmp["kvturn-offload"]
+    assert off["pooled"]["ttft_all_p50"]["stock"] == "stock-cond-offload"  # not stock-pd
+    assert off["pooled"]["ttft_later_p50"]["ratio"] == round(105 / 50, 3)
+    assert off["ttft_later_p50_ms"]["per_repeat"]["per_repeat"] == [2.1, 2.1]
+    every = off["by_stock_mode"]
+    assert list(every) == ["stock-pd", "stock-cond", "stock-cond-offload"]
+    assert every["stock-cond"]["ttft_later_p50"]["ratio"] == 3.1
+    assert every["stock-pd"]["ttft_all_p50"] == round(185 / 225, 3)
+    later = every["stock-cond-offload"]["ttft_later_p50"]
+    assert later["low"] <= later["ratio"] <= later["high"]
+    assert cmp["kvturn"]["by_stock_mode"]["stock-cond-offload"]["ttft_later_p50"]["ratio"] == 1.05
+    m = data["modes"]
+    assert m["stock-cond-offload"]["host_tokens"]["median"] == 256.0
+    assert m["stock-cond"]["host_tokens"]["median"] == 0.0
+    assert [e["profile"] for e in data["mode_table"]] == [
+        "plain", "plain", "offload", "plain", "offload"]
+    text = table(data)
+    assert "  offload instances (stock-cond-offload, kvturn-offload): vLLM CPU offloading, " \
+           "host tier 2x the device KV: prefill 42 MiB (device 21 MiB)" in text
+    assert "  stock-cond-offload router --no-kv-reuse --conditional-disagg 64; client ids; " \
+           "offload instances: stock-cond on instances" in text
+    assert "every stock mode / kvturn-offload, pooled: later turns p50 and p90 (95 % CI), all " \
+           "turns p50, later p99, ITL p99:" in text
+    assert "    stock-cond: 3.10 (" in text
+    (tokens,) = [line.split() for line in text.splitlines()
+                 if line.startswith("  stock-cond-offload ") and "router" not in line
+                 and "256" in line]
+    assert tokens[tokens.index("256") + 1] == "[256-256]"
 
 
 def test_the_plot_is_a_png(traces: tuple[TraceConversation, ...], tmp_path: Path) -> None:
@@ -426,3 +506,7 @@ def test_the_command_line_maps_onto_the_settings(tmp_path: Path) -> None:
     assert s.vllm_args == ("--foo",)
     with pytest.raises(SystemExit):
         parser.parse_args(["trace", "x", "--json", "t", "--modes", "stock-rr"])
+    s = settings_from_args(parser.parse_args([
+        "trace", "x", "--json", "t", "--modes", "stock-cond-offload,kvturn-offload",
+        "--host-tier", "4"]))
+    assert s.modes == ("stock-cond-offload", "kvturn-offload") and s.host_tier_multiple == 4.0

@@ -57,7 +57,7 @@ def test_retention_defaults() -> None:
     cfg = ConnectorConfig()
     assert cfg.control_host == "127.0.0.1" and cfg.control_port is None
     assert cfg.decoder_kv_blocks_ttl == 480.0 and cfg.retention_max_hold == 3600.0
-    assert cfg.retention_budget == 0.5 and cfg.retention_max_pin == 300.0
+    assert cfg.retention_budget == 1.0 and cfg.retention_max_pin == 300.0
 
 
 def test_retention_values() -> None:

@@ -279,6 +279,8 @@ def test_engine_command_is_parsed_by_vllm_and_the_connector(overlay: str, role: 
     assert secret.is_file() and secret.is_relative_to(tmp_path)
     if role == "decode":
         assert config.retention_budget > 0
+        # A turn the decode continues alone reports the cached tokens of its usage.
+        assert args.enable_prompt_tokens_details
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -88,6 +88,23 @@ def test_every_instance_offloads_as_the_stacks_do_when_asked(tmp_path: Path) -> 
     assert cfg.describe()["kv_offload_gib"] == 0.25
 
 
+def test_prefills_and_decodes_may_each_have_a_host_tier_of_their_own(tmp_path: Path) -> None:
+    cfg = FleetConfig(state_dir=tmp_path, prefills=2, decodes=1, kv_offload_gib=0.25,
+                      prefill_kv_offload_gib=0.5)
+    sizes = {i.name: _kv(list(i.spec.argv))["kv_connector_extra_config"][  # type: ignore[index]
+        "connectors"][1]["kv_connector_extra_config"]["cpu_bytes_to_use"]
+        for i in plan_instances(cfg, _ports())}
+    assert sizes == {"prefill0": 1 << 29, "prefill1": 1 << 29, "decode0": 1 << 28}
+    assert (cfg.describe()["prefill_kv_offload_gib"], cfg.describe()["decode_kv_offload_gib"]) \
+        == (0.5, 0.25)
+    # A role set to 0 has none.
+    cfg = FleetConfig(state_dir=tmp_path, kv_offload_gib=0.25, prefill_kv_offload_gib=0.0)
+    kinds = {i.role: _kv(list(i.spec.argv))["kv_connector"] for i in plan_instances(cfg, _ports())}
+    assert kinds == {"prefill": "KVTurnConnector", "decode": "MultiConnector"}
+    with pytest.raises(StackError):
+        FleetConfig(state_dir=tmp_path, decode_kv_offload_gib=-1.0)
+
+
 def test_the_router_argv_names_every_backend_and_parses_as_the_router(tmp_path: Path) -> None:
     fleet = Fleet(FleetConfig(state_dir=tmp_path, prefills=2, decodes=2),
                   port=_ports())

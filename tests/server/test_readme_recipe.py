@@ -50,6 +50,8 @@ def test_every_engine_binds_and_advertises_its_own_address() -> None:
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == env["VLLM_HOST_IP"] == config.control_host \
             == host
         assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] and config.control_port is not None
+        # A decode's usage says what its own cache supplied (a continued turn's reuse).
+        assert args.enable_prompt_tokens_details == (kv.kv_role == "kv_consumer")
         engines[kv.kv_role] = (host, args.port, config.control_port)
     assert set(engines) == {"kv_producer", "kv_consumer"}
     assert engines["kv_producer"][0] != engines["kv_consumer"][0]  # two hosts

@@ -47,7 +47,7 @@ async def test_keepalive_of_an_unknown_conversation_is_a_404(make_harness: MakeH
     assert h.cluster.log == []
 
 
-async def test_keepalive_of_an_expired_retention_is_a_404_and_forgets_it(
+async def test_keepalive_of_an_expired_retention_is_a_404_and_marks_it_lost(
         make_harness: MakeHarness) -> None:
     h = await make_harness()
     await h.chat("c")
@@ -55,7 +55,9 @@ async def test_keepalive_of_an_expired_retention_is_a_404_and_forgets_it(
     resp = await h.client.post(_path("c", "/keepalive"))
     assert resp.status_code == 404
     assert resp.json()["error"]["code"] == "expired"
-    assert await h.router.store.get("-/c") is None
+    # The decode and the prefill that served it stay known (affinity), the record lost.
+    record = await h.router.store.get("-/c")
+    assert record is not None and not record.retained and record.lost == "expired"
 
 
 async def test_keepalive_after_a_decode_restart_is_stale(make_harness: MakeHarness) -> None:

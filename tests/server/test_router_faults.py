@@ -242,7 +242,7 @@ async def test_a_stream_broken_mid_way_ends_with_an_error_event_and_state_stays_
     assert resp.headers["X-KVTurn-Reuse"] == "hit"
 
 
-async def test_a_broken_stream_whose_decode_holds_nothing_forgets_the_conversation(
+async def test_a_broken_stream_whose_decode_holds_nothing_leaves_no_retention(
         make_harness: MakeHarness) -> None:
     h = await make_harness()
     await h.chat("c", stream=True)
@@ -254,7 +254,8 @@ async def test_a_broken_stream_whose_decode_holds_nothing_forgets_the_conversati
 
     decode.fail_next(break_and_lose)
     await h.chat("c", stream=True)
-    assert await h.router.store.get("-/c") is None
+    record = await h.router.store.get("-/c")
+    assert record is not None and not record.retained and record.cached_tokens == 0
 
 
 async def test_an_event_cut_by_a_broken_stream_is_not_glued_to_the_error(

@@ -11,15 +11,16 @@ from typing import Any
 import pytest
 
 from kvturn_server.router._config import RouterConfig, RouterConfigError
-from kvturn_server.router._history import History, Transcript, uncached_estimate
+from kvturn_server.router._history import History, Transcript, new_tokens
 from kvturn_server.router._identity import conversation_key
+from kvturn_server.router._legs import DecodeUsage
 from kvturn_server.router._placement import (
     choose_decode,
     choose_prefill,
     conditional_decode,
-    known_prompt_tokens,
     learn_read_floor,
     read_gain,
+    served_tokens,
 )
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import Placement
@@ -59,14 +60,13 @@ def test_the_estimate_converts_new_characters_at_the_conversation_s_own_rate() -
     history = Transcript([U1]).history()
     t = Transcript([U1, REPLY, TOOL])
     reply_chars, tool_chars = t.sizes[1], t.sizes[2]
-    retained = 300
-    per_char = retained / (history.chars + reply_chars)
-    estimate = uncached_estimate(history, t, retained_tokens=retained, readable_tokens=256)
-    # What the decode lacks: its partial last block plus the new tool message.
-    assert estimate == pytest.approx(retained - 256 + per_char * tool_chars, abs=1)
-    assert uncached_estimate(history, Transcript([{**U1, "content": "x"}]),
-                             retained_tokens=retained, readable_tokens=256) is None
-    assert uncached_estimate(history, t, retained_tokens=0, readable_tokens=0) is None
+    known = 300  # the last prompt and its reply, as the decode's usage counted them
+    per_char = known / (history.chars + reply_chars)
+    # The reply coming back is known; the tool message is new.
+    assert new_tokens(history, t, known_tokens=known) == pytest.approx(per_char * tool_chars,
+                                                                       abs=1)
+    assert new_tokens(history, Transcript([{**U1, "content": "x"}]), known_tokens=known) is None
+    assert new_tokens(history, t, known_tokens=0) is None
 
 
 def test_placements_round_trip_and_old_records_still_read() -> None:
@@ -78,6 +78,11 @@ def test_placements_round_trip_and_old_records_still_read() -> None:
     old = Placement.from_json(b'{"decode": "http://d", "engine_id": null, "num_tokens": 7, '
                               b'"expires_at": 1.0, "turn": "t"}')
     assert old.history is None and old.prefill is None and old.cached_tokens == 7
+    assert old.retained
+    unretained = Placement(decode="http://d", engine_id=None, num_tokens=300, expires_at=5.0,
+                           turn="t", history=history, retained=False)
+    assert Placement.from_json(unretained.to_json()) == unretained
+    assert unretained.cached_tokens == 0  # nothing to pin or read
 
 
 # Choosing a prefill.
@@ -158,7 +163,9 @@ async def test_a_short_next_turn_runs_on_the_holding_decode_alone(
     assert resp.status_code == 200
     assert resp.headers["X-KVTurn-Route"] == "decode"
     assert "X-KVTurn-Prefill-Choice" not in resp.headers
-    assert resp.headers["X-KVTurn-Reuse"] == "hit"
+    # A stream's headers precede the decode's work: its reuse is known from its usage, after.
+    assert resp.headers["X-KVTurn-Reuse"] == ("pending" if stream else "hit")
+    assert metric(h, "kvturn_router_reuse_total", outcome="hit") == 1
     assert len(cluster.legs("prefill0")) == 1  # only the first turn had a prefill leg
     assert not cluster.calls("decode0.control", "POST")  # no pin
     body = cluster.bodies("decode0")[-1]
@@ -329,7 +336,9 @@ def test_conditional_decode_counts_the_new_messages_at_the_prompt_s_own_rate() -
     holder = Backend("decode", "http://d0")
     t = Transcript(turn2())
     sent = Transcript([U1]).history()
-    tokens = 3 * sent.chars  # three tokens a character: the reply counts as cached
+    # Three tokens a character of what the decode processed (the prompt and the reply, which
+    # comes back as the first new message and counts as cached).
+    tokens = 3 * (sent.chars + t.sizes[1])
     estimate, why = conditional_decode(placement=_sent(tokens, [U1]), holder=holder,
                                        transcript=t, max_tokens=10_000)
     assert (estimate, why) == (3 * t.sizes[2], "")
@@ -350,13 +359,10 @@ def test_conditional_decode_counts_the_new_messages_at_the_prompt_s_own_rate() -
                               max_tokens=512) == (0, "unhealthy")
 
 
-def test_the_stock_record_keeps_the_prefill_s_count_else_scales_the_last_one() -> None:
-    t = Transcript(turn2())
-    assert known_prompt_tokens(None, 120, t) == 120
-    assert known_prompt_tokens(None, 0, t) == 0
-    old = _sent(2 * Transcript([U1]).history().chars, [U1])
-    assert known_prompt_tokens(old, 0, t) == 2 * t.history().chars
-    assert known_prompt_tokens(old, 0, None) == 0
+def test_a_record_counts_what_the_decode_s_usage_said_else_the_prefill_s_count() -> None:
+    assert served_tokens(DecodeUsage(100, 20, 64), 90) == 120
+    assert served_tokens(None, 90) == 90
+    assert served_tokens(None, 0) == 0
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -193,7 +193,8 @@ async def test_without_stop_strings_nothing_retained_is_final(
     decode.retain = False  # a turn too short to fill a block
     await h.chat("c", stream=True)
     assert len(h.cluster.calls("decode0.control", "GET")) == 1  # no waiting on a 404
-    assert await h.router.store.get("-/c") is None
+    record = await h.router.store.get("-/c")
+    assert record is not None and not record.retained
 
 
 async def test_stream_reaches_the_client_before_the_decode_finishes(

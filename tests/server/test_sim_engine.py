@@ -53,11 +53,13 @@ def test_decodes_run_the_connectors_table_on_the_simulated_clock() -> None:
 
 def test_fixed_ttl_misses_the_long_gap_the_lease_keeps() -> None:
     policies = standard_policies()
-    for gap, ttl_reason in ((10.0, "hit"), (600.0, "expired")):
+    # Turn 2 of a continued turn reports the decode's coverage of its prompt: "partial", its
+    # new message filling blocks of its own.
+    for gap, ttl_reason in ((10.0, "partial"), (600.0, "expired")):
         ttl = _run(policies["vllm-ttl-480"], _gap_of(gap))
         lease = _run(policies["kvturn-lease"], _gap_of(gap))
         assert ttl["reasons"] == {"miss": 1, ttl_reason: 1}, gap  # turn 1, then turn 2
-        assert lease["reasons"] == {"miss": 1, "hit": 1}, gap
+        assert lease["reasons"] == {"miss": 1, "partial": 1}, gap
         assert lease["routes"] == {"prefill": 1, "decode": 1}, gap
     # The lapsed lease sends turn 2 to a prefill, which recomputes what its cache lacks.
     expired = _run(policies["vllm-ttl-480"], _gap_of(600.0))
@@ -83,9 +85,16 @@ def test_reuse_reads_what_the_retention_verifies() -> None:
 
 
 def test_short_turns_are_continued_on_the_decode() -> None:
-    result = _run(standard_policies()["kvturn-lease"], _gap_of(5.0))
+    (c,) = _gap_of(5.0)
+    result = _run(standard_policies()["kvturn-lease"], [c])
     assert result["routes"] == {"prefill": 1, "decode": 1}
-    assert result["reasons"] == {"miss": 1, "hit": 1}
+    # Turn 2 found the whole retention (its usage's coverage is "partial" only because its
+    # new message fills blocks of its own): it computed the new part alone.
+    bs = SMALL.block_size
+    retained = c.prompt_tokens(0) + c.replies[0] - 1
+    assert result["computed_tokens"] == c.prompt_tokens(0) + c.prompt_tokens(1) \
+        - retained // bs * bs
+    assert result["reasons"]["miss"] == 1
 
 
 def test_stock_pd_holds_nothing_and_recomputes() -> None:
@@ -106,9 +115,10 @@ def test_the_budget_evicts_least_recently_used_first() -> None:
     policy = Policy("lru", ttl_s=1e9, max_hold_s=1e9, budget=0.3)
     result = simulate(SimSettings(fleet=block, policy=policy), conversations).summary()
     assert result["retention_stats"]["evicted"] >= 1
-    # One turn found its retention; the other's was evicted (the router's "miss"), but its
-    # blocks fell back into the decode's prefix cache, where nothing had taken them yet.
-    assert result["reasons"] == {"miss": 3, "hit": 1}
+    # One turn found its retention; the other's was evicted, but its blocks fell back into the
+    # decode's prefix cache, where nothing had taken them yet: both later turns report what the
+    # decode's cache supplied (their new messages fill blocks of their own: "partial").
+    assert result["reasons"] == {"miss": 2, "partial": 2}
     assert result["later_turns_reused"] == 2
 
 

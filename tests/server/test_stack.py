@@ -54,6 +54,8 @@ def test_server_specs_stay_on_loopback_with_distinct_side_channels(tmp_path: Pat
     assert "--kv-transfer-config" not in specs["reference"].argv
     kv = json.loads(specs["decode"].argv[specs["decode"].argv.index("--kv-transfer-config") + 1])
     assert kv["kv_role"] == "kv_consumer"
+    # The decode's usage says what its own cache supplied (a continued turn's reuse).
+    assert "--enable-prompt-tokens-details" in specs["decode"].argv
 
 
 def test_state_file_round_trip(tmp_path: Path) -> None:

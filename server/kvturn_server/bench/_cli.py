@@ -1,6 +1,7 @@
-"""What the two agent benchmarks' commands (``kvturn bench agent``, ``kvturn bench fleet``)
-share: the options of their agents, the client they measure through, and the plot and line
-that follow the JSON. (What every measuring command shares is in ``kvturn_server._cli_common``.)
+"""What the agent benchmarks' commands (``kvturn bench agent``, ``fleet``, ``trace``) share: the
+options of their agents, the offload modes' host tier, the client they measure through, and the
+plot and line that follow the JSON. (What every measuring command shares is in
+``kvturn_server._cli_common``.)
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ def add_agents_args(p: argparse.ArgumentParser, d: AgentBenchSettings | FleetBen
     p.add_argument("--retention-ttl", type=float, default=None,
                    help="the decodes' lease in seconds (default: 480 x --time-scale, at least "
                         "30); the SDK renews every eighth of it during a tool gap")
+
+
+def add_host_tier_arg(p: argparse.ArgumentParser, default: float) -> None:
+    """``--host-tier``: the offload modes' host tier, a multiple of each instance's KV."""
+    p.add_argument("--host-tier", type=float, default=default, metavar="X",
+                   help="the offload modes' host tier on each of their instances (vLLM's CPU "
+                        "offloading, replies stored too): X times that instance's device KV. "
+                        "The default stands for an H200 with ~70 GB of KV beside llm-d's "
+                        "100-150 GiB of CPU tier per rank (default: %(default)s)")
 
 
 def bench_client(url: str, timeout_s: float, max_retries: int) -> kvturn.AsyncOpenAI:

@@ -13,8 +13,15 @@ The modes (``MODE_TABLE`` in ``_fleet_plan.py``: the router's flags and what the
   that served the conversation, alone, on its plain prefix cache (llm-d's
   prefix-based-pd-decider, NVIDIA Dynamo's conditional disaggregation); the client sends
   ``X-Conversation-ID``.
+- ``stock-cond-offload`` (on request): stock-cond on instances with vLLM's CPU KV offloading, a
+  host tier on every instance (llm-d's P2P KV sharing / CPU offloading tier, LMCache).
 - ``kvturn-ll``: kvturn conversations (the SDK, paused during tool gaps), least-loaded prefill.
 - ``kvturn-kv``: kvturn conversations with the router's defaults (kv-aware placement).
+- ``kvturn-offload`` (on request): kvturn-kv on the offloading instances.
+
+Modes that need other instance settings run on instances of their own (``bench/_profiles.py``:
+the offload modes on a second fleet of the same shape, started after the first and kept up
+beside it), so that every mode still runs in rotated order on warm instances.
 
 A scenario is a reply profile (``tool``: 64-token replies; ``long``: 300-1000) on a KV sizing
 (``tight``: each prefill's cache holds a few of the active conversations, set with vLLM's
@@ -25,10 +32,12 @@ mode (same seed, other words, order rotated), each run through a router started 
 Measured per run: TTFT p50/p90/p99, inter-token latency p50/p99 (gaps between streamed content
 chunks), prompt tokens computed (``vllm:prompt_tokens_by_source_total{source="local_compute"}``
 summed over every instance, and per instance), tokens the prefills read from decodes
-(``kvturn:reused_tokens_total``, and the ``X-KVTurn-Reused-Tokens`` headers), the decodes'
+(``kvturn:reused_tokens_total``, and the ``X-KVTurn-Reused-Tokens`` headers), tokens loaded from
+a host tier (``vllm:prompt_tokens_cached_by_source_total{source="host"}``), the decodes'
 retained memory (``/kvturn/v1/stats``), turns per second; the routers' ``X-KVTurn-Route`` and
 ``X-KVTurn-Prefill-Choice`` per turn. Reported per mode as the median and range over repeats,
-and each kvturn mode against the strongest stock mode (the lowest TTFT p50 of turns 2+).
+and each kvturn mode against the strongest stock mode (the lowest TTFT p50 of turns 2+, the rule
+of every agent benchmark) and against every stock mode that ran.
 """
 
 from __future__ import annotations
@@ -48,7 +57,12 @@ from kvturn_server._cli_common import (
     settings_or_exit,
     write_json,
 )
-from kvturn_server.bench._cli import add_agents_args, bench_client, write_plot_and_say
+from kvturn_server.bench._cli import (
+    add_agents_args,
+    add_host_tier_arg,
+    bench_client,
+    write_plot_and_say,
+)
 from kvturn_server.bench._fleet_agents import (
     FleetProbe,
     FleetTurn,
@@ -72,6 +86,7 @@ from kvturn_server.bench._fleet_plan import (
     scenarios,
 )
 from kvturn_server.bench._fleet_report import build_results, scenario_result, table, write_plot
+from kvturn_server.bench._profiles import ProfileFleets
 from kvturn_server.bench._sampling import loadavg
 from kvturn_server.bench.agent._loop import PROMPT_DETAILS_ARGS, Live
 from kvturn_server.bench.agent._records import AgentOutcome
@@ -80,7 +95,7 @@ from kvturn_server.local._progress import ProgressLine
 
 if TYPE_CHECKING:
     import kvturn
-    from kvturn_server.local._fleet import Fleet, Instance
+    from kvturn_server.local._fleet import Fleet
 
 WARM_UP = FleetMode("warm-up", (), KVTURN, "warm-up conversation (not counted)")
 
@@ -141,11 +156,12 @@ async def _warm_pair(url: str, plan: AgentPlan, settings: ClientSettings,
     return result, records
 
 
-def warm_up(fleet: Fleet, settings: ClientSettings, say: Callable[[str], None]) -> dict[
-        str, Any]:
+def warm_up(fleet: Fleet, settings: ClientSettings, say: Callable[[str], None],
+            label: str = "") -> dict[str, Any]:
     """One kvturn conversation on every prefill/decode pair, each through a router of its own
     that knows only that pair: NIXL handshakes both ways and first-request costs, before any
-    measured run. Returns each pair's TTFTs (ms), not counted anywhere else."""
+    measured run. Returns each pair's TTFTs (ms), not counted anywhere else; ``label`` starts
+    the line that says so."""
     args = ("--decode-continue-tokens", "0")
     out: dict[str, Any] = {}
     plan = warm_up_plan(settings)
@@ -162,7 +178,7 @@ def warm_up(fleet: Fleet, settings: ClientSettings, say: Callable[[str], None]) 
                 raise RuntimeError(f"the warm-up conversation on {p.name}/{d.name} failed: "
                                    f"{result.error} (logs: {fleet.config.state_dir / 'logs'})")
             out[f"{p.name}/{d.name}"] = [r.ttft_ms for r in records]
-    say("warm-up done: " + "; ".join(f"{k} TTFT {v} ms" for k, v in out.items()))
+    say(f"{label}warm-up done: " + "; ".join(f"{k} TTFT {v} ms" for k, v in out.items()))
     return out
 
 
@@ -232,20 +248,22 @@ def _instance_blocks(info: dict[str, dict[str, Any] | None]) -> dict[str, int | 
 def run_scenario(scenario: Scenario, settings: FleetBenchSettings, counter: list[int],
                  total_runs: int, say: Callable[[str], None]) -> tuple[dict[str, Any],
                                                                        list[ModeRun]]:
-    """Start the scenario's fleet, warm it up, run every repeat of every mode, stop it."""
-    from kvturn_server.local._fleet import Fleet
-
+    """Start the scenario's fleet (one per instance profile the modes use, side by side), warm
+    each up, run every repeat of every mode on its profile's fleet, stop them."""
     cfg = fleet_config(settings, scenario)
-    say(f"[{scenario.name}] starting {cfg.prefills} prefill(s) + {cfg.decodes} decode(s) "
-        f"({cfg.model_size} model, max_model_len {cfg.context}, prefill blocks "
-        f"{cfg.prefill_num_blocks or 'from --kv-cache-gib'}); logs in {cfg.state_dir / 'logs'}")
+    say(f"[{scenario.name}] {cfg.prefills} prefill(s) + {cfg.decodes} decode(s) per instance "
+        f"profile ({cfg.model_size} model, max_model_len {cfg.context}, prefill blocks "
+        f"{cfg.prefill_num_blocks or 'from --kv-cache-gib'})")
     runs: list[ModeRun] = []
-    with Fleet(cfg, die_with_parent=True) as fleet:
-        fleet.start(progress=ProgressLine())
-        instances: list[Instance] = fleet.instances
-        probe = HttpFleetProbe([(i.name, i.url) for i in instances],
-                               [(d.name, d.control_url) for d in fleet.decodes])
-        info = probe.cache_info()
+    profiles = [MODES[m].profile for m in settings.modes]
+    with ProfileFleets(cfg, profiles, settings.host_tier_multiple) as fleets:
+        fleets.start(progress=ProgressLine, say=lambda line: say(f"[{scenario.name}] {line}"))
+        probes = {p: HttpFleetProbe([(i.name, i.url) for i in fleet.instances],
+                                    [(d.name, d.control_url) for d in fleet.decodes])
+                  for p, fleet in fleets.fleets.items()}
+        first = next(iter(fleets.fleets))
+        fleet = fleets.fleets[first]
+        info = probes[first].cache_info()
         blocks = _instance_blocks(info)
         block_size = next((int(v["block_size"]) for v in info.values()
                            if v and "block_size" in v), CPU_BLOCK_SIZE)
@@ -254,7 +272,8 @@ def run_scenario(scenario: Scenario, settings: FleetBenchSettings, counter: list
         say(f"[{scenario.name}] each prefill holds {kv['conversations_a_prefill_holds']:g} "
             f"conversations of {kv['active_per_prefill']:g} active per prefill; stands for "
             f"{kv['stands_for']}")
-        warm = warm_up(fleet, settings, say) if settings.warmup else {}
+        warm = {p: warm_up(f, settings, say, f"{p} instances: ")
+                for p, f in fleets.fleets.items()} if settings.warmup else {}
         order = run_order(settings)
         for repeat, modes in order:
             for position, mode_name in enumerate(modes):
@@ -262,16 +281,19 @@ def run_scenario(scenario: Scenario, settings: FleetBenchSettings, counter: list
                 mode = MODES[mode_name]
                 args = settings.router_args(mode_name)
                 say(f"run {counter[0]}/{total_runs}: {scenario.name} repeat {repeat} "
-                    f"{mode_name} (router {' '.join(args) or 'defaults'})")
+                    f"{mode_name} (router {' '.join(args) or 'defaults'}; {mode.profile} "
+                    "instances)")
                 runs.append(run_on_router(
-                    fleet, mode, args, scenario.name, repeat, position,
-                    scenario.agents(mode_name, repeat), probe, settings, say,
+                    fleets.fleets[mode.profile], mode, args, scenario.name, repeat, position,
+                    scenario.agents(mode_name, repeat), probes[mode.profile], settings, say,
                     "kvturn_server/bench/_fleet_plan.py"))
         doc = scenario_result(
             scenario.name, asdict(scenario.profile), scenario.sizing, kv,
-            {**cfg.describe(), "startup_s": fleet.startup_seconds},
+            {**cfg.describe(), "startup_s": fleet.startup_seconds,
+             "profiles": fleets.describe()},
             [list(m) for _, m in order], runs,
-            extra={"instance_blocks": blocks, "cache_info": info, "warmup_ttft_ms": warm})
+            extra={"instance_blocks": blocks, "cache_info": info,
+                   "warmup_ttft_ms": warm.get(first, {}), "warmup_ttft_ms_by_profile": warm})
     return doc, runs
 
 
@@ -318,7 +340,8 @@ def settings_from_args(args: argparse.Namespace) -> FleetBenchSettings:
         state_dir=args.state_dir, kv_cache_gib=args.kv_cache_gib,
         retention_ttl_s=args.retention_ttl,
         decode_continue_tokens=args.decode_continue_tokens, gpu=args.gpu,
-        vllm_args=tuple(args.vllm_arg or ()), json_path=args.json, plot_path=args.plot)
+        vllm_args=tuple(args.vllm_arg or ()), host_tier_multiple=args.host_tier,
+        json_path=args.json, plot_path=args.plot)
 
 
 def cmd_bench_fleet(args: argparse.Namespace) -> int:
@@ -337,7 +360,8 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     """Add ``fleet`` to ``kvturn bench``'s subcommands (sets ``func``)."""
     d = FleetBenchSettings()
     modes = "; ".join(f"{m.name}: {m.stands_for} (router "
-                      f"{' '.join(m.router_args) or 'with no flags'})" for m in MODE_TABLE)
+                      f"{' '.join(m.router_args) or 'with no flags'}; {m.profile} instances"
+                      f"{'' if m.by_default else '; on request'})" for m in MODE_TABLE)
     p: argparse.ArgumentParser = bench_subparsers.add_parser(
         "fleet", help="several prefills and decodes, prefix caching on: stock P/D "
                       "(round-robin, session affinity) and stock conditional disaggregation "
@@ -345,15 +369,20 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
         description="Start N prefills + M decodes on 127.0.0.1 (prefix caching on everywhere) "
                     "and run concurrent tool-using agents (tool gaps from production traces, "
                     "scaled by --time-scale) in each mode, each through a router of its own, "
-                    "same seed, order rotated, --repeats times. Modes: " + modes + ". "
+                    "same seed, order rotated, --repeats times; modes on other instance "
+                    "profiles (offload: vLLM's CPU KV offloading beside the kvturn connector, a "
+                    "host tier of --host-tier times each instance's device KV) run on a fleet "
+                    "of their own of the same shape, kept up beside the first. Modes: " + modes
+                    + ". "
                     "Scenarios: every --profiles (tool: 64-token replies; long: 300-1000) on "
                     "every --kv sizing (tight: each prefill's KV cache holds --prefill-holds "
                     "conversations while many more are active; roomy: it holds all of them), a "
                     "fresh fleet each. Prints per mode TTFT p50/p90/p99, inter-token latency "
                     "p50/p99, prompt tokens computed (all instances), tokens read from decodes, "
                     "retained memory and turns/s (median and range over repeats) with the "
-                    "configuration, and each kvturn mode against the strongest stock mode "
-                    "(the lowest TTFT p50 of turns 2+, all repeats pooled); writes JSON and a "
+                    "configuration, tokens loaded from a host tier, and each kvturn mode "
+                    "against the strongest stock mode (the lowest TTFT p50 of turns 2+, all "
+                    "repeats pooled) and against every stock mode; writes JSON and a "
                     "PNG. The defaults (" + ",".join(d.modes) + "; tool and long on tight, 2 "
                     "repeats: 20 runs) take about 24 minutes on a 2-core machine; each "
                     "scenario adds about 9 (tool) or 12 (long) minutes per 2 repeats.")
@@ -391,6 +420,7 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--decode-continue-tokens", type=int, default=None,
                    help="passed to the kvturn modes' routers (default: the router's, 512; 0: "
                         "the decode never continues a turn itself)")
+    add_host_tier_arg(p, d.host_tier_multiple)
     add_device_args(p, instances="every instance",
                     example="--gpu-memory-utilization=0.28 for three instances on one GPU")
     p.set_defaults(func=cmd_bench_fleet)

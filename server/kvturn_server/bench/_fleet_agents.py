@@ -4,8 +4,9 @@ One run is one mode with the fleet to itself: every agent of the scenario, concu
 that mode's router. Per turn: TTFT (request start to the first content chunk), the gaps between
 streamed content chunks (inter-token latency as a client sees it), usage, and the router's
 ``X-KVTurn-*`` report. Around the run: every instance's prompt-token counters (computed, local
-cache hit, transferred) and the prefills' ``kvturn:reused_tokens_total``; during it, every
-decode's retained bytes (control endpoint ``/kvturn/v1/stats``) in a background thread.
+cache hit, transferred, loaded from a host tier) and the prefills'
+``kvturn:reused_tokens_total``; during it, every decode's retained bytes (control endpoint
+``/kvturn/v1/stats``) in a background thread.
 
 The agent loop is ``kvturn bench agent``'s (``bench/agent/_loop.py``), run as the mode's
 client kind, every reply exactly its planned length (``ignore_eos``).
@@ -130,6 +131,9 @@ class Counters:
     transferred: float
     reused: float
     """``kvturn:reused_tokens_total``: prompt tokens this instance read from a decode."""
+    host: float = 0.0
+    """Prompt tokens vLLM's CPU offloading loaded from this instance's host tier
+    (``vllm:prompt_tokens_cached_by_source_total{source="host"}``; 0 without one)."""
 
 
 Snapshot = dict[str, Counters | None]
@@ -165,14 +169,14 @@ class HttpFleetProbe:
         return out
 
     def counters(self) -> Snapshot:
-        from kvturn_server.local._metrics import total
+        from kvturn_server.local._metrics import host_tokens, total
 
         name = "vllm:prompt_tokens_by_source_total"
         return {instance: None if s is None else Counters(
             computed=total(s, name, source="local_compute"),
             local_cache=total(s, name, source="local_cache_hit"),
             transferred=total(s, name, source="external_kv_transfer"),
-            reused=total(s, "kvturn:reused_tokens_total"))
+            reused=total(s, "kvturn:reused_tokens_total"), host=host_tokens(s))
             for instance, s in self._scrape_all().items()}
 
     def retained(self) -> dict[str, int | None]:

@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvturn_server.bench._profiles import HOST_TIER_MULTIPLE, HOST_TIER_PEERS, OFFLOAD
+from kvturn_server.bench._profiles import PLAIN as PLAIN_PROFILE
+from kvturn_server.bench._profiles import kv_bytes_per_token as kv_bytes_per_token
 from kvturn_server.bench.agent._loop import IDS as IDS
 from kvturn_server.bench.agent._loop import KVTURN as KVTURN
 from kvturn_server.bench.agent._loop import PLAIN as PLAIN
@@ -33,8 +36,9 @@ CPU_BLOCK_SIZE = 128
 GIB = 1024 ** 3
 
 
-# The modes. How each mode is run is data: the router's flags and what the client sends (one
-# of ``bench/agent/_loop.py``'s client kinds, PLAIN, IDS or KVTURN, imported above).
+# The modes. How each mode is run is data: the router's flags, what the client sends (one of
+# ``bench/agent/_loop.py``'s client kinds, PLAIN, IDS or KVTURN, imported above) and the
+# instances it runs on (``bench/_profiles.py``: plain, or offload with a host tier).
 
 @dataclass(frozen=True)
 class FleetMode:
@@ -52,6 +56,8 @@ class FleetMode:
     stands_for: str
     by_default: bool = True
     """Whether the mode runs unless ``--modes`` says otherwise."""
+    profile: str = PLAIN_PROFILE
+    """The instances it runs on: ``plain`` or ``offload`` (``bench/_profiles.py``)."""
 
     @property
     def kvturn(self) -> bool:
@@ -82,10 +88,19 @@ MODE_TABLE: tuple[FleetMode, ...] = (
               "stock conditional disaggregation at NVIDIA Dynamo's default threshold "
               f"({DYNAMO_CONDITIONAL_TOKENS} tokens, isl_bounding), otherwise as stock-cond",
               by_default=False),
+    FleetMode("stock-cond-offload", _stock_cond(KVTURN_CONTINUE_TOKENS), IDS,
+              "stock-cond on instances with " + HOST_TIER_PEERS + " (sources: vLLM "
+              "vllm/v1/kv_offload, OffloadingConnector; llm-d's P2P KV sharing and tiered "
+              "prefix cache guides; LMCache's CPU backend)",
+              by_default=False, profile=OFFLOAD),
     FleetMode("kvturn-ll", ("--prefill-policy", "least-loaded"), KVTURN,
               "kvturn reuse from the decode, least-loaded prefill"),
     FleetMode("kvturn-kv", (), KVTURN,
               "kvturn reuse with kv-aware placement (the router's default policy)"),
+    FleetMode("kvturn-offload", (), KVTURN,
+              "kvturn-kv on the same instances as stock-cond-offload: kvturn's retention on the "
+              "decodes with vLLM's CPU offloading's host tier behind it",
+              by_default=False, profile=OFFLOAD),
 )
 MODES: dict[str, FleetMode] = {m.name: m for m in MODE_TABLE}
 STOCK_MODES = tuple(m.name for m in MODE_TABLE if not m.kvturn)
@@ -130,13 +145,6 @@ REAL_KV_BYTES_PER_TOKEN = 64 * 8 * 128 * 2 * 2
 REAL_CONTEXT_TOKENS = 32768
 
 
-def kv_bytes_per_token(size: str) -> int:
-    """The local model's KV bytes per token (K and V of every layer)."""
-    m = SIZES[size]
-    dtype_bytes = 4 if m.dtype == "float32" else 2
-    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * dtype_bytes
-
-
 # Settings.
 
 @dataclass(frozen=True)
@@ -166,6 +174,8 @@ class FleetBenchSettings:
     """KV in the accelerator's memory (vLLM's default) instead of the CPU build's host buffer."""
     vllm_args: tuple[str, ...] = ()
     """More ``vllm serve`` flags for every instance (``--gpu-memory-utilization=0.28``)."""
+    host_tier_multiple: float = HOST_TIER_MULTIPLE
+    """The offload modes' host tier, a multiple of each instance's device KV."""
     warmup: bool = True
     sample_interval_s: float = 1.0
     progress_interval_s: float = 10.0
@@ -201,6 +211,12 @@ class FleetBenchSettings:
             raise ValueError("--decode-continue-tokens must be >= 0")
         if self.size not in SIZES:
             raise ValueError(f"unknown model size {self.size!r}")
+        if not self.host_tier_multiple > 0:
+            raise ValueError(f"--host-tier must be positive, got {self.host_tier_multiple:g}")
+        if self.gpu and any(MODES[m].profile == OFFLOAD for m in self.modes):
+            raise ValueError("the offload modes size the host tier against the instances' "
+                             "device KV, known before start only on the CPU build: run them "
+                             "without --gpu")
         _ = GapDistribution(time_scale=self.time_scale)  # validates the scale
 
     @property

@@ -1,6 +1,7 @@
 """``kvturn bench fleet``'s numbers: per run, per mode over the repeats (median and range), the
 comparison with the strongest stock mode (the lowest TTFT p50 of turns 2+, every repeat's turns
-pooled), the results document, the table and the plot."""
+pooled: ``STRONGEST_RULE``, the one rule of every agent benchmark) and with every stock mode,
+the results document, the table and the plot."""
 
 from __future__ import annotations
 
@@ -23,15 +24,16 @@ from kvturn_server.bench._fleet_plan import (
     TIGHT,
     FleetBenchSettings,
 )
+from kvturn_server.bench._profiles import describe_host_tier
 from kvturn_server.bench._stats import (
     MIB,
+    STRONGEST_RULE,
     at_path,
     distribution,
     fmt,
     lowest,
-    percentile,
     ratio,
-    rounded,
+    strongest,
     turn_summary,
 )
 
@@ -53,6 +55,7 @@ METRICS: dict[str, tuple[str, ...]] = {
     "itl_p50_ms": ("itl_ms", "p50"), "itl_p99_ms": ("itl_ms", "p99"),
     "computed_tokens": ("computed_tokens", "total"),
     "reused_tokens": ("reused_tokens", "prefill_metric"),
+    "host_tokens": ("host_tokens", "total"),
     "retained_mib_max": ("retained_mib", "max"), "turns_per_s": ("turns_per_s",),
 }
 # Lower is better for all but these.
@@ -65,7 +68,7 @@ def _delta(after: Counters | None, before: Counters | None) -> dict[str, float] 
     return {"computed": after.computed - before.computed,
             "local_cache": after.local_cache - before.local_cache,
             "transferred": after.transferred - before.transferred,
-            "reused": after.reused - before.reused}
+            "reused": after.reused - before.reused, "host": after.host - before.host}
 
 
 def instance_deltas(before: Snapshot, after: Snapshot) -> dict[str, dict[str, float] | None]:
@@ -112,6 +115,9 @@ def summarize(run: ModeRun) -> dict[str, Any]:
                                for n, d in deltas.items()},
         "transferred_tokens": {n: None if d is None else d["transferred"]
                                for n, d in deltas.items()},
+        "host_tokens": {"total": _sum(deltas, "host"),
+                        "by_instance": {n: None if d is None else d["host"]
+                                        for n, d in deltas.items()}},
         "reused_tokens": {"prefill_metric": _sum(deltas, "reused", prefills),
                           "headers": sum(r.reused_tokens for r in ok),
                           "by_prefill": {n: None if d is None else d["reused"]
@@ -154,20 +160,16 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-STRONGEST_RULE = ("the stock mode with the lowest TTFT p50 of turns 2+, every repeat's turns "
-                  "pooled")
-
-
 def turn2plus_p50(runs: Sequence[ModeRun]) -> dict[str, float | None]:
     """Every stock mode's TTFT p50 of turns 2+ (ms), every repeat's turns pooled."""
-    out: dict[str, float | None] = {}
-    for mode in STOCK_MODES:
-        mine = [r for r in runs if r.mode == mode]
-        if mine:
-            out[mode] = rounded(percentile([t.ttft_ms for r in mine for t in r.records
-                                            if t.ok and t.turn > 1 and t.ttft_ms is not None],
-                                           0.5))
-    return out
+    return strongest({mode: [t.ttft_ms for r in runs if r.mode == mode for t in r.records
+                             if t.ok and t.turn > 1 and t.ttft_ms is not None]
+                      for mode in STOCK_MODES if any(r.mode == mode for r in runs)})[1]
+
+
+# What the comparison with every stock mode states (the median over repeats of each).
+EVERY_STOCK = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "ttft_turn2plus_p50_ms",
+               "itl_p99_ms", "computed_tokens")
 
 
 def compare(modes: dict[str, Any], runs: Sequence[dict[str, Any]], sizing: str,
@@ -187,9 +189,11 @@ def compare(modes: dict[str, Any], runs: Sequence[dict[str, Any]], sizing: str,
                            "strongest_by": STRONGEST_RULE,
                            "stock_ttft_turn2plus_p50_ms": {m: p50.get(m) for m in stock}}
     for k in (m for m in KVTURN_MODES if m in modes):
-        cmp: dict[str, Any] = {}
+        cmp: dict[str, Any] = {"by_stock_mode": {
+            base: {name: ratio(modes[base][name]["median"], modes[k][name]["median"])
+                   for name in EVERY_STOCK} for base in stock}}
         for name in METRICS:
-            if name in ("reused_tokens", "retained_mib_max"):
+            if name in ("reused_tokens", "retained_mib_max", "host_tokens"):
                 continue
             theirs, mine = modes[strongest][name]["median"], modes[k][name]["median"]
             value = ratio(mine, theirs) if name in HIGHER_IS_BETTER else ratio(theirs, mine)
@@ -241,8 +245,8 @@ def build_results(settings: FleetBenchSettings, scenarios: list[dict[str, Any]],
         "seed": settings.seed,
         "settings": settings.describe(),
         "mode_table": [{"mode": m.name, "router_args": list(settings.router_args(m.name)),
-                        "client": m.client, "stands_for": m.stands_for} for m in MODE_TABLE
-                       if m.name in settings.modes],
+                        "client": m.client, "profile": m.profile, "stands_for": m.stands_for}
+                       for m in MODE_TABLE if m.name in settings.modes],
         "order_rationale": ORDER_RATIONALE,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform()},
@@ -289,6 +293,18 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
 
 
+def describe_profiles(profiles: dict[str, Any] | None,
+                      mode_table: list[dict[str, Any]]) -> list[str]:
+    """A line per instance profile that ran: its modes and its host tier (none for a JSON from
+    before the profiles)."""
+    rows = []
+    for profile, entry in (profiles or {}).items():
+        modes = [m["mode"] for m in mode_table if m.get("profile", "plain") == profile]
+        rows.append(f"  {profile} instances ({', '.join(modes)}): "
+                    f"{describe_host_tier(entry.get('host_tier'))}")
+    return rows
+
+
 def describe_scenario(s: dict[str, Any], settings: dict[str, Any]) -> list[str]:
     kv, fleet, p = s["kv"], s["fleet"], s["profile"]
     low, high = p["reply_tokens"]
@@ -321,11 +337,13 @@ def describe_scenario(s: dict[str, Any], settings: dict[str, Any]) -> list[str]:
 def table(results: dict[str, Any]) -> str:
     rows: list[str] = []
     for entry in results["mode_table"]:
-        rows.append(f"{entry['mode']:<15} router {' '.join(entry['router_args']) or '(defaults)'}"
-                    f"; client {entry['client']}: {entry['stands_for']}")
+        rows.append(f"{entry['mode']:<18} router {' '.join(entry['router_args']) or '(defaults)'}"
+                    f"; client {entry['client']}; {entry.get('profile', 'plain')} instances: "
+                    f"{entry['stands_for']}")
     for s in results["scenarios"]:
         rows.append("")
         rows += describe_scenario(s, results["settings"])
+        rows += describe_profiles(s["fleet"].get("profiles"), results["mode_table"])
         rows.append("  latency, ms (median [min-max] over repeats):")
         rows += _grid(["mode", "turns", "err", "TTFT p50", "p90", "p99", "turns 2+ p50",
                        "ITL p50", "ITL p99", "turns/s"],
@@ -336,12 +354,15 @@ def table(results: dict[str, Any]) -> str:
                        for mode, m in s["modes"].items()])
         rows.append("  prompt tokens per run (median [min-max] over repeats): computed summed "
                     "over every instance, and per instance (median); read from decodes "
-                    "(kvturn:reused_tokens_total on the prefills); decodes' retained MiB (max)")
+                    "(kvturn:reused_tokens_total on the prefills); loaded from a host tier "
+                    "(vLLM's CPU offloading, every instance); decodes' retained MiB (max)")
         rows += _grid(["mode", "computed", "computed by instance", "read from decodes",
-                       "retained MiB"],
+                       "from host", "retained MiB"],
                       [[mode, _cell(m["computed_tokens"]),
                         _by_instance(s, mode, "computed_by_instance"),
-                        _cell(m["reused_tokens"]), _cell(m["retained_mib_max"], ".1f")]
+                        _cell(m["reused_tokens"]),
+                        _cell(m["host_tokens"]) if "host_tokens" in m else "-",
+                        _cell(m["retained_mib_max"], ".1f")]
                        for mode, m in s["modes"].items()])
         for run in s["runs"]:
             if run["routes"] != {"unreported": run["turns_ok"]} or run["prefill_choices"] != {
@@ -370,6 +391,14 @@ def table(results: dict[str, Any]) -> str:
                 f"{fmt(c['computed_tokens']['ratio'], '.2f')}x; ITL p99 "
                 f"{fmt(c['itl_p99_ms']['ratio'], '.2f')}x; turns/s {k}/{theirs} "
                 f"{fmt(c['turns_per_s']['ratio'], '.2f')}")
+            every = c.get("by_stock_mode") or {}
+            if every:
+                rows.append(f"    every stock mode / {k} (medians; TTFT p50, turns 2+ p50, "
+                            "computed): " + "; ".join(
+                                f"{base} {fmt(r['ttft_p50_ms'], '.2f')}, "
+                                f"{fmt(r['ttft_turn2plus_p50_ms'], '.2f')}, "
+                                f"{fmt(r['computed_tokens'], '.2f')}"
+                                for base, r in every.items()))
         for name, t in (cmp.get("issue12_targets") or {}).items():
             verdict = "-" if t["met"] is None else ("met" if t["met"] else "NOT met")
             rows.append(f"  target {name}: {fmt(t['ratio'], '.2f')}x >= {t['target']:g}: "
@@ -380,7 +409,8 @@ def table(results: dict[str, Any]) -> str:
 # The plot.
 
 COLORS = {"stock-rr": "tab:red", "stock-affinity": "tab:orange", "stock-cond": "tab:olive",
-          "stock-cond-2k": "tab:brown", "kvturn-ll": "tab:cyan", "kvturn-kv": "tab:blue"}
+          "stock-cond-2k": "tab:brown", "stock-cond-offload": "tab:purple",
+          "kvturn-ll": "tab:cyan", "kvturn-kv": "tab:blue", "kvturn-offload": "tab:pink"}
 
 
 def write_plot(results: dict[str, Any], path: Path) -> bool:

@@ -163,3 +163,18 @@ def bootstrap_ratio(a: Sequence[float], b: Sequence[float], q: float, *, rounds:
         if num is not None and den:
             ratios.append(num / den)
     return rounded(percentile(ratios, 0.025)), rounded(percentile(ratios, 0.975))
+
+
+STRONGEST_RULE = ("the stock mode with the lowest TTFT p50 of later turns (turns 2+, every "
+                  "repeat's turns pooled): the turns a baseline can serve from what it cached")
+"""How every agent benchmark picks the stock mode it headlines kvturn against (one rule for
+``kvturn bench agent``, ``fleet`` and ``trace``)."""
+
+
+def strongest(later_ttfts: dict[str, Sequence[float]]) -> tuple[str | None,
+                                                                 dict[str, float | None]]:
+    """``STRONGEST_RULE`` over each stock mode's later-turn TTFTs (ms, every repeat pooled; a
+    mode with none is reported unmeasured): the strongest mode (None: none measured) and every
+    mode's pooled p50."""
+    p50 = {mode: rounded(percentile(values, 0.5)) for mode, values in later_ttfts.items()}
+    return lowest(p50), p50

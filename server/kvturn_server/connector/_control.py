@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 from kvturn_server._control_secret import HEADER, is_loopback, secret_matches
 from kvturn_server.connector._keeper import Gone, RetentionKeeper
@@ -29,6 +29,8 @@ log = logging.getLogger("kvturn.connector")
 
 PREFIX = "/kvturn/v1"
 MAX_BODY = 64 * 1024
+MAX_LOST_WAIT = 30.0
+"""The longest a ``GET .../lost`` waits for an entry (each waiting request holds a thread)."""
 REFUSED_LOG_INTERVAL = 60.0
 
 
@@ -151,7 +153,29 @@ class ControlServer:
                 return _answer(keeper.pin(key, float(ttl)))
         if len(route) == 2 and route[0] == "pins" and method == "DELETE":
             return 200, {"pin_id": route[1], "unpinned": keeper.unpin(route[1])}
+        if method == "GET" and route == ["lost"]:
+            return self._lost(keeper, path)
         return _not_found(f"no route {method} {path}")
+
+    def _lost(self, keeper: RetentionKeeper, path: str) -> tuple[int, Any]:
+        """``GET .../lost?after=N&wait=S``: the retentions dropped on their own (evicted,
+        expired) after entry ``N``, waiting up to ``S`` seconds (at most ``MAX_LOST_WAIT``)
+        for one (``_lost.py``)."""
+        query = parse_qs(path.split("?", 1)[1]) if "?" in path else {}
+        try:
+            after = int(query.get("after", ["0"])[0])
+            wait = float(query.get("wait", ["0"])[0])
+        except ValueError:
+            return 400, _error("after must be a whole number and wait a number of seconds",
+                               "invalid_request_error", "bad_query")
+        if not 0 <= wait <= MAX_LOST_WAIT or after < 0:
+            return 400, _error(f"need after >= 0 and 0 <= wait <= {MAX_LOST_WAIT:g}",
+                               "invalid_request_error", "bad_query")
+        found = keeper.lost.since(after, wait)
+        return 200, {"engine_id": self.engine_id, "seq": found.seq,
+                     "truncated": found.truncated,
+                     "lost": [{"key": key, "reason": reason, "read_id": read_id}
+                              for key, reason, read_id in found.lost]}
 
 
 def dial_url(host: str, port: int, advertise: str | None = None) -> str:

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
-from kvturn_server.connector._params import ReadCoordinates, read_params
+from kvturn_server.connector._lost import LostLog
+from kvturn_server.connector._params import READ_PREFIX, ReadCoordinates, read_params
 from kvturn_server.connector._retention import GoneReason, Retention, RetentionTable
 from kvturn_server.connector._tiers import HostTier, LeaseView
 
@@ -93,6 +94,8 @@ class RetentionKeeper:
         self._wake: Callable[[], object] = lambda: None
         self._counted = {name: 0 for name in RETENTION_EVENTS}
         self.pending_events: list[str] = []
+        # What the table dropped on its own, for routers to follow (control ``GET .../lost``).
+        self.lost = LostLog()
 
     # Set-up (engine thread, at start).
 
@@ -405,3 +408,6 @@ class RetentionKeeper:
                 self._counted[name] += new - old
                 self.pending_events.extend([name] * (new - old))
         self._to_discard.extend(table.take_ended())
+        lost = table.take_lost()
+        if lost:
+            self.lost.add((r.key, reason.value, READ_PREFIX + r.request_id) for r, reason in lost)

@@ -216,6 +216,8 @@ class RetentionTable:
         # Keys whose lease ended (released, expired, lost) since take_ended: with a host tier
         # their host blocks go too. Not kept without one (nobody would take them).
         self._ended: list[str] = []
+        # Retentions the table dropped on its own (evicted, expired) since the last take_lost.
+        self._lost: list[tuple[Retention, GoneReason]] = []
 
     def __len__(self) -> int:
         """Retentions held, including expired ones not yet handed back by :meth:`expire`."""
@@ -433,6 +435,7 @@ class RetentionTable:
         self.stats.host_evicted += 1
         self._remember(key, GoneReason.EVICTED)
         self._end(key)
+        self._log_lost(retention, GoneReason.EVICTED)
         return True
 
     def next_deadline(self) -> float | None:
@@ -459,17 +462,19 @@ class RetentionTable:
         if isinstance(blocks_needed, bool) or not isinstance(blocks_needed, int) \
                 or blocks_needed < 0:
             raise ValueError(f"blocks_needed must be a non-negative int, got {blocks_needed!r}")
-        return self._free_blocks(blocks_needed, self._clock())
+        return self._free_blocks(blocks_needed, self._clock(), for_live=True)
 
     # Internals. _entries, _retained_blocks and _heap_seq change only in _store and _drop.
 
-    def _free_blocks(self, needed: int, now: float) -> list[Retention]:
+    def _free_blocks(self, needed: int, now: float, *, for_live: bool = False) -> list[Retention]:
         """Drop retentions until ``needed`` blocks are free or nothing unpinned is left.
 
         Expired retentions go first, then the least recently used unpinned ones on the device.
         A pinned retention frees nothing now (its blocks drain), so it is never chosen for room.
-        With a host tier an evicted retention stays in the table, host-only, where it was in
-        the LRU order.
+        Evictions ``for_live`` requests are logged lost (their blocks are taken at once); one
+        over the budget leaves its blocks in the prefix cache until something needs them. With
+        a host tier an evicted retention stays in the table, host-only, where it was in the LRU
+        order, and is not lost: a turn the decode continues loads it from host memory.
         """
         freed: list[Retention] = []
         while needed > 0:
@@ -490,6 +495,8 @@ class RetentionTable:
                     retention = self._drop(victim)
                     assert retention is not None
                     self._remember(victim, GoneReason.EVICTED)
+                    if for_live:
+                        self._log_lost(retention, GoneReason.EVICTED)
             freed.append(retention)
             needed -= retention.num_blocks
         return freed
@@ -512,9 +519,11 @@ class RetentionTable:
                 return None
             heapq.heappop(heap)
             retention = self._drop(key)
+            assert retention is not None
             self.stats.expired += 1
             self._remember(key, GoneReason.EXPIRED)
             self._end(key)
+            self._log_lost(retention, GoneReason.EXPIRED)
             return retention
         return None
 
@@ -540,6 +549,21 @@ class RetentionTable:
             return []  # still in the table, unpinned now
         self._draining_blocks -= retention.num_blocks
         return [retention]
+
+    def take_lost(self) -> list[tuple[Retention, GoneReason]]:
+        """The retentions the table dropped on its own since the last call, oldest first:
+        evicted for live requests (:meth:`evict_for`: the blocks are taken at once; with a
+        host tier only once its host copy is gone too, :meth:`drop_lost`) or expired. Not
+        evicted over the budget (the blocks stay in the prefix cache until something needs
+        them), released, replaced or refused: whoever asked for those knows. At most
+        ``remember`` are kept between calls (the oldest go first)."""
+        lost, self._lost = self._lost, []
+        return lost
+
+    def _log_lost(self, retention: Retention, reason: GoneReason) -> None:
+        self._lost.append((retention, reason))
+        if len(self._lost) > max(self.remember, 1):
+            del self._lost[:len(self._lost) - max(self.remember, 1)]
 
     def _end(self, key: str) -> None:
         if self.host_tier:

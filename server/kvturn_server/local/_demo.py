@@ -243,7 +243,8 @@ decode, the decode's own cache). computed: prompt tokens computed, prefill and d
 route: decode = the decode that holds the conversation continued the turn alone (no prefill
 leg, no transfer); prefill = prefill leg, then decode leg.
 reuse: the router's X-KVTurn-Reuse (hit: every full block of the prompt came from retained or
-cached KV; partial: a verified prefix did)."""
+cached KV; partial: a verified prefix did; pending: a streamed turn the decode continued alone,
+whose reuse its headers cannot know yet: from D says what the decode's cache supplied)."""
 
 
 def write_plot(reports: list[TurnReport], path: Path, api: Api = "chat") -> bool:

@@ -84,6 +84,11 @@ class FleetConfig:
     """Host memory (GiB) of every instance's host tier, as ``StackConfig.kv_offload_gib``
     (kvturn's by default; ``kv_offload_extra`` as ``StackConfig``'s); 0: off."""
     kv_offload_extra: dict[str, Any] = field(default_factory=dict)
+    prefill_kv_offload_gib: float | None = None
+    """The host tier of every prefill where it differs from ``kv_offload_gib`` (None: that
+    one), e.g. sized against each instance's own device KV."""
+    decode_kv_offload_gib: float | None = None
+    """The same for every decode."""
     hosts: tuple[str, ...] = ()
     """One loopback address per instance in plan order (``prefill0..``, then ``decode0..``);
     empty: every instance on 127.0.0.1."""
@@ -101,9 +106,10 @@ class FleetConfig:
                 raise StackError(f"a local fleet listens on loopback only, not {host!r}")
         if self.model_size not in SIZES:
             raise StackError(f"unknown model size {self.model_size!r}; one of {sorted(SIZES)}")
-        if self.kv_offload_gib < 0:
-            raise StackError(f"kv_offload_gib must be 0 (off) or positive, got "
-                             f"{self.kv_offload_gib:g}")
+        for name in ("kv_offload_gib", "prefill_kv_offload_gib", "decode_kv_offload_gib"):
+            gib = getattr(self, name)
+            if gib is not None and gib < 0:
+                raise StackError(f"{name} must be 0 (off) or positive, got {gib:g}")
         for name in ("prefill_num_blocks", "decode_num_blocks"):
             value = getattr(self, name)
             if value is not None and value < 2:
@@ -120,6 +126,11 @@ class FleetConfig:
     @property
     def context(self) -> int:
         return self.max_model_len or SIZES[self.model_size].max_positions
+
+    def kv_offload_gib_of(self, role: str) -> float:
+        """The host tier (GiB) of every instance of ``role`` (``prefill``, ``decode``)."""
+        own = self.prefill_kv_offload_gib if role == PREFILL else self.decode_kv_offload_gib
+        return self.kv_offload_gib if own is None else own
 
     def stack_config(self) -> StackConfig:
         """The ``StackConfig`` every instance's command line is built from (ports aside)."""
@@ -146,6 +157,8 @@ class FleetConfig:
                 "retention_budget": self.retention_budget,
                 "kv_read_timeout": self.kv_read_timeout,
                 "kv_offload_gib": self.kv_offload_gib,
+                "prefill_kv_offload_gib": self.kv_offload_gib_of(PREFILL),
+                "decode_kv_offload_gib": self.kv_offload_gib_of(DECODE),
                 "kv_offload_extra": dict(self.kv_offload_extra),
                 "extra_vllm_args": list(self.extra_vllm_args)}
 
@@ -181,9 +194,9 @@ class Router(Listening):
 
 def instance_spec(cfg: FleetConfig, name: str, role: str, port: int, side_channel_port: int,
                   control_port: int, host: str = "127.0.0.1") -> ServerSpec:
-    """The Stack's prefill or decode command line with this instance's address, ports and
-    block count."""
-    base = cfg.stack_config()
+    """The Stack's prefill or decode command line with this instance's address, ports, block
+    count and host tier."""
+    base = replace(cfg.stack_config(), kv_offload_gib=cfg.kv_offload_gib_of(role))
     if role == PREFILL:
         extra = base.extra_vllm_args
         if cfg.prefill_num_blocks is not None:

@@ -42,11 +42,15 @@ class PromptSources:
     computed: float
     local_cache: float
     transferred: float
+    """Loaded through a KV connector: a NIXL transfer, or vLLM's CPU offloading's host tier."""
+    host: float = 0.0
+    """Of the cached tokens, those vLLM's CPU offloading loaded from its host tier (counted in
+    ``transferred`` too)."""
 
     def __sub__(self, other: PromptSources) -> PromptSources:
         return PromptSources(self.computed - other.computed,
                              self.local_cache - other.local_cache,
-                             self.transferred - other.transferred)
+                             self.transferred - other.transferred, self.host - other.host)
 
 
 def sources(s: Samples) -> PromptSources:
@@ -56,7 +60,13 @@ def sources(s: Samples) -> PromptSources:
         computed=total(s, name, source="local_compute"),
         local_cache=total(s, name, source="local_cache_hit"),
         transferred=total(s, name, source="external_kv_transfer"),
+        host=host_tokens(s),
     )
+
+
+def host_tokens(s: Samples) -> float:
+    """Prompt tokens vLLM's CPU offloading has loaded from its host tier (0 without one)."""
+    return total(s, "vllm:prompt_tokens_cached_by_source_total", source="host")
 
 
 def prompt_sources(base_url: str) -> PromptSources:

@@ -271,6 +271,10 @@ def _vllm_spec(cfg: StackConfig, name: str, port: int, role: str | None,
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(cfg, role))]
     if role == "kv_producer" and not cfg.prefill_prefix_caching:
         argv.append("--no-enable-prefix-caching")
+    if role == "kv_consumer":
+        # Usage says how many prompt tokens the decode's cache supplied (cached_tokens): what
+        # a turn it continues alone reports as its reuse (docs/http-api.md, A).
+        argv.append("--enable-prompt-tokens-details")
     if role == "kv_consumer" and cfg.decode_num_blocks is not None:
         # A small decode cache makes retention budgets and memory pressure testable.
         argv += ["--num-gpu-blocks-override", str(cfg.decode_num_blocks)]

@@ -22,18 +22,13 @@ from starlette.responses import Response
 from kvturn_server.router import _json
 from kvturn_server.router._errors import ApiError
 from kvturn_server.router._history import Transcript
-from kvturn_server.router._legs import prefill_body, retention_leg_params
+from kvturn_server.router._legs import DecodeUsage, prefill_body, retention_leg_params
 from kvturn_server.router._stream import split_done
 from kvturn_server.router._validate import strict_bool, strict_int, validate_request
 
 
 def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_parameter")
-
-
-def _usage_int(usage: Any, name: str) -> int:
-    value = usage.get(name) if isinstance(usage, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 # Prefill legs.
@@ -84,23 +79,78 @@ def _validate_responses(body: dict[str, Any]) -> None:
         raise _bad("stream_options", "stream_options can only be set when stream is true")
 
 
-# Prompt tokens a (prefill) reply reports.
+# What a reply (or a stream's event) reports of its tokens.
 
-def _chat_prompt_tokens(payload: Any) -> int:
-    usage = payload.get("usage") if isinstance(payload, dict) else None
-    return _usage_int(usage, "prompt_tokens")
-
-
-def _messages_prompt_tokens(payload: Any) -> int:
-    # vLLM's Anthropic usage splits the prompt: input = prompt - cache_read - cache_creation.
-    usage = payload.get("usage") if isinstance(payload, dict) else None
-    return (_usage_int(usage, "input_tokens") + _usage_int(usage, "cache_read_input_tokens")
-            + _usage_int(usage, "cache_creation_input_tokens"))
+def _tokens(usage: Any, name: str) -> int | None:
+    value = usage.get(name) if isinstance(usage, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 \
+        else None
 
 
-def _responses_prompt_tokens(payload: Any) -> int:
-    usage = payload.get("usage") if isinstance(payload, dict) else None
-    return _usage_int(usage, "input_tokens")
+def _usage_of(payload: Any) -> Any:
+    """The ``usage`` object of a reply, of a stream's usage event, or of the response a
+    Responses stream's final event carries."""
+    if not isinstance(payload, dict):
+        return None
+    usage = payload.get("usage")
+    if usage is None and isinstance(payload.get("response"), dict):
+        usage = payload["response"].get("usage")
+    return usage if isinstance(usage, dict) else None
+
+
+def _usage_reader(prompt: str, completion: str,
+                  details: str) -> Callable[[Any], DecodeUsage | None]:
+    """OpenAI's usage shapes (Chat and Completions, Responses): the two counts' names and the
+    object whose ``cached_tokens`` is the prompt's cached part."""
+
+    def read(payload: Any) -> DecodeUsage | None:
+        usage = _usage_of(payload)
+        tokens = _tokens(usage, prompt)
+        if tokens is None:
+            return None
+        return DecodeUsage(tokens, _tokens(usage, completion) or 0,
+                           _tokens(usage.get(details), "cached_tokens"))
+
+    return read
+
+
+_chat_usage = _usage_reader("prompt_tokens", "completion_tokens", "prompt_tokens_details")
+_responses_usage = _usage_reader("input_tokens", "output_tokens", "input_tokens_details")
+
+
+def _messages_usage(payload: Any) -> DecodeUsage | None:
+    # vLLM's Anthropic usage splits the prompt: input = prompt - cache_read - cache_creation;
+    # cache_read is its cached_tokens, present only with --enable-prompt-tokens-details.
+    usage = _usage_of(payload)
+    read = _tokens(usage, "cache_read_input_tokens")
+    parts = [_tokens(usage, name) for name in ("input_tokens", "cache_creation_input_tokens")]
+    if parts[0] is None:
+        return None
+    return DecodeUsage(sum(n or 0 for n in parts) + (read or 0),
+                       _tokens(usage, "output_tokens") or 0, read)
+
+
+# Asking a streamed decode leg for its usage.
+
+def _ask_usage(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """Chat and Completions streams carry usage only when asked (``stream_options``): ask for
+    it, and say whether the client did not (its event is then cut out of the client's stream,
+    ``_stream.UsageTap``). Continuous usage stays off unless the client asked for usage: vLLM
+    would otherwise put usage in every chunk."""
+    if body.get("stream") is not True:
+        return body, False
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        return body, False
+    asked = dict(options) if isinstance(options, dict) else {}
+    asked.update(include_usage=True, continuous_usage_stats=False)
+    return {**body, "stream_options": asked}, True
+
+
+def _usage_sent(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """Messages and Responses streams always carry usage (``message_delta``,
+    ``response.completed``)."""
+    return body, False
 
 
 # What the decode-continuation estimate reads: the prompt's parts in order.
@@ -231,7 +281,10 @@ class Api:
         name: the endpoint label in metrics and logs.
         prefill_body: the prefill leg's body from the client's and the pinned params.
         validate: raises ApiError(400) for what only the decode would refuse.
-        prompt_tokens: prompt tokens a non-streaming reply reports (0: unknown).
+        usage: the tokens a reply (or a stream's usage event) reports; None when it has
+            no usage.
+        ask_usage: a streamed decode leg's body asking for usage, and whether the client
+            did not (the usage event is then the router's alone).
         transcript: the prompt's messages for the continuation estimate (None: none).
         split_final: splits the stream's final event off (held until the capture ran).
         error_event: the event a broken stream ends with.
@@ -241,21 +294,27 @@ class Api:
     name: str
     prefill_body: Callable[[dict[str, Any], dict[str, Any] | None], dict[str, Any]]
     validate: Callable[[dict[str, Any]], None]
-    prompt_tokens: Callable[[Any], int]
+    usage: Callable[[Any], DecodeUsage | None]
     transcript: Callable[[dict[str, Any]], Transcript | None]
     split_final: Callable[[bytes], tuple[bytes, bytes]]
     error_event: Callable[[str, str], bytes]
+    ask_usage: Callable[[dict[str, Any]], tuple[dict[str, Any], bool]] = _usage_sent
     stop_field: str = "stop"
 
+    def prompt_tokens(self, payload: Any) -> int:
+        """Prompt tokens a (prefill) reply reports; 0 when it does not say."""
+        usage = self.usage(payload)
+        return 0 if usage is None else usage.prompt_tokens
 
-CHAT = Api("chat", prefill_body, lambda body: validate_request(body, "chat"),
-           _chat_prompt_tokens, _chat_transcript, split_done, openai_error_event)
+
+CHAT = Api("chat", prefill_body, lambda body: validate_request(body, "chat"), _chat_usage,
+           _chat_transcript, split_done, openai_error_event, _ask_usage)
 COMPLETIONS = Api("completions", prefill_body, lambda body: validate_request(body, "completions"),
-                  _chat_prompt_tokens, lambda body: None, split_done, openai_error_event)
-MESSAGES = Api("messages", _messages_prefill, _validate_messages, _messages_prompt_tokens,
+                  _chat_usage, lambda body: None, split_done, openai_error_event, _ask_usage)
+MESSAGES = Api("messages", _messages_prefill, _validate_messages, _messages_usage,
                _messages_transcript, split_final_event(_MESSAGES_FINAL), anthropic_error_event,
                stop_field="stop_sequences")
-RESPONSES = Api("responses", _responses_prefill, _validate_responses, _responses_prompt_tokens,
+RESPONSES = Api("responses", _responses_prefill, _validate_responses, _responses_usage,
                 _responses_transcript, split_final_event(_RESPONSES_FINAL),
                 responses_error_event)
 

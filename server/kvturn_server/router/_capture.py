@@ -16,9 +16,15 @@ from typing import Any
 
 from kvturn_server.router._control import ControlError, Gone, Retention
 from kvturn_server.router._history import Transcript
-from kvturn_server.router._legs import ReuseReport, readable_tokens, retained_report
+from kvturn_server.router._legs import (
+    DecodeUsage,
+    ReuseReport,
+    read_id_of,
+    readable_tokens,
+    retained_report,
+)
 from kvturn_server.router._log import event
-from kvturn_server.router._placement import known_prompt_tokens
+from kvturn_server.router._placement import served_tokens
 from kvturn_server.router._pool import Backend
 from kvturn_server.router._services import TurnContext
 from kvturn_server.router._state import SUPERSEDED, Placement, StoreError
@@ -58,7 +64,7 @@ class Capture:
         self.transcript = transcript
 
     async def from_reply(self, backend: Backend, payload: dict[str, Any],
-                         decode_started: float) -> ReuseReport | None:
+                         decode_started: float, usage: DecodeUsage | None) -> ReuseReport | None:
         """Capture from a non-streaming reply; returns what the decode's own prefix cache
         supplied, when the reply says (a turn the decode continued itself)."""
         report = retained_report(payload)
@@ -75,20 +81,23 @@ class Capture:
             # The reply does not say (a stop string ended it: vLLM's front end answered before
             # the engine finished the request; or an older connector): ask the decode, before
             # the client has the reply and can send its next turn.
-            await self.described(backend, decode_started)
+            await self.described(backend, decode_started, usage)
             return None
         services = self.ctx.services
         if not report.retained:
             services.metrics.capture("not_retained")
+            await self._record_unretained(backend, report.engine_id or backend.engine_id, usage)
             return report.reuse
         expires_in = report.expires_in if report.expires_in is not None \
             else services.config.retention_ttl
         await self._record(backend, report.engine_id or backend.engine_id,
                            report.num_tokens or 0, expires_in,
-                           readable=report.readable_tokens, block_size=report.block_size)
+                           readable=report.readable_tokens, block_size=report.block_size,
+                           read_id=report.read_id)
         return report.reuse
 
-    async def described(self, backend: Backend, decode_started: float) -> None:
+    async def described(self, backend: Backend, decode_started: float,
+                        usage: DecodeUsage | None) -> None:
         """After a stream: ask the decode what it retained under the key.
 
         The decode retains when the request finishes, which may trail the stream's last byte;
@@ -101,6 +110,7 @@ class Capture:
         ctx, services, key = self.ctx, self.ctx.services, self.ctx.conversation
         if backend.control_url is None or not backend.control_trusted:
             services.metrics.capture("failed")
+            await self._record_unretained(backend, backend.engine_id, usage)
             return
         t0 = time.perf_counter()
         span = self.trace.leg("capture", backend.url)
@@ -114,6 +124,7 @@ class Capture:
                 span.end(exc.kind)
                 ctx.control_failed(backend, "describe", exc)
                 services.metrics.capture("failed")
+                await self._record_unretained(backend, backend.engine_id, usage)
                 return
             backend.control_ok = True
             if isinstance(result, Gone):
@@ -126,39 +137,42 @@ class Capture:
         ctx.leg("capture", time.perf_counter() - t0)
         if isinstance(result, Gone):
             services.metrics.capture("not_retained")
-            old = self.old
-            if old is not None and old.decode == backend.url:
-                # The record pointed here and the decode holds nothing: forget it.
-                await ctx.delete_placement(old)
+            await self._record_unretained(backend, backend.engine_id, usage)
             return
         assert result is not None
         readable, block_size = readable_tokens(result.params)
         await self._record(backend, result.engine_id or backend.engine_id, result.num_tokens,
-                           result.expires_in, readable=readable, block_size=block_size)
+                           result.expires_in, readable=readable, block_size=block_size,
+                           read_id=read_id_of(result.params))
 
-    def remember_affinity(self, backend: Backend) -> None:
+    async def _record_unretained(self, backend: Backend, engine_id: str | None,
+                                 usage: DecodeUsage | None) -> None:
+        """The decode served the turn but retains nothing of it (over the budget, too short
+        to fill a block, or its control endpoint did not say). The record still names it and
+        the turn's messages, as a stock router's would: its plain prefix cache may hold the
+        conversation, so a short next turn continues there (``_placement.continuation``)."""
+        await self._record(backend, engine_id, served_tokens(usage, self.prefill_tokens),
+                           self.ctx.services.config.retention_ttl, retained=False)
+
+    async def remember_affinity(self, backend: Backend, usage: DecodeUsage | None) -> None:
         """Stock P/D (``kv_reuse`` off): nothing is retained, but the conversation's next turn
         goes to the same prefill and decode (session affinity). The record keeps what the
-        router knows of the prompt (its size, its messages) for stock conditional
-        disaggregation (``_placement.conditional_decode``)."""
+        router knows of the turn (the tokens the decode's usage counted, its messages) for
+        stock conditional disaggregation (``_placement.conditional_decode``)."""
         services, key = self.ctx.services, self.ctx.conversation
-        tokens = known_prompt_tokens(self.old, self.prefill_tokens, self.transcript) \
-            if services.config.conditional_disagg else 0
-        placement = self._placement_for(backend, backend.engine_id, tokens,
+        placement = self._placement_for(backend, backend.engine_id,
+                                        served_tokens(usage, self.prefill_tokens),
                                         services.config.retention_ttl, readable=None,
-                                        block_size=0)
-
-        async def put() -> None:
-            try:
-                await services.store.put(key, placement)
-            except StoreError as exc:
-                self.ctx.state_error("put", exc)
-
-        services.spawn(put())
+                                        block_size=0, retained=False)
+        try:
+            await services.store.put(key, placement)
+        except StoreError as exc:
+            self.ctx.state_error("put", exc)
 
     def _placement_for(self, backend: Backend, engine_id: str | None, num_tokens: int,
                        expires_in: float, *, readable: int | None,
-                       block_size: int) -> Placement:
+                       block_size: int, retained: bool = True,
+                       read_id: str | None = None) -> Placement:
         """This turn's record: where it is retained, and which prefill holds its prompt (the
         one that computed this turn's prefill leg, else the one recorded before)."""
         old = self.old
@@ -175,11 +189,13 @@ class Capture:
                          version=self.version,
                          readable_tokens=readable, block_size=block_size, prefill=prefill,
                          prefill_tokens=prefill_tokens,
-                         history=None if self.transcript is None else self.transcript.history())
+                         history=None if self.transcript is None else self.transcript.history(),
+                         retained=retained, read_id=read_id)
 
     async def _record(self, backend: Backend, engine_id: str | None, num_tokens: int,
                       expires_in: float, *, readable: int | None = None,
-                      block_size: int = 0) -> None:
+                      block_size: int = 0, retained: bool = True,
+                      read_id: str | None = None) -> None:
         services, key = self.ctx.services, self.ctx.conversation
         if engine_id is not None and engine_id != backend.engine_id:
             # The decode itself just named its engine: fresher than the last health check,
@@ -192,7 +208,8 @@ class Capture:
                 event(log, logging.WARNING, "decode_restarted", backend=backend.url,
                       old_engine_id=old_engine, engine_id=engine_id)
         placement = self._placement_for(backend, engine_id, num_tokens, expires_in,
-                                        readable=readable, block_size=block_size)
+                                        readable=readable, block_size=block_size,
+                                        retained=retained, read_id=read_id)
         try:
             evicted = await services.store.put(key, placement)
         except StoreError as exc:

@@ -186,6 +186,9 @@ class RouterConfig:
         decode_continue_budget: estimated prompt tokens of continued turns one decode may be
             computing at once; past it turns take the prefill path (protects the inter-token
             latency of the decode's other requests).
+        follow_evictions: follow each decode's lost log (retentions it evicted or let
+            expire: ``GET /kvturn/v1/lost``, a long poll) and mark the records naming them
+            lost, so that their next turns take a prefill (``_lost.py``).
         conditional_disagg: with ``kv_reuse`` off, stock conditional disaggregation (the
             baseline kvturn is measured against: llm-d's prefix-based-pd-decider, Dynamo's
             conditional disaggregation; ``_placement.conditional_decode``): a turn whose
@@ -239,6 +242,7 @@ class RouterConfig:
     decode_continue_tokens: int = 512
     decode_continue_budget: int = 1024
     conditional_disagg: int = 0
+    follow_evictions: bool = True
     min_read_tokens: int = 1
     responses_ttl: float = 3600.0
     max_responses: int = 100_000
@@ -287,7 +291,7 @@ class RouterConfig:
             raise RouterConfigError(
                 f"prefill_policy must be one of {', '.join(PREFILL_POLICIES)}, got "
                 f"{self.prefill_policy!r}")
-        for name in ("kv_reuse", "otel"):
+        for name in ("kv_reuse", "otel", "follow_evictions"):
             if not isinstance(getattr(self, name), bool):
                 raise RouterConfigError(f"{name} must be true or false, got "
                                         f"{getattr(self, name)!r}")

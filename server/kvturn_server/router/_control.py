@@ -50,6 +50,18 @@ class Gone:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """A decode's answer to ``GET .../lost``: the retentions it dropped on its own (evicted,
+    expired) after the caller's cursor, as ``(key, reason, read id)``; ``seq`` is the next
+    cursor; ``truncated`` says some were missed (or the cursor was another engine's)."""
+
+    engine_id: str | None
+    seq: int
+    lost: tuple[tuple[str, str, str], ...]
+    truncated: bool
+
+
 class ControlClient:
     def __init__(self, client: BackendClient, *, timeout: float,
                  secret: str | None = None) -> None:
@@ -89,6 +101,31 @@ class ControlClient:
         if reply.status != 200:
             raise ControlError("bad_reply", f"{control_url}: release answered {reply.status}")
         return True
+
+    async def lost(self, control_url: str, after: int, wait: float) -> Lost:
+        """The retentions the decode dropped on its own after entry ``after``, waiting up to
+        ``wait`` seconds for one (the call's timeout is the control timeout beyond that)."""
+        try:
+            reply = await self.client.call(
+                "GET", f"{control_url}{PREFIX}/lost?after={int(after)}&wait={wait:g}",
+                timeout=wait + self.timeout, headers=self.headers)
+        except BackendError as exc:
+            raise ControlError(exc.kind, str(exc)) from exc
+        if reply.status == 401:
+            raise ControlError("unauthorized", f"GET {control_url}{PREFIX}/lost: the control "
+                                               f"endpoint refused this router's secret")
+        data = _json_object(reply) if reply.status == 200 else None
+        entries = data.get("lost") if data is not None else None
+        seq = data.get("seq") if data is not None else None
+        if data is None or not isinstance(entries, list) or not isinstance(seq, int) \
+                or isinstance(seq, bool):
+            raise ControlError("bad_reply", f"{control_url}: lost answered {reply.status}")
+        engine_id = data.get("engine_id")
+        lost = tuple((e["key"], str(e.get("reason", "")), e["read_id"]) for e in entries
+                     if isinstance(e, dict) and isinstance(e.get("key"), str)
+                     and isinstance(e.get("read_id"), str))
+        return Lost(str(engine_id) if engine_id is not None else None, seq, lost,
+                    data.get("truncated") is True)
 
     async def health(self, control_url: str, *, timeout: float) -> Reply:
         """``GET /health`` (the engine id), for the health checker."""

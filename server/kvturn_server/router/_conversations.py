@@ -90,10 +90,25 @@ async def _forget(router: Router, key: str, placement: Placement, why: str | Non
         router.metrics.state_errors.inc()
 
 
+# Gone codes after which the record keeps the decode and the prefill for affinity, marked
+# lost (its blocks were freed: the next turn takes a prefill rather than continue on it, and
+# later keepalives are answered without calling the decode). Released and replaced
+# retentions, restarts and unknown decodes are forgotten.
+_UNRETAINED = frozenset({"expired", "evicted", "no_retention"})
+
+
+async def _unretained(router: Router, key: str, placement: Placement, why: str) -> None:
+    router.metrics.stale(why)
+    try:
+        await router.store.put(key, replace(placement, retained=False, lost=why))
+    except StoreError:
+        router.metrics.state_errors.inc()
+
+
 async def _keepalive(router: Router, conversation_id: str, key: str,
                      request_id: str) -> Response:
     placement = await _placement(router, key)
-    if placement is None:
+    if placement is None or not placement.retained:
         raise _no_retention("no_retention", "the router knows none")
     decode = router.decodes.by_url(placement.decode)
     if decode is None or decode.control_url is None:
@@ -116,7 +131,10 @@ async def _keepalive(router: Router, conversation_id: str, key: str,
         raise _unavailable(router, "the decode holding this conversation did not answer") \
             from exc
     if isinstance(result, Gone):
-        await _forget(router, key, placement, result.code)
+        if result.code in _UNRETAINED:
+            await _unretained(router, key, placement, result.code)
+        else:
+            await _forget(router, key, placement, result.code)
         raise _no_retention(result.code, result.code.replace("_", " "))
     if placement.engine_id is not None and result.engine_id is not None \
             and result.engine_id != placement.engine_id:

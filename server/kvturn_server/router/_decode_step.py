@@ -29,7 +29,7 @@ from kvturn_server.router._placement import choose_decode
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._services import TurnReport
 from kvturn_server.router._state import Placement
-from kvturn_server.router._stream import RelayResponse, StreamEnd
+from kvturn_server.router._stream import RelayResponse, StreamEnd, UsageTap
 from kvturn_server.router._tracing import TurnTrace
 
 
@@ -76,14 +76,17 @@ class DecodeStep:
         pins: the turn's pins, to drop the handle of a holder that went down.
         holder: the decode holding the conversation, None when none does.
         placement: the conversation's record the turn found, None when none.
+        strip_usage: the leg's body asked for the decode's usage on the router's behalf
+            (the client did not): a stream's usage event is cut out of the client's stream.
     """
 
     __slots__ = ("api", "attempts", "capture", "holder", "hook", "pins", "placement",
-                 "report", "retains", "trace")
+                 "report", "retains", "strip_usage", "trace")
 
     def __init__(self, attempts: Attempts, report: TurnReport, trace: TurnTrace, *, api: Api,
                  hook: ReplyHook | None, capture: Capture | None, retains: bool, pins: Pins,
-                 holder: Backend | None, placement: Placement | None) -> None:
+                 holder: Backend | None, placement: Placement | None,
+                 strip_usage: bool = False) -> None:
         self.attempts = attempts
         self.report = report
         self.trace = trace
@@ -94,6 +97,7 @@ class DecodeStep:
         self.pins = pins
         self.holder = holder
         self.placement = placement
+        self.strip_usage = strip_usage
 
     async def run(self, data: bytes) -> Response:
         """Send ``data`` to a decode, and once more to another when that failed before its
@@ -171,15 +175,15 @@ class DecodeStep:
         except ValueError:
             payload = None
         if isinstance(payload, dict):
+            report.usage = self.api.usage(payload)
+            own = None
             if self.capture is not None and self.retains:
-                reuse = await self.capture.from_reply(backend, payload, t0)
-                if report.route == "decode" and reuse is not None:
-                    # The decode's own count of what its prefix cache supplied (the headers
-                    # of a non-streaming reply are still to be sent).
-                    report.reason = reuse.reason
-                    report.reused_tokens = reuse.reused_tokens
+                own = await self.capture.from_reply(backend, payload, t0, report.usage)
             elif self.capture is not None:
-                self.capture.remember_affinity(backend)
+                await self.capture.remember_affinity(backend, report.usage)
+            # A continued turn's reuse, from what the decode says its cache supplied (the
+            # headers of a non-streaming reply are still to be sent).
+            report.settle(own)
             # Block ids and hosts of the decode are the router's business, not the client's.
             payload, found = without_transfer_params(payload)
             if self.hook is not None:
@@ -208,15 +212,20 @@ class DecodeStep:
         report.decode = backend
         decode_started = t0
         captured = False
-        hook, retained = self.hook, self.capture if self.retains else None
-        if retained is None and self.capture is not None:
-            self.capture.remember_affinity(backend)
+        hook, capturing, retains = self.hook, self.capture, self.retains
+        tap = UsageTap(strip=self.strip_usage)
 
         async def capture(final: bytes = b"") -> None:
             nonlocal captured
-            if retained is not None and not captured:
+            if not captured:
                 captured = True
-                await retained.described(backend, decode_started)
+                report.usage = self.api.usage(tap.event(final))
+                report.settle()
+                # Before [DONE]: the client's next turn must find this turn recorded.
+                if capturing is not None and retains:
+                    await capturing.described(backend, decode_started, report.usage)
+                elif capturing is not None:
+                    await capturing.remember_affinity(backend, report.usage)
             if final and hook is not None:
                 await hook.final_event(final)
 
@@ -226,11 +235,13 @@ class DecodeStep:
             if end.error is not None:
                 self.attempts.failed(svc.decodes, backend, "decode", end.error.kind,
                                      str(end.error))
+            await capture()  # a stream that did not complete: the decode may still hold KV
+            report.count(at_end=True)
             svc.metrics.request(report.endpoint, end.outcome)
             report.log_done(200, end.outcome)
-            await capture()  # a stream that did not complete: the decode may still hold KV
 
         media_type = upstream.content_type or "text/event-stream"
+        report.relaying()
         return RelayResponse(upstream, first, report.headers(), media_type, finish,
                              before_done=capture, split_final=self.api.split_final,
-                             error_event=self.api.error_event)
+                             error_event=self.api.error_event, usage=tap)

@@ -122,6 +122,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         help="keep conversations' KV on the decodes and reuse it (default); --no-kv-reuse "
              "runs stock P/D (ids then only give affinity)")
     parser.add_argument(
+        "--follow-evictions", action=argparse.BooleanOptionalAction, default=None,
+        help="follow each decode's evicted and expired retentions (a long poll on its control "
+             "endpoint) and mark the records naming them lost, so that their next turns take "
+             "a prefill instead of continuing on a decode that holds nothing (default: on)")
+    parser.add_argument(
         "--control-secret-file", default=None, metavar="PATH",
         help="file holding the decodes' control API secret (default: $KVTURN_CONTROL_SECRET_FILE, "
              "else $KVTURN_CONTROL_SECRET, else none); the secret itself is never a flag")
@@ -191,6 +196,7 @@ def _choice(choices: tuple[str, ...]) -> Any:
 _ENV_SETTINGS: dict[str, Any] = {
     "prefill": str.split, "decode": str.split, "host": str, "port": int, "state": str,
     "prefill_policy": _choice(PREFILL_POLICIES), "kv_reuse": _env_bool,
+    "follow_evictions": _env_bool,
     "http_client": _choice(("pooled", "httpx")),
     "log_level": _choice(LOG_LEVELS), "log_format": _choice(("text", "json")),
     "otel": _env_bool, **{name: type_ for name, type_, _ in _FLAGS},

@@ -90,17 +90,20 @@ class Transcript:
         return 0 < n <= len(self.sizes) and self._digests[n] == history.digest
 
 
-def uncached_estimate(history: History, transcript: Transcript, *, retained_tokens: int,
-                      readable_tokens: int) -> int | None:
-    """Estimated prompt tokens the holding decode lacks for ``transcript``, or None.
+def new_tokens(history: History, transcript: Transcript, *, known_tokens: int) -> int | None:
+    """Estimated prompt tokens that ``transcript`` adds to ``history``, or None.
 
-    ``retained_tokens`` is what the decode keeps of the last turn (its prompt and the reply it
-    generated); ``readable_tokens`` the part in full blocks, which its prefix cache hits. The
-    first new message, when it is the assistant's, is that reply coming back: its tokens are
-    already retained, and its size calibrates the rate. None when the request does not extend
-    the history, or nothing is known to estimate from.
+    ``known_tokens`` is what the decode that served the last turn processed of it: its prompt
+    and the reply it generated. The first new message, when it is the assistant's, is that
+    reply coming back: its tokens are known, and its size calibrates the rate (tokens per
+    serialised character of what the decode processed). The rest is new. None when the
+    request does not extend the history, or nothing is known to estimate from.
+
+    The decode's trailing partial block (not in its prefix cache) is not counted: at most a
+    block, against thresholds of hundreds of tokens; llm-d's and Dynamo's deciders count the
+    same way in blocks of 16 on GPUs, and kvturn and the stock baseline estimate alike.
     """
-    if retained_tokens <= 0:
+    if known_tokens <= 0:
         return None
     added = added_chars(history, transcript)
     if added is None:
@@ -109,9 +112,7 @@ def uncached_estimate(history: History, transcript: Transcript, *, retained_toke
     known_chars = history.chars + reply
     if known_chars <= 0:
         return None
-    per_char = retained_tokens / known_chars
-    prompt = retained_tokens + per_char * rest
-    return max(0, math.ceil(prompt - readable_tokens))
+    return math.ceil(known_tokens / known_chars * rest)
 
 
 def added_chars(history: History, transcript: Transcript) -> tuple[int, int] | None:

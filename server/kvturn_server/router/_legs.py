@@ -11,9 +11,11 @@ from typing import Any
 
 KVTURN_FIELD = "kvturn"
 
-# X-KVTurn-Reuse values (docs/http-api.md, section A).
+# X-KVTurn-Reuse values (docs/http-api.md, section A). A report carries one of these; PENDING
+# is only ever the router's own (a turn the decode continues, before its usage is known).
 REUSE_REASONS = frozenset({"hit", "partial", "miss", "expired", "stale", "below-threshold",
                            "unverified", "disabled"})
+PENDING = "pending"
 
 # The prefill leg when there is no retention to read: compute the prompt, keep its blocks for
 # the decode to read (do_remote_decode) and answer with their coordinates.
@@ -156,17 +158,35 @@ def reuse_report(prefill_params: dict[str, Any]) -> ReuseReport | None:
                        _count(reuse.get("local_tokens")), declined)
 
 
-def local_coverage(report: ReuseReport | None, prompt_tokens: int, block_size: int) -> str:
-    """The reuse value of a turn whose prefill held everything the retention offered:
-    ``hit`` when its own cache covered every full block of the prompt (all but the last
-    token, which is always computed), ``partial`` when some, ``miss`` when none."""
-    local = report.local_tokens if report is not None else 0
-    if local <= 0:
+def coverage(cached_tokens: int, prompt_tokens: int, block_size: int) -> str:
+    """The reuse value of a prompt of which an instance's own cache supplied
+    ``cached_tokens``: ``hit`` when they cover every full block of the prompt (all but the last
+    token, which is always computed), ``partial`` when some, ``miss`` when none. Without a
+    block size a hit cannot be told from a partial one: ``partial``."""
+    if cached_tokens <= 0:
         return "miss"
     if block_size > 0 and prompt_tokens > 0 \
-            and local >= (prompt_tokens - 1) // block_size * block_size:
+            and cached_tokens >= (prompt_tokens - 1) // block_size * block_size:
         return "hit"
     return "partial"
+
+
+def local_coverage(report: ReuseReport | None, prompt_tokens: int, block_size: int) -> str:
+    """The reuse value of a turn whose prefill held everything the retention offered: its
+    own cache's ``coverage`` of the prompt."""
+    return coverage(report.local_tokens if report is not None else 0, prompt_tokens,
+                    block_size)
+
+
+def continued_reuse(usage: DecodeUsage | None, connector: ReuseReport | None,
+                    block_size: int) -> ReuseReport | None:
+    """What a turn the decode continued alone really reused: its usage's cached tokens (what
+    its own prefix cache supplied; it read nothing), else the connector's own count in a
+    non-streamed reply; None when neither says."""
+    if usage is not None and usage.cached_tokens is not None:
+        cached = min(usage.cached_tokens, usage.prompt_tokens)
+        return ReuseReport(coverage(cached, usage.prompt_tokens, block_size), cached, cached)
+    return connector
 
 
 def readable_tokens(params: dict[str, Any]) -> tuple[int | None, int]:
@@ -194,6 +214,14 @@ class RetainedReport:
     readable_tokens: int | None = None
     block_size: int = 0
     reuse: ReuseReport | None = None
+    read_id: str | None = None
+
+
+def read_id_of(params: dict[str, Any]) -> str | None:
+    """A retention's read id in its params (vLLM's ``remote_request_id``): what tells it from
+    a newer retention under the same key, in the decode's lost log (``_lost.py``)."""
+    value = params.get("remote_request_id")
+    return value if isinstance(value, str) else None
 
 
 def retained_report(response: Any) -> RetainedReport | None:
@@ -218,7 +246,30 @@ def retained_report(response: Any) -> RetainedReport | None:
         engine_id=str(engine_id) if isinstance(engine_id, str | int) else None,
         num_tokens=_count(num_tokens) if num_tokens is not None else None,
         expires_in=_seconds(expires_in), readable_tokens=readable, block_size=block_size,
-        reuse=reuse_report(params))
+        reuse=reuse_report(params), read_id=read_id_of(params))
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeUsage:
+    """What a decode leg's ``usage`` says (any API's, read by ``_apis.py``).
+
+    Attributes:
+        prompt_tokens: the prompt's tokens.
+        completion_tokens: the tokens the decode generated.
+        cached_tokens: the prompt tokens the decode did not compute (vLLM's
+            ``prompt_tokens_details.cached_tokens``: its own prefix-cache hit plus, on a P/D
+            leg, what it loaded from the prefill); None when the decode does not say (served
+            without ``--enable-prompt-tokens-details``).
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        """The sequence the decode holds once the turn is over (prompt and reply)."""
+        return self.prompt_tokens + self.completion_tokens
 
 
 def _is_number(value: Any) -> bool:

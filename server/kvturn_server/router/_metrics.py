@@ -3,14 +3,21 @@
 - ``kvturn_router_requests_total{endpoint, outcome}``: requests by outcome: ``ok``, ``invalid``
   (the router's 400), ``client_error`` (a backend's 4xx), ``backend_error`` (5xx to the
   client), ``stream_error`` (a stream broken off), ``client_gone``.
-- ``kvturn_router_reuse_total{outcome}``: turns by ``X-KVTurn-Reuse`` value.
+- ``kvturn_router_reuse_total{outcome}``: turns by ``X-KVTurn-Reuse`` value; a turn the decode
+  continued alone by what its usage said its cache supplied, counted when its answer (a
+  stream: when it ended) said so (``pending`` when it never did: a stream broken off, or a
+  decode that reports no cached tokens).
 - ``kvturn_router_reused_tokens_total``: prompt tokens read from decodes' retentions (or, on
-  turns a decode continued itself, supplied by its own prefix cache).
+  turns a decode continued itself, supplied by its own prefix cache, as its usage says).
 - ``kvturn_router_routes_total{route, choice}``: turns by ``X-KVTurn-Route`` (``decode``,
   ``prefill``, ``fallback``) and, for ``prefill``, ``X-KVTurn-Prefill-Choice``.
 - ``kvturn_router_not_continued_total{why}``: turns of a conversation held by a decode that
   took the prefill path instead, by why (``too_long``, ``busy``, ``edited``, ``no_history``,
-  ``expired``, ``stale``, ``unhealthy``, ``decode_failed``, ``off``).
+  ``expired``, ``lost``, ``stale``, ``unhealthy``, ``decode_failed``, ``off``).
+- ``kvturn_router_continued_short_total``: turns the decode continued alone whose own cache
+  supplied more than a block less than the router's record said it held of the conversation:
+  the record outlived the KV (its retention evicted, or expired and its blocks reused), or the
+  reply sent back differs from what the decode generated (re-rendered, reasoning stripped).
 - ``kvturn_router_ttft_seconds``: streaming requests, arrival to the decode's first byte.
 - ``kvturn_router_leg_seconds{leg}``: ``pin``, ``prefill``, ``decode`` (to the first byte when
   streaming), ``capture``.
@@ -23,6 +30,10 @@
   ``no_retention``.
 - ``kvturn_router_captures_total{outcome}``: ``recorded``, ``not_retained``, ``failed``,
   ``superseded`` (a concurrent turn of the conversation recorded a newer retention).
+- ``kvturn_router_lost_entries_total{outcome}``: entries of the decodes' lost logs
+  (``_lost.py``): ``evicted`` / ``expired`` (a record marked lost), ``unmatched`` (no record
+  names that retention: a newer one, or another router's conversation), ``missed`` (the log
+  had dropped entries this router had not read).
 - ``kvturn_router_conversations``: conversations in the state table.
 - ``kvturn_router_conversation_evictions_total``: conversations the table cap pushed out.
 - ``kvturn_router_state_errors_total``: state-store calls that failed (the turn went on).
@@ -79,6 +90,10 @@ class RouterMetrics:
             "kvturn_router_not_continued",
             "turns of a held conversation that the decode did not continue, by why", ["why"],
             registry=r)
+        self._continued_short = Counter(
+            "kvturn_router_continued_short",
+            "continued turns whose decode's cache supplied less than the router's record said",
+            registry=r)
         self.ttft = Histogram("kvturn_router_ttft_seconds",
                               "streaming requests: arrival to the decode's first byte",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -94,6 +109,9 @@ class RouterMetrics:
                               registry=r)
         self._captures = Counter("kvturn_router_captures", "retention captures by outcome",
                                  ["outcome"], registry=r)
+        self._lost = Counter("kvturn_router_lost_entries",
+                             "entries of the decodes' lost logs, by outcome", ["outcome"],
+                             registry=r)
         self.conversations = Gauge("kvturn_router_conversations",
                                    "conversations in the state table", registry=r)
         self.evictions = Counter("kvturn_router_conversation_evictions",
@@ -125,6 +143,9 @@ class RouterMetrics:
     def not_continued(self, why: str) -> None:
         self._child(self._not_continued, why).inc()
 
+    def continued_short(self) -> None:
+        self._continued_short.inc()
+
     def leg(self, leg: str, seconds: float) -> None:
         self._child(self._legs, leg).observe(seconds)
 
@@ -133,6 +154,9 @@ class RouterMetrics:
 
     def failure(self, role: str, backend: str, kind: str) -> None:
         self._child(self._failures, role, backend, kind).inc()
+
+    def lost_entries(self, outcome: str) -> None:
+        self._child(self._lost, outcome).inc()
 
     def stale(self, reason: str) -> None:
         self._child(self._stale, reason).inc()

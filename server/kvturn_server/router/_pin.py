@@ -24,6 +24,13 @@ log = logging.getLogger("kvturn.router")
 # blocks the decode no longer has (evicted, or forgotten: a restart). "miss": the retention was
 # deliberately ended (released, or replaced by a newer turn this router did not record).
 _GONE_REASON = {"expired": "expired", "released": "miss", "replaced": "miss"}
+
+
+def gone_reason(code: str) -> str:
+    """The X-KVTurn-Reuse value of a retention gone for ``code``."""
+    return _GONE_REASON.get(code, "stale")
+
+
 # Gone codes counted as such among the stale handles (others count as "gone").
 _GONE_COUNTED = frozenset({"expired", "released", "evicted", "replaced", "no_retention"})
 
@@ -82,7 +89,7 @@ class Pins:
         holder.control_ok = True
         if isinstance(result, Gone):
             self.drop(placement, result.code if result.code in _GONE_COUNTED else "gone")
-            return _GONE_REASON.get(result.code, "stale")
+            return gone_reason(result.code)
         if result.engine_id is not None:
             holder.control_engine_id = result.engine_id
         if placement.engine_id is not None and result.engine_id is not None \

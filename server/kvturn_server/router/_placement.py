@@ -27,9 +27,8 @@ Nothing here changes an answer: every path computes or reads exactly the prompt'
 
 from __future__ import annotations
 
-import math
-
-from kvturn_server.router._history import Transcript, added_chars, uncached_estimate
+from kvturn_server.router._history import Transcript, new_tokens
+from kvturn_server.router._legs import DecodeUsage
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import Placement
 
@@ -105,30 +104,31 @@ def read_floor(prefill: Backend, now: float) -> int:
 
 def continuation(*, placement: Placement, holder: Backend, transcript: Transcript | None,
                  now: float, max_tokens: int, budget: int) -> tuple[int, str]:
-    """Whether ``holder`` (the decode retaining the conversation) should continue this turn.
+    """Whether ``holder`` (the decode that served the conversation's last turn) should
+    continue this turn alone.
+
+    The decision is stock conditional disaggregation's (:func:`conditional_decode`: the same
+    estimate of the new tokens, the same threshold), with what kvturn knows besides: a
+    retention whose lease ran out, or that the decode said is gone (``placement.lost``:
+    evicted or expired), was freed, most likely for other requests, so the turn takes a
+    prefill instead of having the decode recompute the history; and a budget of continued
+    tokens per decode. A turn the decode did not retain (``placement.retained`` false: over
+    the budget, too short) still continues: the decode just computed it, and its plain prefix
+    cache holds it as a stock router's decode would; its usage reports what it found.
 
     Returns ``(estimated tokens, "")`` when it should, else ``(0, why not)`` with why one of
-    ``off``, ``unhealthy``, ``stale``, ``expired``, ``no_history``, ``edited``, ``too_long``,
-    ``busy``.
+    ``off``, ``unhealthy``, ``stale``, ``expired``, ``lost``, ``no_history``, ``edited``,
+    ``too_long``, ``busy``.
     """
-    if max_tokens <= 0:
-        return 0, "off"
-    if not holder.healthy:
-        return 0, "unhealthy"
-    if holder.engine_id is not None and placement.engine_id is not None \
-            and holder.engine_id != placement.engine_id:
-        return 0, "stale"  # the decode restarted: it holds nothing of this conversation
-    if placement.expires_at <= now:
-        return 0, "expired"
-    if placement.history is None or transcript is None:
-        return 0, "no_history"
-    estimate = uncached_estimate(placement.history, transcript,
-                                 retained_tokens=placement.num_tokens,
-                                 readable_tokens=placement.cached_tokens)
-    if estimate is None:
-        return 0, "edited"
-    if estimate > max_tokens:
-        return 0, "too_long"
+    if max_tokens > 0 and holder.healthy:
+        if placement.lost is not None:
+            return 0, "lost"
+        if placement.retained and placement.expires_at <= now:
+            return 0, "expired"
+    estimate, why = conditional_decode(placement=placement, holder=holder,
+                                       transcript=transcript, max_tokens=max_tokens)
+    if why:
+        return 0, why
     if holder.continuing + estimate > budget:
         return 0, "busy"
     return estimate, ""
@@ -145,11 +145,11 @@ def conditional_decode(*, placement: Placement, holder: Backend, transcript: Tra
     (``isl_bounding``: the same against the decode's cached overlap, 2,048 tokens by default).
     Nothing holds the KV: the decode's plain prefix cache (LRU) supplies whatever it still
     has, and the rest is computed there. The router knows only what it sent and relayed
-    (``placement.num_tokens``: the last prompt's tokens, as its prefill or the estimate before
-    counted them; ``placement.history``: its messages); the reply coming back counts as cached,
-    as a router fed by the decode's KV events (Dynamo) knows it is.
+    (``placement.num_tokens``: the tokens of the last turn's prompt and reply, from the
+    decode's usage; ``placement.history``: its messages); the reply coming back counts as
+    cached, as a router fed by the decode's KV events (Dynamo) knows it is.
 
-    Returns ``(estimated uncached tokens, "")`` to run it on ``holder``, else ``(0, why not)``
+    Returns ``(estimated new tokens, "")`` to run it on ``holder``, else ``(0, why not)``
     with why one of ``off``, ``unhealthy``, ``stale``, ``no_history``, ``edited``,
     ``too_long``.
     """
@@ -160,25 +160,19 @@ def conditional_decode(*, placement: Placement, holder: Backend, transcript: Tra
     if holder.engine_id is not None and placement.engine_id is not None \
             and holder.engine_id != placement.engine_id:
         return 0, "stale"  # the decode restarted: its prefix cache is empty
-    history = placement.history
-    if history is None or transcript is None or placement.num_tokens <= 0 or history.chars <= 0:
+    if placement.history is None or transcript is None or placement.num_tokens <= 0:
         return 0, "no_history"
-    added = added_chars(history, transcript)
-    if added is None:
+    estimate = new_tokens(placement.history, transcript, known_tokens=placement.num_tokens)
+    if estimate is None:
         return 0, "edited"
-    estimate = math.ceil(placement.num_tokens / history.chars * added[1])
     if estimate > max_tokens:
         return 0, "too_long"
     return estimate, ""
 
 
-def known_prompt_tokens(old: Placement | None, prefill_tokens: int,
-                        transcript: Transcript | None) -> int:
-    """Stock conditional disaggregation's record of a turn's prompt size: the prefill's count
-    when a prefill computed it, else the last record's, scaled by the messages' characters
-    (0 when neither is known)."""
-    if prefill_tokens > 0:
-        return prefill_tokens
-    if old is None or old.history is None or old.history.chars <= 0 or transcript is None:
-        return 0
-    return round(old.num_tokens / old.history.chars * transcript.history().chars)
+def served_tokens(usage: DecodeUsage | None, prefill_tokens: int) -> int:
+    """What the router knows a decode processed of a turn: its usage's prompt and reply
+    tokens, else the prompt tokens its prefill reported (0: nothing known)."""
+    if usage is not None and usage.prompt_tokens > 0:
+        return usage.prompt_tokens + usage.completion_tokens
+    return prefill_tokens

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvturn_server.router._legs import PENDING, continued_reuse
 from kvturn_server.router._log import event
 from kvturn_server.router._state import StoreError
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from kvturn_server.router._backend import BackendClient
     from kvturn_server.router._config import RouterConfig
     from kvturn_server.router._control import ControlClient, ControlError
+    from kvturn_server.router._legs import DecodeUsage, ReuseReport
     from kvturn_server.router._metrics import RouterMetrics
     from kvturn_server.router._pool import Backend, Pool
     from kvturn_server.router._state import ConversationStore, Placement
@@ -114,10 +116,22 @@ class TurnReport:
     """What a turn says about itself: its X-KVTurn-* headers, its reuse and route counts and
     its per-request debug line. ``route`` is "decode" (the decode continued the turn alone),
     "prefill" (prefill leg, then decode leg) or "fallback" (no prefill leg succeeded and the
-    decode computed the prompt); ``prefill`` / ``decode`` are the backends that answered."""
+    decode computed the prompt); ``prefill`` / ``decode`` are the backends that answered;
+    ``usage`` is what the decode leg that answered reported of its tokens (``DecodeUsage``:
+    prompt, completion and cached tokens), set before the turn's capture runs (for a stream,
+    once it has ended), None until then or when the decode sent none.
 
-    __slots__ = ("conversation_id", "ctx", "decode", "endpoint", "prefill", "prefill_choice",
-                 "reason", "reused_tokens", "route", "started", "stream")
+    A turn the decode continues alone reads nothing: its reuse is what the decode's own prefix
+    cache supplied, which only the decode's usage tells (``settle``). Until then its reason is
+    ``pending``: a stream's headers go out before the decode has computed anything, so they
+    say ``pending`` (with the block size that decides hit from partial), and the truth follows
+    in the usage event, the metrics and the debug line, which a relayed stream counts and
+    logs once it has ended.
+    """
+
+    __slots__ = ("_counted", "_relaying", "block_size", "conversation_id", "ctx", "decode",
+                 "endpoint", "expected_tokens", "prefill", "prefill_choice", "reason",
+                 "reused_tokens", "route", "started", "stream", "usage")
 
     def __init__(self, ctx: TurnContext, *, conversation_id: str | None, endpoint: str,
                  stream: bool, started: float) -> None:
@@ -132,6 +146,40 @@ class TurnReport:
         self.prefill_choice: str | None = None
         self.prefill: Backend | None = None
         self.decode: Backend | None = None
+        self.usage: DecodeUsage | None = None
+        # A continued turn: what the router's record says the decode's cache holds of the
+        # conversation (its retention's full blocks), and their block size.
+        self.expected_tokens = 0
+        self.block_size = 0
+        self._counted = False
+        self._relaying = False
+
+    def continued(self, *, expected_tokens: int, block_size: int) -> None:
+        """The decode continues the turn alone: its reuse is pending until its usage says."""
+        self.route = "decode"
+        self.reason = PENDING
+        self.reused_tokens = 0
+        self.expected_tokens = expected_tokens
+        self.block_size = block_size
+
+    def settle(self, connector: ReuseReport | None = None) -> None:
+        """A continued turn's reuse from the decode's usage (else ``connector``, the decode
+        connector's own count in a non-streamed reply): what its cache really supplied. A
+        turn more than a block short of the record found its retention (partly) gone:
+        evicted, or expired and its blocks reused."""
+        if self.route != "decode" or self.reason != PENDING:
+            return
+        found = continued_reuse(self.usage, connector, self.block_size)
+        if found is None:
+            return
+        self.reason, self.reused_tokens = found.reason, found.reused_tokens
+        if found.reused_tokens < self.expected_tokens - max(self.block_size, 1):
+            self.ctx.services.metrics.continued_short()
+
+    def relaying(self) -> None:
+        """The answer is a relayed stream: counted when it has ended (``count(at_end=True)``),
+        when the decode's usage has settled a continued turn's reuse."""
+        self._relaying = True
 
     def headers(self) -> dict[str, str]:
         headers = {"x-request-id": self.ctx.request_id, "X-KVTurn-Reuse": self.reason,
@@ -139,12 +187,18 @@ class TurnReport:
                    "X-KVTurn-Route": self.route}
         if self.route == "prefill" and self.prefill_choice is not None:
             headers["X-KVTurn-Prefill-Choice"] = self.prefill_choice
+        if self.reason == PENDING and self.block_size > 0:
+            headers["X-KVTurn-Block-Size"] = str(self.block_size)
         if self.conversation_id is not None:
             headers["X-KVTurn-Conversation"] = self.conversation_id
         return headers
 
-    def count(self) -> None:
-        """Count the turn's reuse and route (once, when its answer is decided)."""
+    def count(self, *, at_end: bool = False) -> None:
+        """Count the turn's reuse and route, once, when its answer is decided (a relayed
+        stream's when it has ended: ``at_end``)."""
+        if self._counted or (self._relaying and not at_end):
+            return
+        self._counted = True
         metrics = self.ctx.services.metrics
         metrics.reuse(self.reason, self.reused_tokens)
         metrics.route(self.route, self.prefill_choice if self.route == "prefill" else "")
@@ -156,8 +210,18 @@ class TurnReport:
                   conversation=ctx.key, endpoint=self.endpoint, stream=self.stream,
                   status=status, outcome=outcome, reuse=self.reason,
                   reused_tokens=self.reused_tokens, route=self.route,
+                  expected_tokens=self.expected_tokens if self.route == "decode" else None,
                   prefill_choice=self.prefill_choice if self.route == "prefill" else None,
                   prefill=self.prefill.url if self.prefill else None,
                   decode=self.decode.url if self.decode else None,
+                  **_usage_fields(self.usage),
                   ms=round((time.perf_counter() - self.started) * 1000, 2),
                   **{f"{leg}_ms": ms for leg, ms in ctx.legs_ms.items()})
+
+
+def _usage_fields(usage: DecodeUsage | None) -> dict[str, int | None]:
+    """The decode's usage in the debug line (absent when it sent none)."""
+    if usage is None:
+        return {}
+    return {"prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
+            "completion_tokens": usage.completion_tokens}

@@ -61,6 +61,18 @@ class Placement:
             continuation of short turns (``_placement.py``).
         version: store-clock time the turn that recorded it began; ``put`` keeps the
             newest.
+        retained: False when the decode served the last turn but holds no retention of it
+            (never retained: refused over the budget, too short, an opted-out client; or
+            gone since: evicted, expired). Its plain prefix cache may still hold the
+            conversation, so the record keeps the decode and the history, as a stock router
+            would; ``num_tokens`` is then what that decode processed of the last turn (prompt
+            and reply) and nothing is pinned.
+        lost: why the decode said, after the turn, that the retention is gone (``evicted`` or
+            ``expired``: its blocks were freed, under memory pressure most likely reused). The
+            record keeps the decode and the prefill for affinity, but the next turn does not
+            continue on that decode.
+        read_id: the retention's read id (its params' ``remote_request_id``), which the
+            decode's lost log names (``_lost.py``); None when unknown.
     """
 
     decode: str
@@ -74,6 +86,9 @@ class Placement:
     prefill_tokens: int = 0
     history: History | None = None
     version: float = 0.0
+    retained: bool = True
+    lost: str | None = None
+    read_id: str | None = None
 
     def to_json(self) -> bytes:
         data: dict[str, Any] = {
@@ -82,7 +97,8 @@ class Placement:
             "readable_tokens": self.readable_tokens, "block_size": self.block_size,
             "prefill": self.prefill, "prefill_tokens": self.prefill_tokens,
             "history": None if self.history is None else self.history.to_dict(),
-            "version": self.version}
+            "version": self.version, "retained": self.retained, "lost": self.lost,
+            "read_id": self.read_id}
         return _json.dumps(data)
 
     @classmethod
@@ -101,13 +117,18 @@ class Placement:
                        prefill=None if prefill is None else str(prefill),
                        prefill_tokens=int(raw.get("prefill_tokens") or 0),
                        history=History.from_dict(raw.get("history")),
-                       version=float(raw.get("version") or 0.0))
+                       version=float(raw.get("version") or 0.0),
+                       retained=raw.get("retained") is not False,
+                       lost=raw["lost"] if isinstance(raw.get("lost"), str) else None,
+                       read_id=raw["read_id"] if isinstance(raw.get("read_id"), str) else None)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise StoreError(f"unreadable placement record: {exc}") from exc
 
     @property
     def cached_tokens(self) -> int:
-        """Tokens of the retention a prefix cache can use (full blocks)."""
+        """Tokens of the retention a prefix cache can use (full blocks); 0 without one."""
+        if not self.retained:
+            return 0
         return self.num_tokens if self.readable_tokens is None else self.readable_tokens
 
 

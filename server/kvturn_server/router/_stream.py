@@ -20,6 +20,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
@@ -85,16 +86,77 @@ def scrub_events(data: bytes) -> bytes:
 
 
 def _scrub_event(event_bytes: bytes) -> bytes | None:
-    lines = event_bytes.replace(b"\r\n", b"\n").split(b"\n")
-    other = [line for line in lines if not line.startswith(b"data:")]
-    data = b"\n".join(line[5:].removeprefix(b" ") for line in lines
-                      if line.startswith(b"data:"))
+    other = [line for line in event_bytes.replace(b"\r\n", b"\n").split(b"\n")
+             if not line.startswith(b"data:")]
     try:
-        payload = _json.loads(data)
+        payload = event_data(event_bytes)
     except ValueError:
         return None
     payload, _ = without_transfer_params(payload)
     return b"\n".join([*other, b"data: " + _json.dumps(payload)])
+
+
+_USAGE_KEY = b'"usage":'
+
+
+class UsageTap:
+    """The decode's usage in a relayed stream, found without parsing its chunks.
+
+    A decode reports usage once, at the end of its stream: Chat and Completions in one event
+    just before ``[DONE]`` (when asked, ``_apis.py``), Messages in ``message_delta`` just before
+    ``message_stop``, Responses inside the final ``response.completed``. So the tap keeps a
+    reference to the last batch of events relayed (one assignment per chunk) and looks for
+    the usage only once, when the stream has ended (``event``). When the router asked for
+    the usage and the client did not (``strip``), each batch is also searched for the quoted
+    key, as ``scrub_events`` does (unescaped, it can only be a JSON key: in generated text
+    its quotes are escaped), and the usage event is cut out, so that the client's stream is
+    byte for byte what it would have been.
+    """
+
+    __slots__ = ("_cut", "_last", "strip")
+
+    def __init__(self, *, strip: bool) -> None:
+        self.strip = strip
+        self._last = b""  # the last batch of events relayed
+        self._cut = b""  # the usage event cut out of the client's stream
+
+    def take(self, events: bytes) -> bytes:
+        """``events`` (complete events, about to be relayed) as the client should get them."""
+        if not self.strip:
+            if events:
+                self._last = events
+            return events
+        if _USAGE_KEY not in events:
+            return events
+        parts = _EVENT_SPLIT.split(events)
+        kept: list[bytes] = []
+        for i in range(0, len(parts), 2):
+            one = parts[i] + (parts[i + 1] if i + 1 < len(parts) else b"")
+            if _USAGE_KEY in one:
+                self._cut = one
+            else:
+                kept.append(one)
+        return b"".join(kept)
+
+    def event(self, final: bytes = b"") -> Any:
+        """The last event of the stream that carries usage (its JSON data), looked for in the
+        held ``final`` event, then in what was cut or last relayed; None when there is none."""
+        for data in (final, self._cut, self._last):
+            if _USAGE_KEY not in data:
+                continue
+            events = [e for e in _EVENT_SPLIT.split(data)[::2] if _USAGE_KEY in e]
+            try:
+                return event_data(events[-1])
+            except ValueError:
+                return None
+        return None
+
+
+def event_data(event_bytes: bytes) -> Any:
+    """The JSON of one SSE event's ``data:`` lines; ValueError when it is not JSON."""
+    lines = event_bytes.replace(b"\r\n", b"\n").split(b"\n")
+    return _json.loads(b"\n".join(line[5:].removeprefix(b" ") for line in lines
+                                  if line.startswith(b"data:")))
 
 
 def error_event(message: str, code: str = "backend_stream_error") -> bytes:
@@ -132,13 +194,16 @@ class RelayResponse(Response):
         split_final: splits a chunk's final event off (``split_done``: ``data: [DONE]``;
             other APIs end with a named event, ``_apis.py``).
         error_event: the events a stream broken off ends with (``error_event`` by default).
+        usage: finds the decode's usage in the stream (and cuts it out when the client did
+            not ask for it); None: the stream is relayed as it is.
     """
 
     def __init__(self, upstream: UpstreamStream, first: bytes, headers: Mapping[str, str],
                  media_type: str, finish: Callable[[StreamEnd], Awaitable[None]],
                  before_done: Callable[[bytes], Awaitable[None]] | None = None, *,
                  split_final: Callable[[bytes], tuple[bytes, bytes]] | None = None,
-                 error_event: Callable[[str, str], bytes] | None = None) -> None:
+                 error_event: Callable[[str, str], bytes] | None = None,
+                 usage: UsageTap | None = None) -> None:
         self.status_code = 200
         self.media_type = media_type
         self.background = None
@@ -149,6 +214,7 @@ class RelayResponse(Response):
         self._before_done = before_done
         self._split = split_final or split_done
         self._error_event = error_event or _default_error_event
+        self._usage = usage
         self._end = StreamEnd()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -192,6 +258,8 @@ class RelayResponse(Response):
                 events, held = self._split(data[:cut] if cut < len(data) else data)
                 events, done = done + events, held  # events after a [DONE]: pass all on
                 events = scrub_events(events)
+                if self._usage is not None:
+                    events = self._usage.take(events)
                 if events:
                     await send({"type": "http.response.body", "body": events,
                                 "more_body": True})

@@ -37,7 +37,7 @@ from kvturn_server.router._history import Transcript
 from kvturn_server.router._identity import Identity
 from kvturn_server.router._legs import decode_body, local_coverage, reuse_report
 from kvturn_server.router._log import event
-from kvturn_server.router._pin import Pins
+from kvturn_server.router._pin import Pins, gone_reason
 from kvturn_server.router._placement import (
     choose_prefill,
     conditional_decode,
@@ -59,8 +59,8 @@ class Turn:
 
     __slots__ = ("api", "attempts", "begun", "body", "continued", "ctx", "holder", "hook",
                  "identity", "key", "no_reuse", "path", "pin", "pin_skipped", "pins",
-                 "placement", "prefill_tokens", "report", "request_id", "retention_sent", "svc",
-                 "trace", "transcript")
+                 "placement", "prefill_tokens", "report", "request_id", "retention_sent",
+                 "strip_usage", "svc", "trace", "transcript")
 
     def __init__(self, services: TurnServices, *, request_id: str, path: str,
                  body: dict[str, Any], identity: Identity | None, no_reuse: bool,
@@ -99,6 +99,7 @@ class Turn:
         self.prefill_tokens = 0
         self.continued = 0  # estimated tokens this turn holds of the decode's budget
         self.transcript: Transcript | None = None
+        self.strip_usage = False  # the decode leg's usage was asked for by the router alone
 
     # The turn.
 
@@ -130,7 +131,7 @@ class Turn:
         if isinstance(params, Response):
             return params
         self._settle_reuse(params)
-        data = _json.dumps(decode_body(self.body, params, self.key if self._retains else None))
+        data = self._decode_data(params, self.key if self._retains else None)
         return await self._decode_step().run(data)
 
     # Where the turn runs (``_placement.py``).
@@ -149,12 +150,12 @@ class Turn:
         if why:
             svc.metrics.not_continued(why)
             return None
-        report.route = "decode"
-        report.reason = "hit"
-        report.reused_tokens = placement.cached_tokens
+        # What it reuses is what its cache still holds: its usage says (TurnReport.settle).
+        report.continued(expected_tokens=placement.cached_tokens,
+                         block_size=placement.block_size)
         self.continued = estimate
         holder.continuing += estimate
-        data = _json.dumps(decode_body(self.body, None, self.key))
+        data = self._decode_data(None, self.key)
         try:
             result = await self._decode_step().attempt(holder, data)
         finally:
@@ -183,7 +184,7 @@ class Turn:
             svc.metrics.not_continued(why)
             return None
         report.route = "decode"
-        data = _json.dumps(decode_body(self.body, None, None))
+        data = self._decode_data(None, None)
         result = await self._decode_step().attempt(self.holder, data)
         if isinstance(result, Failed):
             report.route = "prefill"
@@ -203,6 +204,12 @@ class Turn:
         the retention holds at least ``min_read_tokens`` beyond what ``prefill`` holds."""
         placement = self.placement
         if placement is None or self.holder is None:
+            return False
+        if not placement.retained:
+            # The decode serves the conversation but retains nothing to read; one it said it
+            # dropped reports why, as a pin that found it gone would (``_pin.py``).
+            if placement.lost is not None:
+                self.report.reason = gone_reason(placement.lost)
             return False
         gain = read_gain(placement, prefill)
         floor = read_floor(prefill, time.monotonic())
@@ -344,6 +351,11 @@ class Turn:
 
     # Step 4, the decode leg (``_decode_step.py``), and step 5, its capture (``_capture.py``).
 
+    def _decode_data(self, params: dict[str, Any] | None, key: str | None) -> bytes:
+        """The decode leg's body: a stream asks for the decode's usage (``_apis.py``)."""
+        body, self.strip_usage = self.api.ask_usage(decode_body(self.body, params, key))
+        return _json.dumps(body)
+
     def _decode_step(self) -> DecodeStep:
         """The decode leg, once the turn knows what the decode is sent (and, on the prefill
         path, which prefill computed the prompt: the capture records it)."""
@@ -354,7 +366,8 @@ class Turn:
             transcript=self.transcript)
         return DecodeStep(self.attempts, self.report, self.trace, api=self.api, hook=self.hook,
                           capture=capture, retains=self._retains, pins=self.pins,
-                          holder=self.holder, placement=self.placement)
+                          holder=self.holder, placement=self.placement,
+                          strip_usage=self.strip_usage)
 
 
 def request_id_of(given: str | None) -> str:

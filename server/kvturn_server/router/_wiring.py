@@ -22,6 +22,7 @@ from kvturn_server.router._config import DNS_PREFIX, RouterConfig
 from kvturn_server.router._control import ControlClient
 from kvturn_server.router._discovery import Discovery, targets
 from kvturn_server.router._log import event
+from kvturn_server.router._lost import LOST_WAIT, LostFollower
 from kvturn_server.router._metrics import RouterMetrics
 from kvturn_server.router._pool import Backend, HealthChecker, Pool
 from kvturn_server.router._services import TurnServices
@@ -90,6 +91,10 @@ class Router:
                                    timeout=config.connect_timeout,
                                    on_change=self._members_changed)
         self.metrics = RouterMetrics([self.prefills, self.decodes])
+        # The decodes' lost logs (``_lost.py``): records of evicted retentions marked lost.
+        self.lost = LostFollower(self.decodes, self.control, lambda: self.store, self.metrics,
+                                 wait=LOST_WAIT) \
+            if config.kv_reuse and config.follow_evictions else None
         self.health = HealthChecker(self.client, self.control, [self.prefills, self.decodes],
                                     interval=config.health_interval,
                                     timeout=config.health_timeout,
@@ -145,6 +150,8 @@ class Router:
             self.discovery.start()
         if health_checks:
             self.health.start()
+            if self.lost is not None:
+                self.lost.start()
         self.started = True
         event(log, logging.INFO, "router_started", prefill=len(c.prefill),
               decode=len(c.decode), state=self.store.kind)
@@ -153,6 +160,8 @@ class Router:
         """Stop health checks, let background calls (unpins, releases) finish, close."""
         await self.discovery.stop()
         await self.health.stop()
+        if self.lost is not None:
+            await self.lost.stop()
         with contextlib.suppress(TimeoutError):
             await self.wait_idle(self.config.drain_timeout)
         for task in list(self._tasks):

@@ -13,6 +13,7 @@ from kvturn_server._cli_common import add_output_args, int_range, number_list, p
 from kvturn_server.sim._config import (
     HOST_GIB,
     PROFILES,
+    RETENTION_BUDGET,
     FleetSpec,
     SimSettings,
     standard_policies,
@@ -99,7 +100,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     g = p.add_argument_group("policies and outputs")
     g.add_argument("--policies", default=",".join(standard_policies()), metavar="NAME,...",
                    help=f"which to compare, of {names} (default: all)")
-    g.add_argument("--budget", type=float, default=0.5,
+    g.add_argument("--budget", type=float, default=RETENTION_BUDGET,
                    help="retention budget of kvturn-lease and lru-budget, a fraction of each "
                         "decode's KV (default: %(default)s)")
     g.add_argument("--host-gib", type=float, default=HOST_GIB,

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvturn_server.connector import ConnectorConfig
 from kvturn_server.router._config import RouterConfig
 from kvturn_server.sim._roofline import (
     H100_SXM,
@@ -22,6 +23,10 @@ from kvturn_server.sim._roofline import (
     prefill_seconds,
     prefill_tokens_per_s,
 )
+
+RETENTION_BUDGET = ConnectorConfig().retention_budget
+"""The connector's default ``retention_budget``: kvturn's policies run at it unless told."""
+
 
 GIB = 1024 ** 3
 UNLIMITED_S = 1e9
@@ -186,6 +191,9 @@ class RouterSpec:
     remember_expired_s: float = _ROUTER["remember_expired"]
     """The router forgets a record this long after it expired (then no affinity, no
     continuation)."""
+    follow_evictions: bool = _ROUTER["follow_evictions"]
+    """The router follows the decodes' lost logs (``router/_lost.py``): records of evicted or
+    expired retentions are marked lost at once."""
 
 
 @dataclass(frozen=True)
@@ -221,7 +229,7 @@ class Policy:
     max_hold_s: float = 3600.0
     keepalive_s: float | None = None
     release: bool = False
-    budget: float = 0.5
+    budget: float = RETENTION_BUDGET
     conversation_ids: bool = True
     conditional_disagg: int = 0
     host_gib: float = 0.0
@@ -264,7 +272,7 @@ _STOCK_COND = ("llm-d's prefix-based-pd-decider (llm-d-router pkg/epp/framework/
                "held through tool gaps")
 
 
-def standard_policies(*, budget: float = 0.5, ttl_s: float = 480.0,
+def standard_policies(*, budget: float = RETENTION_BUDGET, ttl_s: float = 480.0,
                       host_gib: float = HOST_GIB) -> dict[str, Policy]:
     """The policies every comparison runs (``budget``/``ttl_s``: kvturn's lease; ``host_gib``:
     stock-cond-offload's host tier per instance)."""

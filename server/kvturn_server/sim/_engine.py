@@ -5,7 +5,7 @@ The decisions are kvturn's own code, imported: the router's placement
 prefill's verified reuse and read-or-compute choice (:func:`decide_reuse` with the connector's
 :class:`CostModel`), and the decode's retention table (:class:`RetentionTable`, with the
 simulator's clock). The stock baselines run the router's own stock decision
-(:func:`conditional_decode`, :func:`known_prompt_tokens`). This file only moves time: it
+(:func:`conditional_decode`, :func:`served_tokens`). This file only moves time: it
 decides nothing those modules decide.
 
 A turn, as the router runs it (``router/_turn.py``):
@@ -41,6 +41,8 @@ from kvturn_server.connector._cost import CostModel, CostSettings
 from kvturn_server.connector._reuse import decide_reuse
 from kvturn_server.router import _placement as routing
 from kvturn_server.router._history import Transcript
+from kvturn_server.router._legs import coverage
+from kvturn_server.router._pin import gone_reason
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import Placement
 from kvturn_server.sim._config import GIB, SimSettings
@@ -57,8 +59,6 @@ from kvturn_server.sim._metrics import Recorder
 from kvturn_server.sim._workload import Conversation
 
 _PAD: dict[tuple[int, int], str] = {}
-# What X-KVTurn-Reuse says when a pin finds the retention gone (router/_turn.py).
-_GONE_REASON = {"expired": "expired", "released": "miss", "replaced": "miss"}
 
 
 def _pad(tokens: int, version: int) -> str:
@@ -110,6 +110,8 @@ class Simulation:
         host_blocks = math.floor(policy.host_gib * GIB / fleet.block_bytes)
         self.prefills = [SimPrefill(f"p{i}", fleet.prefill_capacity, host_blocks)
                          for i in range(fleet.prefills)]
+        # Each decode's lost log as the router has read it (``_lost_log``).
+        self._lost: dict[str, dict[str, tuple[str, str]]] = {}
         self.decodes = [SimDecode(f"d{i}", fleet.decode_capacity, policy,
                                   max_num_seqs=fleet.max_num_seqs, clock=self.clock,
                                   host_blocks=host_blocks)
@@ -227,9 +229,15 @@ class Simulation:
         placement = self.placements.get(key)
         if placement is None:
             return
+        if not placement.retained:
+            return  # the router answers at once: nothing to renew
         retention = self._decode_of[placement.decode].table.keepalive(key)
         if retention is not None:
             self.placements[key] = replace(placement, expires_at=retention.expires_at)
+        else:  # gone: the router keeps the record for affinity, lost (router/_conversations.py)
+            self.placements[key] = replace(placement, retained=False,
+                                           lost=str(self._decode_of[placement.decode]
+                                                    .table.gone_reason(key)))
 
     # Block hashes.
 
@@ -269,13 +277,29 @@ class Simulation:
 
     def _record(self, key: str) -> Placement | None:
         """The router's record of the conversation; the store forgets it ``remember_expired``
-        after its lease (or stock record) ran out."""
+        after its lease (or stock record) ran out. A retention its decode evicted or let
+        expire is marked lost, as the router following the decode's lost log marks it
+        (``router/_lost.py``: within milliseconds, so at once here)."""
         placement = self.placements.get(key)
         if placement is not None \
                 and self.now >= placement.expires_at + self.s.router.remember_expired_s:
             del self.placements[key]
             return None
+        if placement is not None and placement.retained and placement.lost is None \
+                and self.s.router.follow_evictions:
+            lost = self._lost_log(placement.decode).get(key)
+            if lost is not None and lost[0] == placement.turn:
+                placement = self.placements[key] = replace(placement, retained=False,
+                                                           lost=lost[1])
         return placement
+
+    def _lost_log(self, decode: str) -> dict[str, tuple[str, str]]:
+        """What the decode's lost log said so far (connector ``take_lost``): key -> (the
+        retention's request id, why), the latest per key."""
+        log = self._lost.setdefault(decode, {})
+        for retention, reason in self._decode_of[decode].table.take_lost():
+            log[retention.key] = (retention.request_id, reason.value)
+        return log
 
     def _route(self, turn: _Turn) -> None:
         s, policy = self.s, self.s.policy
@@ -303,7 +327,6 @@ class Simulation:
                     now=self.now, max_tokens=s.router.decode_continue_tokens,
                     budget=s.router.decode_continue_budget)
                 if not why:
-                    turn.reason = "hit"
                     self._continue(turn, estimate)
                     return
         prefill, _ = routing.choose_prefill(self.prefill_pool, s.router.prefill_policy,
@@ -352,7 +375,8 @@ class Simulation:
         decode = None
         pin_skipped = False
         placement = turn.placement
-        if s.policy.retain and placement is not None and turn.holder is not None:
+        if s.policy.retain and placement is not None and turn.holder is not None \
+                and placement.retained:
             # The router's _worth_pinning, then its pin (the control call is the table's pin).
             gain = routing.read_gain(placement, prefill)
             floor = routing.read_floor(prefill, self.now)
@@ -360,12 +384,13 @@ class Simulation:
                 decode = self._decode_of[placement.decode]
                 pin = decode.table.pin(turn.conv.cid, s.router.pin_ttl_s)
                 if pin is None:
-                    turn.reason = _GONE_REASON.get(
-                        str(decode.table.gone_reason(turn.conv.cid)), "stale")
+                    turn.reason = gone_reason(str(decode.table.gone_reason(turn.conv.cid)))
                     self.placements.pop(turn.conv.cid, None)
             else:
                 pin_skipped = gain == 0
                 turn.reason = "below-threshold"
+        elif s.policy.retain and placement is not None and placement.lost is not None:
+            turn.reason = gone_reason(placement.lost)  # the router's _worth_pinning
         read_tokens = 0
         read_s = 0.0
         if pin is not None:
@@ -458,8 +483,10 @@ class Simulation:
         if turn.route == "decode":
             computed = max(1, turn.prompt - hit)
             turn.computed, turn.reused = computed, turn.prompt - computed
-            if s.policy.retain and not admission.retained:
-                turn.reason = "miss"  # the router's placement outlived the retention
+            if s.policy.retain:
+                # What the decode's usage reports: its cache's coverage of the prompt (the
+                # router's TurnReport.settle), the retention's or the plain prefix cache's.
+                turn.reason = coverage(turn.prompt - computed, turn.prompt, bs)
             compute_s = self.cost_model.work(computed, turn.prompt - computed) \
                 / s.cost.compute_tokens_per_s
             begin = max(start, decode.busy_until)
@@ -511,7 +538,9 @@ class Simulation:
                 if turn.prefill is None and old is not None:
                     self.placements[key] = replace(self.placements[key], prefill=old.prefill)
             else:
-                self.placements.pop(key, None)
+                # Not retained (refused over the budget): the router still records the
+                # decode and the messages (router/_capture.py, _record_unretained).
+                self._record_stock(turn, decode)
             if old is not None and old.decode != decode.name:
                 moved = self._decode_of[old.decode]
                 moved.give_back(moved.table.release(key)[1])
@@ -524,14 +553,14 @@ class Simulation:
         self._after(turn)
 
     def _record_stock(self, turn: _Turn, decode: SimDecode) -> None:
-        """What the stock router records of a turn (``router/_capture.py``,
-        ``remember_affinity``): the decode and prefill that served it, and, for conditional
-        disaggregation, the prompt's size and messages. Nothing is retained."""
+        """What the router records of a turn nothing retained (``router/_capture.py``,
+        ``remember_affinity`` and ``_record_unretained``): the decode and prefill that served
+        it, the tokens its usage counted (prompt and reply: ``_placement.served_tokens``) and
+        its messages."""
         key = turn.conv.cid
         old = self.placements.get(key)
         prefill_tokens = turn.prompt if turn.prefill is not None else 0
-        tokens = routing.known_prompt_tokens(old, prefill_tokens, turn.transcript) \
-            if self.s.policy.conditional_disagg else 0
+        tokens = turn.prompt + turn.conv.replies[turn.index]
         if turn.prefill is not None:
             prefill: str | None = turn.prefill.url
         else:
@@ -541,7 +570,8 @@ class Simulation:
             decode=decode.name, engine_id=None, num_tokens=tokens,
             expires_at=self.now + self.s.router.record_ttl_s,
             turn=f"r{next(self._request_ids)}", prefill=prefill, prefill_tokens=prefill_tokens,
-            history=None if turn.transcript is None else turn.transcript.history())
+            history=None if turn.transcript is None else turn.transcript.history(),
+            retained=False)
 
     def _drain(self, decode: SimDecode) -> None:
         while decode.waiting:

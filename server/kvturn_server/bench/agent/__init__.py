@@ -1,13 +1,15 @@
 """``kvturn bench agent``: concurrent tool-using agents through a router, in every mode of the
 mode table: stock P/D ("off"), stock conditional disaggregation ("stock-cond" at kvturn's own
-threshold, "stock-cond-2k" at Dynamo's) and kvturn conversations ("on").
+threshold, "stock-cond-2k" at Dynamo's, "stock-cond-offload" with vLLM's CPU offloading) and
+kvturn conversations ("on", and "kvturn-offload" on the offloading instances).
 
 The modules, in the order a run goes through them: ``_modes`` (the mode table: router flags,
 client, what each mode stands for), ``_workload`` (settings, tool gaps, the agents' scripts),
 ``_loop`` (one agent's turns as one kind of client; shared with ``kvturn bench fleet``),
-``_run`` (the instances, a router per run, the modes, the repeats), ``_records`` (what a run
-records), ``_summary`` (summaries, comparisons with every stock mode, verdicts, the headline,
-the JSON document), ``_report`` (the table), ``_plot`` (the PNG), ``_cli`` (the command line)."""
+``_run`` (the instances of each profile, a router per run, the modes, the repeats),
+``_records`` (what a run records), ``_summary`` (summaries, comparisons with every stock mode,
+verdicts, the headline, the JSON document), ``_report`` (the table), ``_plot`` (the PNG),
+``_cli`` (the command line)."""
 
 from kvturn_server.bench.agent._cli import (
     add_agent_bench_parser,
@@ -16,6 +18,7 @@ from kvturn_server.bench.agent._cli import (
 )
 from kvturn_server.bench.agent._modes import (
     DEFAULT_MODES,
+    KVTURN_MODES,
     MODE_TABLE,
     MODES,
     MODES_BY_NAME,
@@ -31,7 +34,6 @@ from kvturn_server.bench.agent._run import (
     HttpProbe,
     Probe,
     Sampler,
-    agent_fleet_config,
     measure,
     router_args,
     run_agent,
@@ -63,17 +65,21 @@ from kvturn_server.bench.agent._workload import (
     GapDistribution,
     HistoryCut,
     Message,
+    agent_fleet_config,
     build_scripts,
+    instance_profiles,
     mode_order,
 )
 
-__all__ = ["DEFAULT_MODES", "FRAMING_TOKENS", "MIN_RETENTION_TTL_S", "MODES", "MODES_BY_NAME",
+__all__ = ["DEFAULT_MODES", "FRAMING_TOKENS", "KVTURN_MODES", "MIN_RETENTION_TTL_S", "MODES",
+           "MODES_BY_NAME",
            "MODE_TABLE", "STOCK_MODES", "TRACE_KEEPALIVE_PER_TTL", "TRACE_RETENTION_TTL_S",
            "AgentBenchSettings", "AgentMode", "AgentOutcome", "AgentScript", "Connect",
            "FleetRouters", "GapDistribution", "HistoryCut", "HttpProbe", "Message", "ModeRun",
            "Probe", "Sample", "Sampler", "TurnRecord", "add_agent_bench_parser", "against",
            "agent_fleet_config", "aggregate_comparison", "build_results", "build_scripts",
-           "cmd_bench_agent", "compare", "decode_turns", "headline", "measure", "mode_order",
+           "cmd_bench_agent", "compare", "decode_turns", "headline", "instance_profiles", "measure",
+           "mode_order",
            "never_slower_checks", "pooled_comparison", "router_args", "run_agent",
            "run_agent_bench", "run_mode", "settings_from_args", "strongest_stock", "summarize",
            "table", "tail_makeup", "verdict", "warm_up", "write_plot"]

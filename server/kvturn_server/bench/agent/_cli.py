@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from kvturn_server._cli_common import comma_choices, int_range, settings_or_exit
-from kvturn_server.bench._cli import add_agents_args
+from kvturn_server.bench._cli import add_agents_args, add_host_tier_arg
 from kvturn_server.bench.agent._modes import MODE_TABLE, MODES
 from kvturn_server.bench.agent._run import run_agent_bench
 from kvturn_server.bench.agent._workload import (
@@ -26,7 +26,7 @@ def settings_from_args(args: argparse.Namespace) -> AgentBenchSettings:
         gap_cap_s=args.max_gap if args.max_gap > 0 else None,
         retention_ttl_s=args.retention_ttl, prefill_prefix_cache=args.prefill_prefix_cache,
         kv_cache_gib=args.kv_cache_gib, decode_blocks=args.decode_blocks,
-        router_args=tuple(args.router_arg or ()))
+        router_args=tuple(args.router_arg or ()), host_tier_multiple=args.host_tier)
 
 
 def cmd_bench_agent(args: argparse.Namespace) -> int:
@@ -47,17 +47,21 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     d = AgentBenchSettings()
     modes = "; ".join(
         f"'{m.name}'" + ("" if m.label == m.name else f" ({m.label})") + f": {m.stands_for} "
-        f"(router {' '.join(m.router_args) or 'with its defaults'}; client {m.client})"
-        for m in MODE_TABLE)
+        f"(router {' '.join(m.router_args) or 'with its defaults'}; client {m.client}; "
+        f"{m.profile} instances)" for m in MODE_TABLE)
     p: argparse.ArgumentParser = bench_subparsers.add_parser(
         "agent", help="concurrent tool-using agents: TTFT, inter-token latency, prompt tokens "
                       "computed and retained memory, kvturn against stock P/D and stock "
                       "conditional disaggregation",
-        description="Start 1 prefill + 1 decode (prefix caching on both, as vLLM ships it), "
-                    "then run N concurrent agents of M turns each (growing conversations, "
-                    "tool gaps drawn from a log-normal fitted to production agent traces, "
-                    "scaled by --time-scale) in each mode, each run through a router of its "
-                    "own started with the mode's flags. Modes: " + modes + ". --repeats "
+        description="Start 1 prefill + 1 decode (prefix caching on both, as vLLM ships it) "
+                    "per instance profile the modes use (plain: the kvturn connector alone; "
+                    "offload: beside vLLM's CPU KV offloading, a host tier of --host-tier "
+                    "times each instance's device KV; both pairs stay up side by side, one "
+                    "busy at a time), then run N concurrent agents of M turns each (growing "
+                    "conversations, tool gaps drawn from a log-normal fitted to production "
+                    "agent traces, scaled by --time-scale) in each mode, each run through a "
+                    "router of its own started with the mode's flags on its profile's "
+                    "instances. Modes: " + modes + ". --repeats "
                     "times, the order of the modes rotated each repeat (off,stock-cond,on / "
                     "stock-cond,on,off / ...), the same scripts in every run with new words. "
                     "Prints the configuration (prefix cache, instances, decode KV blocks, "
@@ -71,11 +75,15 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "then kvturn ('on') against every stock mode that ran: the ratios of "
                     "every repeat, pooled ratios with bootstrap intervals and whether kvturn "
                     "was never slower, headlined against the strongest stock mode (lowest "
-                    "pooled TTFT p50 of turns 2+). Writes every turn and sample as JSON and a "
+                    "pooled TTFT p50 of turns 2+); the same for kvturn-offload. Prompt tokens "
+                    "the offload instances loaded from their host tier are counted from "
+                    "vLLM's metrics (host). Writes every turn and sample as JSON and a "
                     "PNG plot. The default run (3 modes, 3 repeats) takes about 10 minutes on "
                     "a 2-core machine; --profile long several times that. The three standard "
                     "scenarios: the defaults (a roomy decode, 64-token replies), --max-tokens "
-                    "256, and --decode-blocks 320 --agents 16 (a decode short of KV).")
+                    "256, and --decode-blocks 320 --agents 16 (a decode short of KV); add "
+                    "--modes off,stock-cond,stock-cond-offload,on,kvturn-offload for the host "
+                    "tier.")
     add_agents_args(p, d, seeded="the gaps and the generated text",
                     state="model, logs and state of the benchmark stack")
     p.add_argument("--turns", type=int, default=d.turns,
@@ -119,6 +127,7 @@ def add_agent_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                    help="the decode's KV blocks (vLLM --num-gpu-blocks-override; 128 tokens "
                         "each on CPU): a decode short of KV for the active conversations, "
                         "e.g. 320 with --agents 16 (default: what --kv-cache-gib gives)")
+    add_host_tier_arg(p, d.host_tier_multiple)
     p.add_argument("--router-arg", action="append", default=None, metavar="ARG",
                    help="one more `kvturn router` argument for every mode's router (and the "
                         "warm-up's), after the mode's own flags (repeatable), e.g. "

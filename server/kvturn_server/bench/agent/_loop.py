@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 PLAIN, IDS, KVTURN = "plain", "ids", "kvturn"
 CLIENT_KINDS = (PLAIN, IDS, KVTURN)
 HEADER_CONVERSATION_ID = "X-Conversation-ID"
+# X-KVTurn-Reuse of a stream the decode continued alone: its usage says what was reused.
+PENDING = "pending"
 # What the benchmarks start vLLM with so that each streamed reply's usage says how many prompt
 # tokens the serving instance's cache supplied (prompt_tokens_details.cached_tokens).
 PROMPT_DETAILS_ARGS = ("--enable-prompt-tokens-details",)
@@ -95,7 +97,8 @@ async def stream_turn(target: Any, model: str, messages: list[Message], max_toke
                       extra_body: dict[str, Any] | None = None) -> str:
     """One streamed turn: fills ``record``'s timings (TTFT: request start to the first content
     chunk), usage (with the serving instance's ``prompt_tokens_details.cached_tokens`` where
-    vLLM runs with ``--enable-prompt-tokens-details``) and the router's reports; appends each
+    vLLM runs with ``--enable-prompt-tokens-details``) and the router's reports (a turn the
+    decode continued alone, ``pending`` in its headers, by those cached tokens); appends each
     content chunk's time to ``chunks`` as it arrives (a turn that fails midway keeps the ones
     it had); returns the text."""
     started = clock()
@@ -126,6 +129,17 @@ async def stream_turn(target: Any, model: str, messages: list[Message], max_toke
                 if first_finish is None:
                     first_finish = clock()
     ended = clock()
+    cached = record.cached_tokens
+    if record.reuse == PENDING and cached is not None and record.prompt_tokens is not None:
+        # A turn the decode continued alone: its headers preceded the decode's work; what its
+        # cache supplied is the usage's cached tokens, settled as the router and SDK do.
+        import kvturn
+
+        settled = kvturn.TurnInfo(
+            "", "chat", PENDING, 0, None, None, None, 1, True,
+            header_int(got.get("x-kvturn-block-size")) or None,
+        ).settled(record.prompt_tokens, cached)
+        record.reuse, record.reused_tokens = settled.reuse, settled.reused_tokens
     # A reply without text (the model's first token ends it) has its first token at the end.
     first = chunks[0] if chunks else first_finish
     record.ttft_ms = None if first is None else round((first - started) * 1000, 3)

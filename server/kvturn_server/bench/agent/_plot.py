@@ -22,7 +22,8 @@ def write_plot(results: dict[str, Any], path: Path) -> bool:
     if plt is None:
         return False
     colors = {"off": "tab:red", "stock-cond": "tab:orange", "stock-cond-2k": "tab:brown",
-              "on": "tab:blue"}
+              "stock-cond-offload": "tab:purple", "on": "tab:blue",
+              "kvturn-offload": "tab:cyan"}
     labels = {m.name: m.title for m in MODE_TABLE}
     fig, (ax_ttft, ax_itl, ax_mem, ax_tok) = plt.subplots(1, 4, figsize=(21, 4.8))
     for mode, summary in results["modes"].items():

@@ -48,17 +48,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvturn_server._cli_common import write_json
 from kvturn_server.bench._cli import bench_client, write_plot_and_say
 from kvturn_server.bench._host import describe_cpu, host_info
+from kvturn_server.bench._profiles import PLAIN as PLAIN_PROFILE
+from kvturn_server.bench._profiles import ProfileFleets, describe_host_tier, needed
 from kvturn_server.bench._sampling import PeriodicSampler, loadavg, retained_bytes, wait_released
 from kvturn_server.bench.agent._loop import (
     IDS,
-    PROMPT_DETAILS_ARGS,
     Live,
     chunk_gaps_ms,
     progress,
@@ -75,7 +76,9 @@ from kvturn_server.bench.agent._workload import (
     PREFILLS,
     AgentBenchSettings,
     AgentScript,
+    agent_fleet_config,
     build_scripts,
+    instance_profiles,
     mode_order,
 )
 from kvturn_server.local._metrics import PromptSources
@@ -83,7 +86,7 @@ from kvturn_server.local._progress import ProgressLine
 
 if TYPE_CHECKING:
     import kvturn
-    from kvturn_server.local._fleet import Fleet, FleetConfig
+    from kvturn_server.local._fleet import Fleet
 
 # One agent: the shared loop (``_loop``) as the mode's client kind.
 
@@ -262,7 +265,8 @@ async def run_mode(mode: str, settings: AgentBenchSettings, client: kvturn.Async
     table_mode = MODES_BY_NAME[mode]
     say(f"{tag} {settings.agents} agents x {settings.turns} turns, starting "
         f"{settings.stagger_s:g} s apart; {table_mode.label}, router "
-        f"{' '.join(router_args(mode, settings)) or '(defaults)'}, client {table_mode.client}")
+        f"{' '.join(router_args(mode, settings)) or '(defaults)'}, client {table_mode.client}, "
+        f"{table_mode.profile} instances")
 
     def held_now() -> int | None:
         latest = sampler.latest()
@@ -306,31 +310,40 @@ async def warm_up(client: kvturn.AsyncOpenAI, model: str, settings: AgentBenchSe
     return [r.ttft_ms for r in records if r.ttft_ms is not None]
 
 
-async def measure(settings: AgentBenchSettings, connect: Connect, model: str, probe: Probe, *,
+async def measure(settings: AgentBenchSettings, connect: Connect | Mapping[str, Connect],
+                  model: str, probe: Probe | Mapping[str, Probe], *,
                   say: Callable[[str], None] = print,
                   sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
                   clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
-    """Warm up, then ``settings.repeats`` times every mode, in ``settings.modes`` order
-    rotated by the repeat (``mode_order``), each run through a router of its own
-    (``connect``); the results document."""
+    """Warm up the instances of every profile the modes use, then ``settings.repeats`` times
+    every mode, in ``settings.modes`` order rotated by the repeat (``mode_order``), each run
+    through a router of its own (``connect``) on its profile's instances (``probe`` reads
+    them; either may be one for every profile); the results document."""
     load_start = loadavg()
-    warm: list[float] = []
+    profiles = needed(MODES_BY_NAME[m].profile for m in settings.modes)
+    connects = connect if isinstance(connect, Mapping) else dict.fromkeys(profiles, connect)
+    probes = probe if isinstance(probe, Mapping) else dict.fromkeys(profiles, probe)
+    warm: dict[str, list[float]] = {}
     if settings.warmup:
-        async with connect("router-warm-up", (*settings.router_args,
-                                              *WARM_UP_ROUTER_ARGS)) as client:
-            warm = await warm_up(client, model, settings, clock)
+        for profile in profiles:
+            name = "router-warm-up" + ("" if profile == PLAIN_PROFILE else f"-{profile}")
+            async with connects[profile](name, (
+                    *settings.router_args, *WARM_UP_ROUTER_ARGS)) as client:
+                warm[profile] = await warm_up(client, model, settings, clock)
     runs = []
     for repeat in range(settings.repeats):
         for mode in mode_order(settings.modes, repeat):
-            async with connect(f"router-{mode}-r{repeat}", router_args(mode, settings)) \
-                    as client:
-                runs.append(await run_mode(mode, settings, client, model, probe,
+            profile = MODES_BY_NAME[mode].profile
+            async with connects[profile](f"router-{mode}-r{repeat}",
+                                         router_args(mode, settings)) as client:
+                runs.append(await run_mode(mode, settings, client, model, probes[profile],
                                            repeat=repeat, say=say, sleep=sleep, clock=clock))
     held: dict[str, list[int | None]] = {}
     for run in runs:
         held.setdefault(run.mode, []).append(run.extra.get("retained_bytes_at_start"))
-    block_size = await asyncio.to_thread(probe.decode_block_size)
-    extra = {"warmup_ttft_ms": warm,
+    block_size = await asyncio.to_thread(probes[profiles[0]].decode_block_size)
+    extra = {"warmup_ttft_ms": warm.get(PLAIN_PROFILE, []),
+             "warmup_ttft_ms_by_profile": warm,
              "load_average": {"start": list(load_start), "end": list(loadavg())},
              "retained_bytes_at_mode_start": held}
     return build_results(settings, runs, extra,
@@ -339,27 +352,11 @@ async def measure(settings: AgentBenchSettings, connect: Connect, model: str, pr
 
 # The instances.
 
-def agent_fleet_config(settings: AgentBenchSettings) -> FleetConfig:
-    """1 prefill + 1 decode on the chosen model (no router: each run starts its own), leases
-    scaled like the tool gaps, the decode's blocks as ``--decode-blocks`` sets them."""
-    from kvturn_server.local._fleet import FleetConfig
-    from kvturn_server.local._model import SIZES
-
-    return FleetConfig(
-        state_dir=settings.state_dir, prefills=PREFILLS, decodes=DECODES,
-        model_size=settings.size, served_model_name=f"kvturn-{settings.size}",
-        max_model_len=SIZES[settings.size].max_positions, kv_cache_gib=settings.kv_cache_gib,
-        decoder_kv_blocks_ttl=settings.retention_ttl,
-        prefill_prefix_caching=settings.prefill_prefix_cache,
-        decode_num_blocks=settings.decode_blocks, extra_vllm_args=PROMPT_DETAILS_ARGS)
-
-
 def run_agent_bench(settings: AgentBenchSettings,
                     say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Start the prefill and the decode, run the modes (a router each run), stop everything;
-    print a table, write the JSON and the plot when their paths are set; return the
-    results."""
-    from kvturn_server.local._fleet import Fleet
+    """Start the prefill and the decode of every instance profile the modes use, run the modes
+    (a router each run, on its profile's instances), stop everything; print a table, write the
+    JSON and the plot when their paths are set; return the results."""
     from kvturn_server.local._model import SIZES
 
     settings.check_fits(SIZES[settings.size].max_positions)
@@ -369,28 +366,37 @@ def run_agent_bench(settings: AgentBenchSettings,
         f" p99 {gaps.quantile(0.99):.2f} s (trace x{settings.time_scale:g}); lease "
         f"{settings.retention_ttl:g} s, keepalive every {settings.keepalive_interval:g} s")
     orders = " / ".join(",".join(mode_order(settings.modes, r)) for r in range(settings.repeats))
+    profiles = instance_profiles(settings)
     say(f"configuration: prefill prefix cache "
         f"{'ON (vLLM default)' if settings.prefill_prefix_cache else 'OFF'}; {PREFILLS} prefill "
         f"+ {DECODES} decode"
         + (f" of {settings.decode_blocks} KV blocks" if settings.decode_blocks else "")
+        + (" per instance profile, side by side" if len(profiles) > 1 else "")
         + f" + a router per run; replies: {settings.reply_text()}; {settings.repeats} "
         f"repeat(s), order {orders}; host: {describe_cpu(host_info())}"
         + (f"; every router also {' '.join(settings.router_args)}" if settings.router_args
            else ""))
+    for profile, entry in profiles.items():
+        say(f"  {profile} instances ({', '.join(entry['modes'])}): "
+            f"{describe_host_tier(entry['host_tier'])}")
     for mode in settings.modes:
         say(f"  {MODES_BY_NAME[mode].title}: router "
             f"{' '.join(router_args(mode, settings)) or '(defaults)'}; "
             f"{MODES_BY_NAME[mode].stands_for}")
-    say(f"starting 1 prefill + 1 decode ({settings.size} model); logs in "
-        f"{cfg.state_dir / 'logs'}")
-    with Fleet(cfg, die_with_parent=True) as fleet:
-        fleet.start(progress=ProgressLine())
-        prefill, decode = fleet.prefills[0], fleet.decodes[0]
-        probe = HttpProbe(prefill.url, decode.url, decode.control_url)
-        routers = FleetRouters(fleet, settings)
-        results = asyncio.run(measure(settings, routers, cfg.model_name, probe, say=say))
-        results["stack"] = {**cfg.describe(), "startup_s": fleet.startup_seconds,
-                            "router_startup_s": routers.startup_s}
+    with ProfileFleets(cfg, profiles, settings.host_tier_multiple) as fleets:
+        fleets.start(progress=ProgressLine, say=say)
+        probes: dict[str, Probe] = {}
+        routers: dict[str, FleetRouters] = {}
+        for profile, fleet in fleets.fleets.items():
+            prefill, decode = fleet.prefills[0], fleet.decodes[0]
+            probes[profile] = HttpProbe(prefill.url, decode.url, decode.control_url)
+            routers[profile] = FleetRouters(fleet, settings)
+        results = asyncio.run(measure(settings, routers, cfg.model_name, probes, say=say))
+        first = fleets.fleets[next(iter(fleets.fleets))]
+        results["stack"] = {**cfg.describe(), "startup_s": first.startup_seconds,
+                            "router_startup_s": {name: seconds for r in routers.values()
+                                                 for name, seconds in r.startup_s.items()},
+                            "profiles": fleets.describe()}
     say(table(results))
     if settings.json_path is not None:
         write_json(results, settings.json_path)

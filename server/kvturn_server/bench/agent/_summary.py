@@ -1,19 +1,24 @@
 """What ``kvturn bench agent`` measured, summarized: each mode's summary per repeat, the
-medians and spreads over the repeats, kvturn's comparison with every stock mode that ran (the
-same ratios, verdicts and pooled intervals against each), the headline against the strongest
-of them, and the JSON document (``build_results``); the table is in ``_report``, the plot in
-``_plot``.
+medians and spreads over the repeats, each kvturn mode's comparison with every stock mode that
+ran (the same ratios, verdicts and pooled intervals against each), the headline against the
+strongest of them, and the JSON document (``build_results``); the table is in ``_report``, the
+plot in ``_plot``.
 
 The JSON keeps ``comparison`` as it was before the stock modes beyond ``off`` existed: kvturn
-against ``off`` (stock P/D), keys ``X_off_over_on``; ``comparisons[base]`` has the same for
-every stock mode ``base`` with keys ``X_base_over_on``, and ``headline`` names the strongest.
+(``on``) against ``off`` (stock P/D), keys ``X_off_over_on``; ``comparisons[base]`` has the same
+for every stock mode ``base`` with keys ``X_base_over_on``, and ``headline`` names the
+strongest. ``comparisons_by_mode[m][base]`` and ``headlines[m]`` have them for every kvturn mode
+``m`` that ran (``on``, ``kvturn-offload``), under the same keys: there ``on`` stands for ``m``.
 
 Computed prompt tokens are counted on both instances (``vllm:prompt_tokens_by_source_total``,
 source ``local_compute``): the prefill's, the decode's, and their sum, which the comparison
 uses. In plain P/D the decode computes only the prompt tokens it could not read from the
 prefill (none, or a last partial token); where the router lets the decode continue a turn
 itself (``X-KVTurn-Route: decode``), the decode computes that turn's new tokens, and a
-comparison of the prefill's count alone would flatter kvturn.
+comparison of the prefill's count alone would flatter kvturn. On the offload profile's
+instances the tokens vLLM's CPU offloading loaded from a host tier are counted too
+(``vllm:prompt_tokens_cached_by_source_total{source="host"}``, ``host_tokens``): kvturn's own
+reuse report counts only what the decode's device cache held.
 """
 
 from __future__ import annotations
@@ -27,20 +32,21 @@ from typing import Any
 from kvturn_server.bench._host import host_info
 from kvturn_server.bench._stats import (
     MIB,
+    STRONGEST_RULE,
     at_path,
     bootstrap_ratio,
     cdf_points,
     distribution,
-    lowest,
     median_tree,
     percentile,
     ratio,
-    rounded,
     spread,
+    strongest,
     turn_summary,
 )
 from kvturn_server.bench.agent._modes import (
     KVTURN_MODE,
+    KVTURN_MODES,
     MODE_TABLE,
     MODES,
     MODES_BY_NAME,
@@ -55,6 +61,7 @@ from kvturn_server.bench.agent._workload import (
     AgentBenchSettings,
     agent_shape,
     build_scripts,
+    instance_profiles,
 )
 from kvturn_server.local._metrics import PromptSources
 
@@ -90,7 +97,8 @@ MODES_NOTE = (
 DECODE_TURNS_NOTE = (
     "decode_turns: the later turns the router ran on the decode alone (route decode; stock-cond "
     "and kvturn), counted from vLLM's own per-request report (usage.prompt_tokens_details."
-    "cached_tokens, the instances run with --enable-prompt-tokens-details): found_history = "
+    "cached_tokens, the instances run with --enable-prompt-tokens-details; it counts what the "
+    "device cache and, on the offload instances, the host tier supplied): found_history = "
     "the decode's cache supplied at least every full block of the previous turn's prompt, "
     "missed_history = it did not (that turn recomputed history); computed_tokens = prompt - "
     "cached over those turns, what the decode computed for them")
@@ -109,7 +117,8 @@ def _delta(after: PromptSources | None, before: PromptSources | None) -> dict[st
     if after is None or before is None:
         return None
     d = after - before
-    return {"computed": d.computed, "local_cache": d.local_cache, "transferred": d.transferred}
+    return {"computed": d.computed, "local_cache": d.local_cache, "transferred": d.transferred,
+            "host": d.host}
 
 
 def _sum(*values: float | None) -> float | None:
@@ -161,6 +170,7 @@ def summarize(run: ModeRun, planned_turns: int,
     decode_computed = None if decode is None else decode["computed"]
     return {
         "mode": run.mode,
+        "profile": MODES_BY_NAME[run.mode].profile if run.mode in MODES_BY_NAME else None,
         "repeat": run.repeat,
         "agents": len(run.agents),
         "turns_planned": planned_turns,
@@ -183,6 +193,8 @@ def summarize(run: ModeRun, planned_turns: int,
         "prefill_computed_tokens": prefill_computed,
         "decode_computed_tokens": decode_computed,
         "computed_tokens": _sum(prefill_computed, decode_computed),
+        "host_tokens": _sum(None if prefill is None else prefill["host"],
+                            None if decode is None else decode["host"]),
         "prefill_tokens": prefill,
         "decode_tokens": decode,
         "reuse": {"outcomes": dict(sorted(outcomes.items())),
@@ -201,12 +213,12 @@ def summarize(run: ModeRun, planned_turns: int,
 
 
 def compare(summaries: dict[str, dict[str, Any]], base: str = "off",
-            tag: str = LEGACY) -> dict[str, Any] | None:
-    """One repeat's ratios of kvturn (``on``) against ``base``, keys naming ``base`` as ``tag``
-    (``direction``); None unless both modes ran."""
-    if base not in summaries or KVTURN_MODE not in summaries:
+            tag: str = LEGACY, mine: str = KVTURN_MODE) -> dict[str, Any] | None:
+    """One repeat's ratios of the kvturn mode ``mine`` against ``base``, keys naming ``base``
+    as ``tag`` and ``mine`` as ``on`` (``direction``); None unless both modes ran."""
+    if base not in summaries or mine not in summaries:
         return None
-    b, on = summaries[base], summaries[KVTURN_MODE]
+    b, on = summaries[base], summaries[mine]
     out: dict[str, Any] = {}
     for key in ("ttft_ms", "ttft_ms_turn1", "ttft_ms_turn2plus", "itl_ms"):
         for q in ("p50", "p90", "p99"):
@@ -229,8 +241,8 @@ HEADLINE: dict[str, tuple[str, ...]] = {
     "itl_ms_p99": ("itl_ms", "p99"), "tpot_ms_p50": ("tpot_ms", "p50"),
     "prefill_computed_tokens": ("prefill_computed_tokens",),
     "decode_computed_tokens": ("decode_computed_tokens",),
-    "computed_tokens": ("computed_tokens",), "turns_per_s": ("turns_per_s",),
-    "retained_mib_max": ("retained_mib", "max"),
+    "computed_tokens": ("computed_tokens",), "host_tokens": ("host_tokens",),
+    "turns_per_s": ("turns_per_s",), "retained_mib_max": ("retained_mib", "max"),
 }
 
 
@@ -292,10 +304,11 @@ def pooled_ttft(runs: Sequence[ModeRun], mode: str,
 
 
 def pooled_comparison(runs: Sequence[ModeRun], base: str = "off",
-                      tag: str = LEGACY) -> dict[str, Any] | None:
-    """The ``base``/on TTFT ratios over every repeat's turns pooled (``POOLED_NOTE``)."""
+                      tag: str = LEGACY, mine: str = KVTURN_MODE) -> dict[str, Any] | None:
+    """The ``base``/``mine`` TTFT ratios over every repeat's turns pooled (``POOLED_NOTE``;
+    ``mine`` keyed ``on``)."""
     ttft = {side: {scope: pooled_ttft(runs, mode, keep) for scope, keep in POOLED_SCOPES.items()}
-            for side, mode in ((tag, base), ("on", KVTURN_MODE))}
+            for side, mode in ((tag, base), ("on", mine))}
     if not ttft[tag]["all"] or not ttft["on"]["all"]:
         return None
     out: dict[str, Any] = {"note": POOLED_NOTE.format(base=base),
@@ -310,12 +323,14 @@ def pooled_comparison(runs: Sequence[ModeRun], base: str = "off",
     return out
 
 
-def tail_makeup(runs: Sequence[ModeRun], q: float) -> dict[int, dict[str, int]]:
-    """Per repeat, the on mode's turns at or above its own TTFT quantile ``q``: how many, and
-    how many of them are first turns (which kvturn cannot speed up: nothing to reuse)."""
+def tail_makeup(runs: Sequence[ModeRun], q: float,
+                mine: str = KVTURN_MODE) -> dict[int, dict[str, int]]:
+    """Per repeat, the kvturn mode ``mine``'s turns at or above its own TTFT quantile ``q``:
+    how many, and how many of them are first turns (which kvturn cannot speed up: nothing to
+    reuse)."""
     out: dict[int, dict[str, int]] = {}
     for run in runs:
-        if run.mode != KVTURN_MODE:
+        if run.mode != mine:
             continue
         ok = [r for r in run.records if r.ok and r.ttft_ms is not None]
         cut = percentile([r.ttft_ms for r in ok if r.ttft_ms is not None], q)
@@ -342,13 +357,14 @@ def aggregate_comparison(per_repeat: Sequence[dict[str, Any]], tag: str = LEGACY
 
 
 def against(runs: Sequence[ModeRun], per_repeat: Sequence[dict[str, Any]], base: str,
-            tag: str) -> dict[str, Any] | None:
-    """kvturn against ``base``: every repeat's ratios aggregated, the pooled ratios with
-    their intervals and verdict, and which of the on mode's tail turns are first turns."""
+            tag: str, mine: str = KVTURN_MODE) -> dict[str, Any] | None:
+    """The kvturn mode ``mine`` against ``base``: every repeat's ratios aggregated, the pooled
+    ratios with their intervals and verdict, and which of ``mine``'s tail turns are first
+    turns."""
     cmp = aggregate_comparison(per_repeat, tag, base)
     if cmp is None:
         return None
-    pooled = pooled_comparison(runs, base, tag)
+    pooled = pooled_comparison(runs, base, tag, mine)
     checks = [f"ttft_ms_all_{q}_{tag}_over_on" for q in ("p50", "p90", "p99")] + [
         f"ttft_ms_turn2plus_p50_{tag}_over_on"]
     values = [None if pooled is None else pooled[k]["ratio"] for k in checks]
@@ -356,9 +372,9 @@ def against(runs: Sequence[ModeRun], per_repeat: Sequence[dict[str, Any]], base:
         v is not None and v >= 1.0 for v in values)
     out = {**cmp, "verdict": {**cmp["verdict"], "pooled_never_slower": pooled_ok},
            "pooled": pooled,
-           "on_tail_makeup": {"p90": {str(k): v for k, v in tail_makeup(runs, 0.9).items()},
-                              "p99": {str(k): v for k, v in tail_makeup(runs, 0.99).items()}}}
-    return {"base": base, **out} if tag == BASE else out
+           "on_tail_makeup": {q: {str(k): v for k, v in tail_makeup(runs, x, mine).items()}
+                              for q, x in (("p90", 0.9), ("p99", 0.99))}}
+    return {"base": base, "mode": mine, **out} if tag == BASE else out
 
 
 def _renamed(key: str) -> str:
@@ -381,24 +397,21 @@ def legacy_comparison(off: dict[str, Any] | None) -> dict[str, Any] | None:
     LEGACY)`` without computing the bootstrap intervals twice."""
     if off is None:
         return None
-    out: dict[str, Any] = _legacy({k: v for k, v in off.items() if k != "base"})
+    out: dict[str, Any] = _legacy({k: v for k, v in off.items() if k not in ("base", "mode")})
     out["direction"] = DIRECTION
     return out
 
 
 # The strongest stock mode, and kvturn's targets against it (issue 25's "done when").
 
-STRONGEST_RULE = ("the stock mode with the lowest TTFT p50 of turns 2+ (every repeat's turns "
-                  "pooled): the turns a baseline can serve from the decode's cache")
 TARGET_TURN2PLUS_TIGHT = 1.3
 
 
 def strongest_stock(runs: Sequence[ModeRun]) -> tuple[str | None, dict[str, float | None]]:
-    """The strongest stock mode that ran (``STRONGEST_RULE``) and every stock mode's pooled
-    TTFT p50 of turns 2+ (ms)."""
-    p50 = {mode: rounded(percentile(pooled_ttft(runs, mode, POOLED_SCOPES["turn2plus"]), 0.5))
-           for mode in STOCK_MODES if any(run.mode == mode for run in runs)}
-    return lowest(p50), p50
+    """The strongest stock mode that ran (``STRONGEST_RULE``, the one every benchmark
+    headlines against) and every stock mode's pooled TTFT p50 of turns 2+ (ms)."""
+    return strongest({mode: pooled_ttft(runs, mode, POOLED_SCOPES["turn2plus"])
+                      for mode in STOCK_MODES if any(run.mode == mode for run in runs)})
 
 
 def _target(value: float | None, target: float, at_least: bool) -> dict[str, Any]:
@@ -407,11 +420,11 @@ def _target(value: float | None, target: float, at_least: bool) -> dict[str, Any
 
 
 def headline(runs: Sequence[ModeRun], comparisons: dict[str, Any],
-             modes: dict[str, Any]) -> dict[str, Any] | None:
-    """kvturn against the strongest stock mode: which one it is, why, and the targets: TTFT
-    p50/p90/p99 base/on >= 1.0 (pooled and every repeat), computed tokens never more, turns
-    2+ p50 base/on >= 1.3 (the tight-decode scenario's bar), ITL p99 on/base no worse (pooled
-    gaps)."""
+             modes: dict[str, Any], mine: str = KVTURN_MODE) -> dict[str, Any] | None:
+    """The kvturn mode ``mine`` (``comparisons``: its own, by stock mode) against the
+    strongest stock mode: which one it is, why, and the targets: TTFT p50/p90/p99 base/on >=
+    1.0 (pooled and every repeat), computed tokens never more, turns 2+ p50 base/on >= 1.3
+    (the tight-decode scenario's bar), ITL p99 on/base no worse (pooled gaps)."""
     base, p50 = strongest_stock(runs)
     if base is None or comparisons.get(base) is None:
         return None
@@ -422,12 +435,13 @@ def headline(runs: Sequence[ModeRun], comparisons: dict[str, Any],
         entry = pooled.get(key)
         return None if entry is None else entry["ratio"]
 
-    itl = ratio(modes[KVTURN_MODE]["itl_ms_pooled"]["p99"], modes[base]["itl_ms_pooled"]["p99"])
+    itl = ratio(modes[mine]["itl_ms_pooled"]["p99"], modes[base]["itl_ms_pooled"]["p99"])
     v = cmp["verdict"]
     slowest = min((x for x in (pooled_ratio(f"ttft_ms_all_{q}_base_over_on")
                                for q in ("p50", "p90", "p99")) if x is not None), default=None)
     return {
-        "against": base, "label": MODES_BY_NAME[base].label, "chosen_by": STRONGEST_RULE,
+        "mode": mine, "against": base, "label": MODES_BY_NAME[base].label,
+        "chosen_by": STRONGEST_RULE,
         "ttft_ms_turn2plus_p50_pooled": p50,
         "targets": {
             "ttft_never_slower_pooled": _target(slowest, 1.0, True),
@@ -447,6 +461,7 @@ def configuration(settings: AgentBenchSettings, machine: dict[str, Any],
             "prefills": PREFILLS, "decodes": DECODES, "router": True,
             "routers": "one per run, started with its mode's flags",
             "decode_blocks": settings.decode_blocks,
+            "instances": instance_profiles(settings),
             "model": settings.size, "agents": settings.agents, "turns": settings.turns,
             "system_tokens": settings.system_tokens,
             "message_tokens": list(settings.message_tokens),
@@ -459,7 +474,9 @@ def configuration(settings: AgentBenchSettings, machine: dict[str, Any],
 COMPARISONS_NOTE = (
     "kvturn (on) against every stock mode that ran, keys X_base_over_on / X_on_over_base "
     "(base: the stock mode); comparison is the one against off (stock P/D) with the keys "
-    "X_off_over_on it has always had; headline names the strongest stock mode")
+    "X_off_over_on it has always had; headline names the strongest stock mode; "
+    "comparisons_by_mode and headlines have the same for every kvturn mode that ran "
+    "(kvturn-offload too), where on in a key stands for that mode")
 
 
 def build_results(settings: AgentBenchSettings, runs: Sequence[ModeRun],
@@ -476,15 +493,18 @@ def build_results(settings: AgentBenchSettings, runs: Sequence[ModeRun],
         by_repeat.setdefault(run.repeat, []).append(run)
     ran = [m for m in MODES if any(r.mode == m for r in runs)]
     stock = [m for m in STOCK_MODES if m in ran]
+    kvturn = [m for m in KVTURN_MODES if m in ran]
     repeats: list[dict[str, Any]] = []
-    rows: dict[str, list[dict[str, Any]]] = {base: [] for base in stock}
+    rows: dict[str, dict[str, list[dict[str, Any]]]] = {
+        mine: {base: [] for base in stock} for mine in kvturn}
     for repeat, group in sorted(by_repeat.items()):
         summaries = {run.mode: summarize(run, planned, block_size) for run in group}
         order = [run.mode for run in group]
-        for base in stock:
-            cmp = compare(summaries, base, BASE)
-            if cmp is not None:
-                rows[base].append({"repeat": repeat, "order": order, **cmp})
+        for mine in kvturn:
+            for base in stock:
+                cmp = compare(summaries, base, BASE, mine)
+                if cmp is not None:
+                    rows[mine][base].append({"repeat": repeat, "order": order, **cmp})
         legacy = compare(summaries)
         repeats.append({"repeat": repeat, "order": order, "modes": summaries,
                         "comparison": None if legacy is None else {
@@ -494,8 +514,10 @@ def build_results(settings: AgentBenchSettings, runs: Sequence[ModeRun],
                                   [rep["modes"][mode] for rep in repeats
                                    if mode in rep["modes"]])
              for mode in dict.fromkeys(modes_seen)}
-    comparisons = {base: against(runs, rows[base], base, BASE) for base in stock
-                   if rows[base]}
+    by_mode = {mine: {base: against(runs, rows[mine][base], base, BASE, mine)
+                      for base in stock if rows[mine][base]} for mine in kvturn}
+    headlines = {mine: headline(runs, by_mode[mine], modes, mine) for mine in kvturn}
+    comparisons = by_mode.get(KVTURN_MODE, {})
     gaps = settings.gaps
     shapes = {agent: agent_shape(settings, agent) for agent in range(settings.agents)}
     drawn = {script.agent: list(script.gaps_s) for script in build_scripts(settings, MODES[0])}
@@ -523,8 +545,10 @@ def build_results(settings: AgentBenchSettings, runs: Sequence[ModeRun],
         "modes_note": MODES_NOTE,
         "modes": modes,
         "comparisons_note": COMPARISONS_NOTE,
-        "headline": headline(runs, comparisons, modes),
+        "headline": headlines.get(KVTURN_MODE),
         "comparisons": comparisons,
+        "headlines": headlines,
+        "comparisons_by_mode": by_mode,
         "comparison": legacy_comparison(comparisons.get("off")),
         "repeats": repeats,
         "agents": [asdict(a) for run in runs for a in run.agents],

@@ -8,10 +8,15 @@ import random
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvturn_server.bench.agent._modes import DEFAULT_MODES, MODES
+from kvturn_server.bench._profiles import HOST_TIER_MULTIPLE, host_tier, needed, profile_config
+from kvturn_server.bench.agent._loop import PROMPT_DETAILS_ARGS
+from kvturn_server.bench.agent._modes import DEFAULT_MODES, MODES, MODES_BY_NAME
 from kvturn_server.local._corpus import _WORDS
+
+if TYPE_CHECKING:
+    from kvturn_server.local._fleet import FleetConfig
 
 Z90 = 1.2815515655446004  # NormalDist().inv_cdf(0.9)
 Z99 = 2.3263478740408408  # NormalDist().inv_cdf(0.99)
@@ -45,8 +50,10 @@ REPLY_LENGTH_NOTE = (
     "came back shorter")
 
 ORDER_RATIONALE = (
-    "modes run one after the other on the same prefill and decode, each through a router of its "
-    "own started for its run, with the same scripts: the prefill's and "
+    "modes run one after the other on the same prefill and decode (per instance profile: the "
+    "offload modes on a pair of their own, kept up beside the plain pair and idle while the "
+    "other runs), each through a router of its own started for its run, with the same "
+    "scripts: the prefill's and "
     "the decode's computed-token counters and the decode's retained bytes are instance-wide, "
     "so a mode can only be measured by them while it has the stack to itself (interleaved "
     "agents would mix both modes in every sample and share the instances' time, so neither "
@@ -164,6 +171,8 @@ class AgentBenchSettings:
     ``kv_cache_gib`` gives): a decode short of KV for the active conversations."""
     router_args: tuple[str, ...] = ()
     """More ``kvturn router`` flags, for every mode's router."""
+    host_tier_multiple: float = HOST_TIER_MULTIPLE
+    """The offload modes' host tier, a multiple of each instance's device KV."""
     sample_interval_s: float = 0.5
     progress_interval_s: float = 5.0
     warmup: bool = True
@@ -189,6 +198,8 @@ class AgentBenchSettings:
             raise ValueError("--system-tokens and --max-tokens must be at least 1")
         if self.decode_blocks is not None and self.decode_blocks < 2:
             raise ValueError(f"--decode-blocks must be at least 2, got {self.decode_blocks}")
+        if not self.host_tier_multiple > 0:
+            raise ValueError(f"--host-tier must be positive, got {self.host_tier_multiple:g}")
         if self.stagger_s < 0 or not self.sample_interval_s > 0:
             raise ValueError("--stagger must be >= 0 and the sample interval positive")
         _ = self.gaps  # validates the distribution
@@ -386,3 +397,33 @@ def build_scripts(settings: AgentBenchSettings, mode: str,
                                    system_words=settings.system_tokens, message_words=sizes,
                                    reply_tokens=replies, repeat=repeat))
     return scripts
+
+
+# The instances.
+
+def agent_fleet_config(settings: AgentBenchSettings) -> FleetConfig:
+    """The plain profile's instances: 1 prefill + 1 decode on the chosen model (no router:
+    each run starts its own), leases scaled like the tool gaps, the decode's blocks as
+    ``--decode-blocks`` sets them. The offload profile's are these with a host tier
+    (``bench/_profiles.profile_config``)."""
+    from kvturn_server.local._fleet import FleetConfig
+    from kvturn_server.local._model import SIZES
+
+    return FleetConfig(
+        state_dir=settings.state_dir, prefills=PREFILLS, decodes=DECODES,
+        model_size=settings.size, served_model_name=f"kvturn-{settings.size}",
+        max_model_len=SIZES[settings.size].max_positions, kv_cache_gib=settings.kv_cache_gib,
+        decoder_kv_blocks_ttl=settings.retention_ttl,
+        prefill_prefix_caching=settings.prefill_prefix_cache,
+        decode_num_blocks=settings.decode_blocks, extra_vllm_args=PROMPT_DETAILS_ARGS)
+
+
+def instance_profiles(settings: AgentBenchSettings) -> dict[str, dict[str, Any]]:
+    """Per instance profile the modes run: which of ``settings.modes`` run on it and its host
+    tier (None: none), as the configuration states them."""
+    base = agent_fleet_config(settings)
+    return {profile: {
+        "modes": [m for m in settings.modes if MODES_BY_NAME[m].profile == profile],
+        "host_tier": host_tier(profile_config(base, profile, settings.host_tier_multiple),
+                               settings.host_tier_multiple)}
+        for profile in needed(MODES_BY_NAME[m].profile for m in settings.modes)}

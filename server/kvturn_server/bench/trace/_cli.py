@@ -13,6 +13,7 @@ from kvturn_server._cli_common import (
     comma_choices,
     settings_or_exit,
 )
+from kvturn_server.bench._cli import add_host_tier_arg
 from kvturn_server.bench.trace._plan import MODE_TABLE, MODES, REAL_KV_TOKENS, TraceBenchSettings
 from kvturn_server.bench.trace._run import load_plan, run_trace_bench
 from kvturn_server.bench.trace._scale import Scaling
@@ -40,7 +41,7 @@ def settings_from_args(args: argparse.Namespace) -> TraceBenchSettings:
         state_dir=args.state_dir, kv_cache_gib=args.kv_cache_gib,
         retention_ttl_s=args.retention_ttl, extra_router_args=tuple(args.router_arg or ()),
         gpu=args.gpu, vllm_args=tuple(args.vllm_arg or ()), warmup=args.warmup,
-        json_path=args.json, plot_path=args.plot)
+        host_tier_multiple=args.host_tier, json_path=args.json, plot_path=args.plot)
 
 
 def cmd_bench_trace(args: argparse.Namespace) -> int:
@@ -62,7 +63,8 @@ def add_trace_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     d = TraceBenchSettings()
     s = d.scaling
     modes = "; ".join(f"{m.name}: {m.stands_for} (router "
-                      f"{' '.join(m.router_args) or 'with no flags'}, client {m.client})"
+                      f"{' '.join(m.router_args) or 'with no flags'}, client {m.client}, "
+                      f"{m.profile} instances{'' if m.by_default else ', on request'})"
                       for m in MODE_TABLE)
     p: argparse.ArgumentParser = bench_subparsers.add_parser(
         "trace", help="replay recorded agent traces (Claude Code) on 1 prefill + 1 decode, "
@@ -79,24 +81,29 @@ def add_trace_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                     "model's 256 KiB per token on an H200: about 270k tokens, two or three "
                     "100k-token conversations), so neither the prefill nor the decode holds "
                     "every live conversation. Then replays them in every mode on the same "
-                    "instances, each through a router of its own, --repeats times with the "
+                    "instances (modes on other instance profiles on instances of their own, "
+                    "kept up beside: offload, vLLM's CPU KV offloading beside the kvturn "
+                    "connector with a host tier of --host-tier times each instance's device "
+                    "KV), each through a router of its own, --repeats times with the "
                     "order rotated and fresh words. Modes: " + modes + ". Prints the "
                     "configuration (factors, instances, KV sizing, host), per mode TTFT "
                     "p50/p90/p99 of all and of later turns, inter-token latency p50/p99, "
                     "prompt tokens computed (every instance), tokens moved from decodes, "
-                    "retained memory, turns/s and errors (median and range over repeats), and "
-                    "the best stock mode against kvturn per repeat and pooled with 95 % "
-                    "bootstrap intervals; writes JSON and a PNG. With the defaults the nine "
-                    "shared traces take 1.3-1.7 minutes a run on a 2-core machine: about 16 "
-                    "minutes in all for three modes, about 21 for all four.")
+                    "tokens loaded from a host tier, retained memory, turns/s and errors "
+                    "(median and range over repeats), and each kvturn mode against the "
+                    "strongest stock mode (the lowest pooled TTFT p50 of later turns) per "
+                    "repeat and pooled with 95 % bootstrap intervals, and against every stock "
+                    "mode pooled; writes JSON and a PNG. With the defaults the nine shared "
+                    "traces take 1.3-1.7 minutes a run on a 2-core machine: about 16 minutes "
+                    "in all for three modes, about 21 for the four default ones.")
     p.add_argument("traces", nargs="+", type=Path, metavar="TRACE",
                    help="trace files (.json: the shared agent-trace format; .jsonl: kvturn's "
                         "request lines) or folders of them, e.g. ../shared/traces/claude-code")
     add_output_args(p)
     p.add_argument("--modes", type=comma_choices(MODES, "modes"), default=d.modes,
                    metavar="MODE,...",
-                   help=f"which modes, in this order for the first repeat; later repeats rotate "
-                        f"it (default: {','.join(d.modes)})")
+                   help=f"which modes, of {', '.join(MODES)}, in this order for the first "
+                        f"repeat; later repeats rotate it (default: {','.join(d.modes)})")
     p.add_argument("--repeats", type=int, default=d.repeats,
                    help="rounds of every mode (default: %(default)s)")
     p.add_argument("--token-divisor", type=float, default=s.token_divisor,
@@ -151,6 +158,7 @@ def add_trace_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                         "(repeatable), e.g. --router-arg=--log-level=debug")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=d.warmup,
                    help="a warm-up conversation before the first run (default: on)")
+    add_host_tier_arg(p, d.host_tier_multiple)
     add_device_args(p, instances="every instance", example="--gpu-memory-utilization=0.28")
     p.set_defaults(func=cmd_bench_trace)
     return p

@@ -1,5 +1,6 @@
-"""What ``kvturn bench trace`` runs: the modes (one data table), the settings, each instance's
-KV sizing and the real deployment it stands for, and the order of the runs.
+"""What ``kvturn bench trace`` runs: the modes (one data table, each with the instances it runs
+on: ``bench/_profiles.py``), the settings, each instance's KV sizing and the real deployment it
+stands for, and the order of the runs.
 
 Nothing here starts a process; ``_run`` runs the plan.
 """
@@ -23,6 +24,7 @@ from kvturn_server.bench._fleet_plan import (
     kv_bytes_per_token,
     rotated,
 )
+from kvturn_server.bench._profiles import HOST_TIER_MULTIPLE, HOST_TIER_PEERS, OFFLOAD
 from kvturn_server.bench.trace._scale import ReplayPlan, Scaling
 
 # The modes. Router flags (before the thresholds are scaled, see ``router_args``) and the
@@ -39,12 +41,23 @@ MODE_TABLE: tuple[FleetMode, ...] = (
     FleetMode("stock-cond-2k", ("--no-kv-reuse", "--conditional-disagg", "2048"), IDS,
               "the same at 2,048 tokens, NVIDIA Dynamo's default (--router-conditional-disagg, "
               "isl_bounding)"),
+    FleetMode("stock-cond-offload", ("--no-kv-reuse", "--conditional-disagg", "512"), IDS,
+              "stock-cond on instances with " + HOST_TIER_PEERS + " (sources: vLLM "
+              "vllm/v1/kv_offload, OffloadingConnector; llm-d's P2P KV sharing and tiered "
+              "prefix cache guides; LMCache's CPU backend)", by_default=False, profile=OFFLOAD),
     FleetMode("kvturn", (), KVTURN,
               "kvturn's reuse with the router's defaults, each conversation a kvturn SDK "
               "conversation (leases kept through tool gaps, released at the end)"),
+    FleetMode("kvturn-offload", (), KVTURN,
+              "kvturn on the same instances as stock-cond-offload: kvturn's retention on the "
+              "decode with vLLM's CPU offloading's host tier behind it", by_default=False,
+              profile=OFFLOAD),
 )
 MODES: dict[str, FleetMode] = {m.name: m for m in MODE_TABLE}
 STOCK_MODES = tuple(m.name for m in MODE_TABLE if not m.kvturn)
+DEFAULT_MODES = tuple(m.name for m in MODE_TABLE if m.by_default)
+"""What runs unless ``--modes`` says otherwise (the offload modes on request: they start a
+second prefill and decode)."""
 
 # The real deployment each instance's KV stands for (issue 25): a 32B model's bf16 KV on one
 # H200 (141 GB) after the weights (~65 GB): about 70 GB, 270k tokens, two or three of the
@@ -68,7 +81,7 @@ class TraceBenchSettings:
     """Everything ``kvturn bench trace`` runs with (recorded in the JSON)."""
 
     traces: tuple[Path, ...] = ()
-    modes: tuple[str, ...] = tuple(MODES)
+    modes: tuple[str, ...] = DEFAULT_MODES
     """The first repeat's order; later repeats rotate it."""
     repeats: int = 3
     scaling: Scaling = field(default_factory=Scaling)
@@ -84,6 +97,8 @@ class TraceBenchSettings:
     extra_router_args: tuple[str, ...] = ()
     gpu: bool = False
     vllm_args: tuple[str, ...] = ()
+    host_tier_multiple: float = HOST_TIER_MULTIPLE
+    """The offload modes' host tier, a multiple of each instance's device KV."""
     warmup: bool = True
     sample_interval_s: float = 1.0
     progress_interval_s: float = 15.0
@@ -105,6 +120,12 @@ class TraceBenchSettings:
             raise ValueError("--real-kv-tokens must be at least 1")
         if self.retention_ttl_s is not None and not self.retention_ttl_s > 0:
             raise ValueError("--retention-ttl must be positive")
+        if not self.host_tier_multiple > 0:
+            raise ValueError(f"--host-tier must be positive, got {self.host_tier_multiple:g}")
+        if self.gpu and any(MODES[m].profile == OFFLOAD for m in self.modes):
+            raise ValueError("the offload modes size the host tier against the instances' "
+                             "device KV, known before start only on the CPU build: run them "
+                             "without --gpu")
 
     @property
     def retention_ttl(self) -> float:
@@ -155,6 +176,7 @@ class TraceBenchSettings:
         data["effective_retention_ttl_s"] = self.retention_ttl
         data["effective_keepalive_interval_s"] = self.keepalive_interval
         data["mode_router_args"] = {m: list(self.router_args(m)) for m in self.modes}
+        data["mode_profiles"] = {m: MODES[m].profile for m in self.modes}
         return data
 
 

@@ -11,7 +11,7 @@ from kvturn_server._plot import pyplot, save
 from kvturn_server.bench._stats import MIB
 
 COLORS = {"stock-pd": "tab:red", "stock-cond": "tab:orange", "stock-cond-2k": "tab:olive",
-          "kvturn": "tab:blue"}
+          "stock-cond-offload": "tab:purple", "kvturn": "tab:blue", "kvturn-offload": "tab:cyan"}
 
 
 def _bars(ax: Any, modes: dict[str, Any], metrics: tuple[str, ...],

@@ -1,7 +1,9 @@
 """Running ``kvturn bench trace``: read and scale the traces, start the instances (a
-``kvturn_server.local.Fleet``: 1 prefill + 1 decode by default, each launched exactly as the
-local stack launches its own), warm them up, then every repeat of every mode through a router
-started for that run, and write the results.
+``kvturn_server.local.Fleet`` per instance profile the modes use, ``bench/_profiles.py``: 1
+prefill + 1 decode by default, each launched exactly as the local stack launches its own; the
+offload modes' beside the plain ones, with a host tier), warm them up, then every repeat of
+every mode through a router started for that run on its profile's instances, and write the
+results.
 
 One run is one mode with the instances to themselves (every counter read is instance-wide):
 every conversation of the plan, concurrently, each as the mode's client kind sends it (the
@@ -20,6 +22,13 @@ from kvturn_server.bench._fleet import run_on_router, warm_up
 from kvturn_server.bench._fleet_agents import HttpFleetProbe, ModeRun
 from kvturn_server.bench._fleet_plan import CPU_BLOCK_SIZE
 from kvturn_server.bench._host import describe_cpu, host_info
+from kvturn_server.bench._profiles import (
+    ProfileFleets,
+    describe_host_tier,
+    host_tier,
+    needed,
+    profile_config,
+)
 from kvturn_server.bench._sampling import loadavg
 from kvturn_server.bench.trace._plan import (
     MODES,
@@ -73,23 +82,36 @@ def fleet_config(settings: TraceBenchSettings, plan: ReplayPlan) -> FleetConfig:
         kv_buffer_device=None if settings.gpu else "cpu", extra_vllm_args=settings.vllm_args)
 
 
+def instance_profiles(settings: TraceBenchSettings, plan: ReplayPlan) -> dict[str, Any]:
+    """Per instance profile the modes use: its modes and its host tier (None: none)."""
+    base = fleet_config(settings, plan)
+    return {p: {"modes": [m for m in settings.modes if MODES[m].profile == p],
+                "host_tier": host_tier(profile_config(base, p, settings.host_tier_multiple),
+                                       settings.host_tier_multiple)}
+            for p in needed(MODES[m].profile for m in settings.modes)}
+
+
 def configuration_line(settings: TraceBenchSettings, plan: ReplayPlan,
                        machine: dict[str, Any]) -> str:
     s = settings.scaling
+    profiles = instance_profiles(settings, plan)
     return (f"configuration: {len(plan.conversations)} conversations, {plan.requests} requests "
             f"a run; tokens x1/{s.token_divisor:g}, gaps capped at {s.max_gap_s:g} s then "
             f"x{s.time_scale:g}, lease {settings.retention_ttl:g} s; {settings.prefills} "
-            f"prefill + {settings.decodes} decode ({settings.size} model, prefix caching on), "
-            f"{instance_blocks(settings, plan)} blocks of {CPU_BLOCK_SIZE} each; "
-            f"{settings.repeats} repeats, order rotated; host {describe_cpu(machine)}")
+            f"prefill + {settings.decodes} decode"
+            + (" per instance profile, side by side" if len(profiles) > 1 else "")
+            + f" ({settings.size} model, prefix caching on), "
+            f"{instance_blocks(settings, plan)} blocks of {CPU_BLOCK_SIZE} each ("
+            + "; ".join(f"{p} for {', '.join(e['modes'])}: {describe_host_tier(e['host_tier'])}"
+                        for p, e in profiles.items())
+            + f"); {settings.repeats} repeats, order rotated; host {describe_cpu(machine)}")
 
 
 def run_trace_bench(settings: TraceBenchSettings,
                     say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Plan, start the instances, run every repeat of every mode, stop; print the table, write
-    the JSON (after every run, so a late failure keeps the earlier ones) and the plot."""
-    from kvturn_server.local._fleet import Fleet
-
+    """Plan, start the instances of every profile the modes use, run every repeat of every mode
+    on its profile's, stop; print the table, write the JSON (after every run, so a late failure
+    keeps the earlier ones) and the plot."""
     plan = load_plan(settings)
     machine = host_info()
     cfg = fleet_config(settings, plan)
@@ -99,11 +121,14 @@ def run_trace_bench(settings: TraceBenchSettings,
     runs: list[ModeRun] = []
     load_start = loadavg()
     results: dict[str, Any] = {}
-    with Fleet(cfg, die_with_parent=True) as fleet:
-        fleet.start(progress=ProgressLine())
-        probe = HttpFleetProbe([(i.name, i.url) for i in fleet.instances],
-                               [(d.name, d.control_url) for d in fleet.decodes])
-        info = probe.cache_info()
+    profiles = instance_profiles(settings, plan)
+    with ProfileFleets(cfg, profiles, settings.host_tier_multiple) as fleets:
+        fleets.start(progress=ProgressLine, say=say)
+        probes = {p: HttpFleetProbe([(i.name, i.url) for i in fleet.instances],
+                                    [(d.name, d.control_url) for d in fleet.decodes])
+                  for p, fleet in fleets.fleets.items()}
+        first = next(iter(fleets.fleets))
+        info = probes[first].cache_info()
         reported = next((int(v["num_gpu_blocks"]) for v in info.values()
                          if v and "num_gpu_blocks" in v), cfg.decode_num_blocks or 0)
         block_size = next((int(v["block_size"]) for v in info.values()
@@ -111,21 +136,27 @@ def run_trace_bench(settings: TraceBenchSettings,
         kv = kv_statement(settings, plan, reported, block_size)
         say(f"KV: each instance {kv['blocks']} blocks x {kv['block_size']} = "
             f"{kv['capacity_tokens']} tokens; stands for {kv['stands_for']}")
-        warm = warm_up(fleet, settings, say) if settings.warmup else {}
+        warm = {p: warm_up(f, settings, say, f"{p} instances: ")
+                for p, f in fleets.fleets.items()} if settings.warmup else {}
         order = run_order(settings)
         total = len(order) * len(settings.modes)
         for repeat, modes in order:
             for position, name in enumerate(modes):
                 args = settings.router_args(name)
+                profile = MODES[name].profile
                 say(f"run {len(runs) + 1}/{total}: repeat {repeat} {name} (router "
-                    f"{' '.join(args) or 'defaults'})")
+                    f"{' '.join(args) or 'defaults'}; {profile} instances)")
                 runs.append(run_on_router(
-                    fleet, MODES[name], args, SCENARIO, repeat, position,
-                    scripts(plan, name, repeat, settings.seed), probe, settings, say,
+                    fleets.fleets[profile], MODES[name], args, SCENARIO, repeat, position,
+                    scripts(plan, name, repeat, settings.seed), probes[profile], settings, say,
                     "kvturn_server/bench/trace/_plan.py"))
                 results = build_results(settings, plan, runs, kv, machine, extra={
-                    "fleet": {**cfg.describe(), "startup_s": fleet.startup_seconds},
-                    "cache_info": info, "warmup_ttft_ms": warm,
+                    "fleet": {**cfg.describe(),
+                              "startup_s": fleets.fleets[first].startup_seconds,
+                              "profiles": fleets.describe()},
+                    "instances": profiles,
+                    "cache_info": info, "warmup_ttft_ms": warm.get(first, {}),
+                    "warmup_ttft_ms_by_profile": warm,
                     "order": [list(m) for _, m in order],
                     "load_average": {"start": list(load_start), "end": list(loadavg())}})
                 if settings.json_path is not None:

@@ -5,14 +5,16 @@ For each ``--policies`` entry a small stack of its own (prefill, decode, plain r
 kvturn's router; a decode of ``--decode-blocks`` blocks, ``--host-blocks`` of host tier on the
 prefill and the decode), then the scenario of ``tests/e2e/test_host_tier.py``:
 
-  1. a conversation A's first turn (P -> D, retained);
-  2. ``--one-offs`` requests of no conversation, which fill the host tier;
-  3. another conversation D whose long turn needs nearly every block of the decode: A's
-     retention leaves its device KV (live requests first) and its blocks are reused;
+  1. conversations A, B and C, a first turn each (P -> D, retained);
+  2. a keepalive of A (its agent runs a tool) and ``--one-offs`` requests of no conversation;
+  3. another conversation D whose long turn needs nearly every block of the decode: every
+     retention leaves its device KV (live requests first) and its blocks are reused, and in
+     host memory D's blocks need room;
   4. A's short next turn, which the router continues on the decode.
 
-``kvturn``: the host tier with kvturn's order (one-offs first); ``lru``: vLLM's own policy
-(``eviction_policy: "lru"``); ``off``: no host tier. Prints a JSON line per step (latency, the
+``kvturn``: the host tier with kvturn's order (no one-offs stored on the decode; the least
+recently used lease goes first: B); ``lru``: vLLM's own policy (``eviction_policy: "lru"``:
+A, stored first, goes first); ``off``: no host tier. Prints a JSON line per step (latency, the
 decode's prompt tokens by source, host-tier copies, the turn's reuse headers, whether the
 answer equals the reference's) and writes them all to ``--json``. Usage:
 
@@ -63,6 +65,14 @@ class Run:
         self.vocabulary = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz")
                                    for _ in range(rng.randint(3, 7))) for _ in range(300)]
         self.rows: list[dict[str, Any]] = []
+        self.headers = {"Content-Type": "application/json", "Authorization": "Bearer measure"}
+
+    def keepalive(self, conversation: str) -> None:
+        req = urllib.request.Request(
+            f"{self.cfg.router_url}/kvturn/v1/conversations/{conversation}/keepalive", b"{}",
+            self.headers)
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            resp.read()
 
     def text(self, tag: str, words: int) -> str:
         return tag + " " + " ".join(self.rng.choice(self.vocabulary) for _ in range(words))
@@ -75,8 +85,7 @@ class Run:
         if conversation is not None:
             body["conversation_id"] = conversation
         req = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json",
-                                      "Authorization": "Bearer measure"})
+                                     self.headers)
         started = time.perf_counter()
         with urllib.request.urlopen(req, timeout=600) as resp:
             reply = json.load(resp)
@@ -86,15 +95,18 @@ class Run:
     def step(self, tag: str, messages: list[dict[str, str]], conversation: str | None,
              max_tokens: int = 24) -> str:
         cfg = self.cfg
-        before = counters(cfg.decode_url)
+        before = counters(cfg.decode_url), counters(cfg.prefill_url)
         reply, head, seconds = self.chat(cfg.router_url, messages, conversation, max_tokens)
-        time.sleep(0.5)  # the finished request's last blocks are stored at the next step
+        # A finished request's last blocks are stored at the engine's next step: give it one,
+        # so that each step's copies are counted with it (a measurement, not a test).
+        time.sleep(0.5)
         row: dict[str, Any] = {"policy": self.policy, "step": tag, "ms": round(seconds * 1000),
                                "prompt": reply["usage"]["prompt_tokens"],
                                "route": head.get("x-kvturn-route"),
                                "reuse": head.get("x-kvturn-reuse"),
                                "reused": head.get("x-kvturn-reused-tokens"),
-                               "decode": delta(before, counters(cfg.decode_url))}
+                               "decode": delta(before[0], counters(cfg.decode_url)),
+                               "prefill": delta(before[1], counters(cfg.prefill_url))}
         if conversation is not None:
             plain, _, _ = self.chat(cfg.reference_url, messages, None, max_tokens)
             row["same_as_reference"] = (reply["choices"][0]["token_ids"]
@@ -106,6 +118,11 @@ class Run:
     def scenario(self, one_offs: int, short: int, long: int) -> None:
         a = [{"role": "user", "content": self.text("conversation A", short)}]
         a.append({"role": "assistant", "content": self.step("A1 P->D, retained", a, "A")})
+        for other in ("B", "C"):
+            self.step(f"{other}1 P->D, retained",
+                      [{"role": "user", "content": self.text(f"conversation {other}", short)}],
+                      other)
+        self.keepalive("A")
         for i in range(one_offs):
             self.step(f"one-off {i}", [{"role": "user", "content": self.text(f"one {i}", short)}],
                       None, max_tokens=4)

@@ -142,7 +142,10 @@ def test_resident_prefix_stops_at_the_first_gap() -> None:
     stored(order, "a0", "a1", "a2", "a3", conversation="A")
     assert order.resident_prefix("A") == 4
     order.remove(k("a1"))
-    assert order.resident_prefix("A") == 1
+    assert order.resident_prefix("A") == 1 and order.take_headless() == set()
+    order.remove(k("a0"))  # the head: nothing of A loads from here now
+    assert order.resident_prefix("A") == 0 and order.take_headless() == {"A"}
+    assert order.take_headless() == set()
     assert order.resident_prefix("nobody") == 0
 
 
@@ -184,9 +187,11 @@ def test_without_conversations_the_order_is_vllms_lru() -> None:
     assert victims(order, 1) == [("a1", NONE)]
 
 
-def test_a_decode_stores_conversations_only_everything_else_stores_every_request() -> None:
-    assert stores_request("A", leased=True) and not stores_request(None, leased=True)
-    assert stores_request("A", leased=False) and stores_request(None, leased=False)
+def test_one_offs_are_skipped_only_on_a_decode_told_to_skip_them() -> None:
+    assert not stores_request(None, leased=True, one_offs=False)
+    for leased, one_offs in ((True, True), (False, False), (False, True)):
+        assert stores_request(None, leased=leased, one_offs=one_offs)
+        assert stores_request("A", leased=leased, one_offs=one_offs)
 
 
 def test_residency_is_checked() -> None:

@@ -50,6 +50,7 @@ class Leases:
     def __init__(self) -> None:
         self.live: dict[str, LeaseView] = {}
         self.clock = 0.0
+        self.headless: list[set[str]] = []
 
     def lease(self, conversation: str, standing: Standing = Standing.LEASED) -> None:
         self.clock += 1
@@ -58,6 +59,9 @@ class Leases:
     def standings(self) -> dict[str, LeaseView]:
         return dict(self.live)
 
+    def lost_in_host(self, conversations: Any) -> None:
+        self.headless.append(set(conversations))
+
 
 @pytest.fixture
 def leases() -> Leases:
@@ -65,11 +69,11 @@ def leases() -> Leases:
 
 
 def manager(blocks: int, leases: Leases | None, policy: str = "kvturn",
-            events: bool = False) -> HostTierManager:
+            events: bool = False, one_offs: bool = True) -> HostTierManager:
     link = tier_link(f"engine-{uuid.uuid4().hex}")
     link.leases = leases
     built = HostTierManager(link=link, tokens_per_block=TOKENS, num_chunks=blocks,
-                            cache_policy=policy, enable_events=events)
+                            cache_policy=policy, enable_events=events, store_one_offs=one_offs)
     assert link.host is built
     return built
 
@@ -119,14 +123,23 @@ def test_a_leased_conversation_outlives_blocks_without_a_lease_where_lru_would_d
         request(m, "y1", keys("y", 4), "Y")  # needs 4 blocks: X's (kvturn) or A's (LRU)
         assert all(present(m, history)) is survives, policy
         assert m.resident_tokens("A") == (4 * TOKENS if policy == "kvturn" else 0)
+    # The keeper hears when a conversation's first block goes (X's, above): a lease held in
+    # host memory alone promises nothing then.
+    assert leases.headless == [{"X"}]
 
 
-def test_a_decode_stores_no_one_off_request_a_prefill_and_vllms_policies_do(
-        leases: Leases) -> None:
-    decode = manager(8, leases)
-    assert request(decode, "x1", keys("x", 4)) == []  # nothing stored, nothing evicted
-    assert decode.usage()["blocks_used"] == 0 and not any(present(decode, keys("x", 4)))
-    for other in (manager(8, None), manager(8, leases, "lru")):  # a prefill; vLLM's LRU
+def test_one_offs_go_first_and_a_decode_can_skip_them(leases: Leases) -> None:
+    m = manager(8, leases)
+    request(m, "a1", keys("a", 4), "A")
+    leases.lease("A")
+    request(m, "x1", keys("x", 4))
+    assert request(m, "y1", keys("y", 4)) == keys("x", 4)[::-1]  # the one-off's, tail first
+    assert all(present(m, keys("a", 4)))
+    kvturn_only = manager(8, leases, one_offs=False)  # no stock router drives this decode
+    assert request(kvturn_only, "x1", keys("x", 4)) == []  # nothing stored, nothing evicted
+    assert kvturn_only.usage()["blocks_used"] == 0
+    for other in (manager(8, None, one_offs=False),  # a prefill: no leases, no skipping
+                  manager(8, leases, "lru", one_offs=False)):  # vLLM's policy: neither
         request(other, "x1", keys("x", 4))
         assert all(present(other, keys("x", 4)))
 

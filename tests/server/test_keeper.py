@@ -741,3 +741,20 @@ def test_a_retention_larger_than_the_budget_is_kept_host_only(
     assert all_free(pool)
     view = keeper.describe("big")
     assert isinstance(view, dict) and view["where"] == "host" and view["host_tokens"] == 40
+
+
+def test_a_host_only_lease_whose_first_host_block_went_ends_at_the_next_service(
+        pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
+    keeper = host_keeper(pool, clock, host)
+    for key in ("a", "b"):
+        finish(pool, keeper, key, f"r-{key}", 4)
+        host.resident[key] = 4 * BS
+    keeper.make_room(pool.usable)  # both host-only now; not lost: their leases go on
+    assert keeper.lost.since(0).lost == []
+    host.resident.pop("a")
+    keeper.lost_in_host(["a", "nobody"])  # from inside a store: nothing happens yet
+    assert keeper.describe("b") != Gone("b", GoneReason.EVICTED) and keeper.due()
+    keeper.service()
+    assert keeper.lost.since(0).lost == [("a", "evicted", "kvturn-read/r-a")]
+    assert keeper.describe("a") == Gone("a", GoneReason.EVICTED)
+    assert host.discarded == [["a"]]

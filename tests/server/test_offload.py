@@ -158,6 +158,21 @@ def test_the_spec_keeps_vllms_manager_and_gives_a_host_copy_worker_on_cpu() -> N
     assert worker._host[0].shape == (spec.num_chunks, PAGE)
 
 
+def test_the_spec_builds_kvturns_manager_with_its_policy_and_settings() -> None:
+    from kvturn_server.offload._manager import HostTierManager
+    from kvturn_server.offload._policy import LeasedCachePolicy
+
+    spec = HostOffloadingSpec(offloading_config(
+        4096 * 10, eviction_policy="kvturn", store_one_offs=False, store_threshold=2))
+    manager = spec.get_manager()
+    assert isinstance(manager, HostTierManager) and spec.get_manager() is manager
+    assert isinstance(manager._policy, LeasedCachePolicy)
+    assert manager._policy.store_one_offs is False and manager.store_threshold == 2
+    assert manager.tokens_per_block == 16 and manager.usage()["blocks"] == spec.num_chunks
+    with pytest.raises(ValueError, match="store_one_offs"):
+        HostOffloadingSpec(offloading_config(4096, store_one_offs="no")).get_manager()
+
+
 def test_the_spec_refuses_the_canonical_layout_it_does_not_copy() -> None:
     config = offloading_config(4096 * 10)
     spec = HostOffloadingSpec(config)

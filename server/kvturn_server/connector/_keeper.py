@@ -91,6 +91,8 @@ class RetentionKeeper:
         self._to_free: list[Retention] = []
         # Conversations whose lease ended: their host blocks are freed on the engine thread.
         self._to_discard: list[str] = []
+        # Conversations whose first host block went: a host-only lease of theirs ends.
+        self._to_check: set[str] = set()
         self._wake: Callable[[], object] = lambda: None
         self._counted = {name: 0 for name in RETENTION_EVENTS}
         self.pending_events: list[str] = []
@@ -166,6 +168,7 @@ class RetentionKeeper:
         table = self._table
         if table is None:
             return
+        self._check_host()
         with self._lock:
             deadline = table.next_deadline()
             if not self._to_free and not self._to_discard \
@@ -185,7 +188,7 @@ class RetentionKeeper:
     def due(self) -> bool:
         """Whether :meth:`service` has work now (for the idle-engine housekeeper)."""
         with self._lock:
-            if self._to_free or self._to_discard:
+            if self._to_free or self._to_discard or self._to_check:
                 return True
             deadline = self._table.next_deadline() if self._table is not None else None
             return deadline is not None and deadline <= self._clock()
@@ -233,6 +236,13 @@ class RetentionKeeper:
         with self._lock:
             table = self._table
             return table.standings() if table is not None else {}
+
+    def lost_in_host(self, conversations: Iterable[str]) -> None:
+        """The host tier evicted these conversations' first blocks. Checked at the next
+        :meth:`service`: the host tier calls this from inside a store, where nothing may call
+        back into it."""
+        with self._lock:
+            self._to_check.update(conversations)
 
     def describe(self, key: str) -> dict[str, Any] | Gone:
         with self._lock:
@@ -386,6 +396,18 @@ class RetentionKeeper:
                 continue  # host-only: nothing on the device
             # Tail blocks first: they are the least likely to be shared with another sequence.
             pool.free_blocks([pool.blocks[b] for b in reversed(retention.block_ids)])
+
+    def _check_host(self) -> None:
+        """End the host-only leases whose host copy went (engine thread; outside the lock).
+        Routers following the lost log learn of them there."""
+        with self._lock:
+            if not self._to_check or self._table is None:
+                return
+            check, self._to_check = self._to_check, set()
+            held = [r for key in check if (r := self._table.get(key)) is not None
+                    and not r.on_device]
+        for retention in held:
+            self._placed(retention, {})
 
     def _discard(self) -> None:
         """Free the host blocks of ended leases (engine thread; outside the lock)."""

@@ -54,6 +54,11 @@ class Leases(Protocol):
         """Every conversation with a live lease (any thread; a snapshot)."""
         ...
 
+    def lost_in_host(self, conversations: Iterable[str]) -> None:
+        """The host tier evicted the first block of these conversations: a lease held there
+        alone promises nothing now (engine thread, from inside a store: must not call back)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class HostLoad:

@@ -12,8 +12,9 @@ needs on top (the :class:`~kvturn_server.connector._tiers.HostTier` protocol):
   host load and whether its copy failed; the keeper's decode side reads it into the turn's
   reuse report.
 - **what it holds of a conversation** (with kvturn's policy, ``_policy.py``).
-- **what it stores**: with kvturn's policy on a decode, only conversations' blocks
-  (``_order.stores_request`` says why); elsewhere everything, as vLLM does.
+- **what it stores**: everything, as vLLM does, unless a decode with kvturn's policy is told
+  not to store one-off requests (``store_one_offs: false``; ``_order.stores_request`` says
+  when that is right).
 
 It registers itself with the engine's :class:`~kvturn_server.connector._tiers.TierLink`, where
 kvturn's keeper finds it, and gives its policy the link to find the keeper's leases.
@@ -42,7 +43,8 @@ log = logging.getLogger("kvturn.offload")
 class HostTierManager(CPUOffloadingManager):  # type: ignore[misc]
     """vLLM's CPU offloading manager with discards, load notes and kvturn's link."""
 
-    def __init__(self, *, link: TierLink, tokens_per_block: int, **kwargs: Any) -> None:
+    def __init__(self, *, link: TierLink, tokens_per_block: int, store_one_offs: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.tokens_per_block = tokens_per_block
         self._loads: dict[str, HostLoad] = {}
@@ -52,6 +54,7 @@ class HostTierManager(CPUOffloadingManager):  # type: ignore[misc]
         self.policy_name = str(kwargs.get("cache_policy", "lru"))
         if isinstance(self._policy, LeasedCachePolicy):
             self._policy.link = link
+            self._policy.store_one_offs = store_one_offs
         link.host = self
 
     # kvturn's HostTier: what the keeper and the decode side ask.

@@ -44,18 +44,22 @@ NONE, GONE, LEASED = "none", "gone", "leased"
 """Standings of an evicted block's conversation, as the metrics label them."""
 
 
-def stores_request(conversation: str | None, leased: bool) -> bool:
-    """Whether the host tier stores a request's blocks: on an engine with kvturn's leases (a
-    decode) only a conversation's; elsewhere (a prefill, vLLM's own policies) every request's.
+def stores_request(conversation: str | None, *, leased: bool, one_offs: bool) -> bool:
+    """Whether the host tier stores a request's blocks: a conversation's always; a request of
+    no conversation unless this is an engine with kvturn's leases (a decode) told not to store
+    one-offs (``store_one_offs: false``).
 
-    A kvturn decode loads from its host tier only for prompts it computes itself: turns the
-    router continues on the decode and decode legs after a failed prefill, which always carry
-    their conversation. A request of no conversation reaches it as a P -> D leg, whose prompt
-    arrives over NIXL (kvturn's connector, first in the ``MultiConnector``, takes the request),
-    so its host copy would never be loaded: storing it is copy traffic and churn for nothing
+    A decode behind kvturn's router loads from its host tier only for prompts it computes
+    itself: turns the router continues on the decode and decode legs after a failed prefill,
+    which always carry their conversation. A request of no conversation reaches it as a P -> D
+    leg, whose prompt arrives over NIXL (kvturn's connector, first in the ``MultiConnector``,
+    takes the request), so its host copy is never loaded there: a fleet that only kvturn's
+    router drives saves those copies. Stored anyway by default, because a stock router on the
+    same decodes (conditional disaggregation: a follow-up the decode serves alone) loads
+    exactly those blocks, and kvturn's order evicts them first, so they never displace a lease
     (docs/connector.md, "The host tier").
     """
-    return conversation is not None or not leased
+    return conversation is not None or not leased or one_offs
 
 
 class HostOrder:
@@ -69,6 +73,7 @@ class HostOrder:
         self._turns: dict[str, list[Key]] = {}  # conversation -> its blocks, prefix order
         self._held: dict[str, int] = {}  # conversation -> its resident blocks (> 0)
         self._active: dict[str, int] = {}  # conversation -> tick of its last request
+        self._headless: set[str] = set()  # lost their first block since take_headless
         self._tick = 0
 
     def __contains__(self, key: object) -> bool:
@@ -83,6 +88,12 @@ class HostOrder:
 
     def owners(self, key: Key) -> frozenset[str]:
         return frozenset(self._owners.get(key, ()))
+
+    def take_headless(self) -> set[str]:
+        """Conversations whose first block left since the last call: a load of their history
+        finds nothing here any more."""
+        headless, self._headless = self._headless, set()
+        return headless
 
     # Residency (the manager's chunk pool).
 
@@ -108,6 +119,8 @@ class HostOrder:
         self._idle.discard(key)
         self._unowned.pop(key, None)
         for conversation in list(self._owners.get(key, ())):
+            if self._turns[conversation][0] == key:
+                self._headless.add(conversation)
             held = self._held[conversation] - 1
             if held:
                 self._held[conversation] = held

@@ -44,6 +44,7 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
         self.evicted: dict[str, int] = {}  # blocks evicted by standing, since taken
         self.evicted_total: dict[str, int] = {}
         self._running: dict[str, str] = {}  # request id -> conversation, turns in progress
+        self.store_one_offs = True  # the manager sets it from its config
         self._lock = threading.Lock()
 
     # What the keeper asks (any thread).
@@ -64,7 +65,8 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
     def stores(self, req_context: ReqContext) -> bool:
         """Whether the request's blocks are worth storing (``stores_request``)."""
         leased = self.link is not None and self.link.leases is not None
-        return stores_request(self._owner(req_context), leased)
+        return stores_request(self._owner(req_context), leased=leased,
+                              one_offs=self.store_one_offs)
 
     # vLLM's CachePolicy (the manager, engine thread).
 
@@ -121,7 +123,10 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
                 out.append((OffloadKey(key), self.chunks.pop(OffloadKey(key))))
                 self.evicted[standing] = self.evicted.get(standing, 0) + 1
                 self.evicted_total[standing] = self.evicted_total.get(standing, 0) + 1
-            return out
+            headless = self.order.take_headless()
+        if headless and leases is not None:
+            leases.lost_in_host(headless)
+        return out
 
     def clear(self) -> None:
         with self._lock:

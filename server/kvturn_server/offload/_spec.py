@@ -36,11 +36,16 @@ class HostOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
     def get_manager(self) -> Any:
         if self._manager is None:
             extra = self.extra_config
+            store_one_offs = extra.get("store_one_offs", True)
+            if not isinstance(store_one_offs, bool):
+                raise ValueError(f"kv_connector_extra_config.store_one_offs must be true or "
+                                 f"false, got {store_one_offs!r}")
             # The arguments vLLM's CPUOffloadingSpec.get_manager gives its manager, read the
             # same way (tests/server/test_offload.py pins them).
             self._manager = HostTierManager(
                 link=tier_link(self.config.engine_id),
                 tokens_per_block=self.tokens_per_block[0] * self.blocks_per_chunk,
+                store_one_offs=store_one_offs,
                 num_chunks=self.num_chunks, cache_policy=self.eviction_policy,
                 cache_policy_module_path=self.cache_policy_module_path,
                 enable_events=self.kv_events_config.enable_kv_cache_events,

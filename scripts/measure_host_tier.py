@@ -50,7 +50,9 @@ def counters(url: str) -> dict[str, float]:
             "store_bytes": total(s, "vllm:kv_offload_store_bytes_total"),
             "store_s": total(s, "vllm:kv_offload_store_time_total"),
             "load_bytes": total(s, "vllm:kv_offload_load_bytes_total"),
-            "load_s": total(s, "vllm:kv_offload_load_time_total")}
+            "load_s": total(s, "vllm:kv_offload_load_time_total"),
+            **{f"evicted_{standing}": total(s, "kvturn:host_evictions_total", standing=standing)
+               for standing in ("none", "gone", "leased")}}
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -140,10 +140,10 @@ class HostOrder:
         """A request of ``conversation`` stores or reuses ``keys`` (before they are resident,
         for a store): they are the conversation's from now on."""
         turn = self._turns.setdefault(conversation, [])
-        listed = set(turn)
         for key in keys:
-            if key not in listed:
-                listed.add(key)
+            # Listed in the turn exactly when the conversation is among the key's owners:
+            # O(1) per key however long the history.
+            if conversation not in self._owners.get(key, ()):
                 turn.append(key)
                 self._own(conversation, key)
         self._activate(conversation)

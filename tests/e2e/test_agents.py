@@ -28,7 +28,7 @@ from kvturn_server.local import Stack
 from kvturn_server.local._direct import control, retention_path
 
 from ._greedy import assert_same_reply
-from ._helpers import Delta, plain_chat, retention_stats, wait_until
+from ._helpers import Delta, metric, plain_chat, retention_stats, wait_until
 from ._turns import answer_fields, answer_of, assert_same_answer
 from .conftest import RETENTION_TTL
 
@@ -95,9 +95,13 @@ def test_a_gap_over_the_ttl_recomputes_cleanly_as_expired(stack: Stack) -> None:
         messages = _history(chat.id)
         _run_turn(stack, chat, messages, TASKS[0])
         key = _key(chat.id, "agents")
+        expired = metric(cfg.router_url, "kvturn_router_lost_entries_total", outcome="expired")
         # The user comes back after the lease ran out (no pause, so no keepalive).
         wait_until(lambda: control(cfg.decode_control_url, "GET", retention_path(key))[0]
                    == 404, RETENTION_TTL + 10, "the lease to run out")
+        # The router follows the decode's lost log: it knows before the next turn comes.
+        wait_until(lambda: metric(cfg.router_url, "kvturn_router_lost_entries_total",
+                                  outcome="expired") > expired, 5, "the router to learn it")
         with Delta(cfg.prefill_url) as p:
             _, info = _run_turn(stack, chat, messages, TASKS[1])
         assert info.reuse == "expired" and info.reused_tokens == 0

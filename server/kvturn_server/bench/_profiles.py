@@ -132,7 +132,10 @@ def describe_host_tier(tier: dict[str, Any] | None) -> str:
         return "no host tier"
     multiple = tier.get("multiple_of_device_kv")
     extra = ", ".join(f"{k} {str(v).lower()}" for k, v in tier.get("offload_extra", {}).items())
-    return ("vLLM CPU offloading, host tier"
+    extra_keys = tier.get("offload_extra", {})
+    what = ("vLLM CPU offloading" if extra_keys.get("eviction_policy") == "lru"
+            else "kvturn's host tier (vLLM's offloading connector in the leases' order)")
+    return (what + ", host tier"
             + (f" {multiple:g}x the device KV" if multiple is not None else "")
             + f": prefill {_mib(tier['prefill_gib'])} (device "
             f"{_mib(tier['prefill_device_kv_gib'])}), decode {_mib(tier['decode_gib'])} (device "

@@ -440,7 +440,11 @@ def test_every_kvturn_mode_meets_the_strongest_stock_mode_by_one_rule_and_every_
     fleet = {"profiles": {"plain": {"host_tier": None}, "offload": {"host_tier": {
         "prefill_gib": 0.0415, "decode_gib": 0.0415, "prefill_device_kv_gib": 0.0208,
         "decode_device_kv_gib": 0.0208, "multiple_of_device_kv": 2.0,
-        "offload_extra": {"offload_prompt_only": False}}}}}
+        "offload_extra": {"eviction_policy": "lru", "offload_prompt_only": False}}},
+        "host-tier": {"host_tier": {
+            "prefill_gib": 0.0415, "decode_gib": 0.0415, "prefill_device_kv_gib": 0.0208,
+            "decode_device_kv_gib": 0.0208, "multiple_of_device_kv": 2.0,
+            "offload_extra": {}}}}}
     data = build_results(s, plan, runs, kv_statement(s, plan, 85), {"cpus": 2},
                          extra={"fleet": fleet})
     cmp = data["comparison"]

@@ -66,9 +66,11 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=d.startup_timeout,
                    help="seconds to wait for the servers to become healthy (default: %(default)s)")
     p.add_argument("--kv-offload-gib", type=float, default=d.kv_offload_gib, metavar="GIB",
-                   help="host memory per instance for vLLM's own CPU KV offloading (its "
-                        "OffloadingConnector beside kvturn's in a MultiConnector, on the prefill "
-                        "and the decode; docs/cpu-stack.md); 0: off (default: %(default)s)")
+                   help="host tier per instance: host memory for vLLM's CPU KV offloading under "
+                        "kvturn's lease (retentions evicted from the decode's KV cache are "
+                        "continued from there; beside kvturn's connector in a MultiConnector, "
+                        "on the prefill and the decode; docs/connector.md, \"The host tier\"); "
+                        "0: off (default: %(default)s)")
 
 
 def _stack_config(args: argparse.Namespace) -> StackConfig:

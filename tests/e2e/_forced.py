@@ -12,7 +12,8 @@ not have picked, or (``_greedy``, with the answer's logprobs) as a logprob that 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kvturn_server.local._http import post_json
@@ -48,6 +49,18 @@ _session: list[Scorer] = []
 def use_reference(scorer: Scorer) -> None:
     """The scorer of this session's reference instance (set by the stack fixture)."""
     _session[:] = [scorer]
+
+
+@contextmanager
+def scoring_with(scorer: Scorer) -> Iterator[None]:
+    """Score with ``scorer`` meanwhile (tests with a stack and reference of their own), then
+    with the session's again."""
+    previous = list(_session)
+    _session[:] = [scorer]
+    try:
+        yield
+    finally:
+        _session[:] = previous
 
 
 def session_scorer() -> Scorer:

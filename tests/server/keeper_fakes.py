@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from kvturn_server.connector._keeper import RetentionKeeper
 from kvturn_server.connector._params import ReadCoordinates
 from kvturn_server.connector._retention import Retention
+from kvturn_server.connector._tiers import HostCounters, HostLoad
 
 BS = 4
 
@@ -101,6 +102,52 @@ class FakeClock:
             self.now += seconds
 
 
+class FakeHostTier:
+    """The decode's host tier as the keeper sees it (``_tiers.HostTier``): what it holds of
+    each conversation is set by the test. Strict where the keeper could go wrong: it raises
+    when called with the keeper's lock held (the real one takes its own lock and calls the
+    keeper's ``standings`` with it), and, with ``owner`` set, when ``discard`` runs off the
+    engine thread."""
+
+    tokens_per_block = BS
+
+    def __init__(self) -> None:
+        self.resident: dict[str, int] = {}  # conversation -> tokens held
+        self.discarded: list[list[str]] = []
+        self.loads: dict[str, HostLoad] = {}
+        self.counters = HostCounters()
+        self.keeper: RetentionKeeper | None = None
+        self.owner: int | None = None
+
+    def _check(self) -> None:
+        if self.keeper is not None and self.keeper._lock.locked():
+            raise AssertionError("host tier called with the keeper's lock held")
+
+    def resident_tokens(self, conversation: str) -> int:
+        self._check()
+        return self.resident.get(conversation, 0)
+
+    def discard(self, conversations: Iterable[str]) -> int:
+        self._check()
+        if self.owner is not None and threading.get_ident() != self.owner:
+            raise AssertionError("host tier discard off the engine thread")
+        conversations = list(conversations)
+        self.discarded.append(conversations)
+        for conversation in conversations:
+            self.resident.pop(conversation, None)
+        return len(conversations)
+
+    def take_loaded(self, request_id: str) -> HostLoad | None:
+        return self.loads.pop(request_id, None)
+
+    def take_counters(self) -> HostCounters:
+        counters, self.counters = self.counters, HostCounters()
+        return counters
+
+    def usage(self) -> dict[str, int]:
+        return {"blocks": 64, "blocks_used": len(self.resident)}
+
+
 def coordinates(engine_id: str = "decode-engine",
                 control_url: str | None = "http://127.0.0.1:8201") -> ReadCoordinates:
     """Where a prefill would read the fake decode (what the scheduler passes to the keeper)."""
@@ -112,11 +159,14 @@ def coordinates(engine_id: str = "decode-engine",
 def make_keeper(pool: FakeBlockPool | None, clock: Callable[[], float], *,
                 budget: float = 1.0, ttl: float = 60.0, max_hold: float = 600.0,
                 max_pin: float = 30.0, block_bytes: int = 1024,
-                engine_id: str = "decode-engine") -> RetentionKeeper:
+                engine_id: str = "decode-engine",
+                host: FakeHostTier | None = None) -> RetentionKeeper:
     keeper = RetentionKeeper(block_bytes=block_bytes, budget=budget, ttl=ttl,
                              max_hold=max_hold, max_pin=max_pin, clock=clock)
+    if host is not None:
+        host.keeper = keeper
     if pool is not None:
-        keeper.bind(pool, coordinates(engine_id))
+        keeper.bind(pool, coordinates(engine_id), host)
     return keeper
 
 

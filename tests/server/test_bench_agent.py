@@ -85,7 +85,7 @@ def test_the_mode_table_gives_each_mode_its_router_flags_client_and_peer() -> No
         # stock-cond as it is, on instances with vLLM's CPU offloading.
         "stock-cond-offload": ("stock-cond-offload", cond, "ids", "offload"),
         "on": ("kvturn", (), "kvturn", "plain"),
-        "kvturn-offload": ("kvturn-offload", (), "kvturn", "offload"),
+        "kvturn-offload": ("kvturn-offload", (), "kvturn", "host-tier"),
     }
     assert MODES == ("off", "stock-cond", "stock-cond-2k", "stock-cond-offload", "on",
                      "kvturn-offload")
@@ -905,6 +905,7 @@ async def test_every_mode_runs_through_a_router_of_its_own_as_its_client() -> No
 
 async def test_the_offload_modes_run_on_instances_of_their_own_beside_the_plain_ones() -> None:
     plain, offload = FakeRouter(routes=True), FakeRouter(routes=True, host_tier=True)
+    tiered = FakeRouter(routes=True, host_tier=True)
     # Both decodes evicted agent 1's history; only the offload one has it in host memory.
     plain.forgotten = {"bench-stock-cond-r1-a1"}
     offload.forgotten = {"bench-stock-cond-offload-r1-a1"}
@@ -917,9 +918,11 @@ async def test_the_offload_modes_run_on_instances_of_their_own_beside_the_plain_
         await asyncio.sleep(0)
 
     said: list[str] = []
-    routers = {"plain": Routers(plain.handle), "offload": Routers(offload.handle)}
+    routers = {"plain": Routers(plain.handle), "offload": Routers(offload.handle),
+               "host-tier": Routers(tiered.handle)}
     results = await measure(settings, routers, "kvturn-tiny",
-                            {"plain": FakeProbe(plain), "offload": FakeProbe(offload)},
+                            {"plain": FakeProbe(plain), "offload": FakeProbe(offload),
+                             "host-tier": FakeProbe(tiered)},
                             say=said.append, sleep=instant)
     # Each profile's instances are warmed up once, then every mode runs on its own profile's
     # instances through a router of its own, in rotated order across both profiles.
@@ -927,11 +930,14 @@ async def test_the_offload_modes_run_on_instances_of_their_own_beside_the_plain_
         "router-warm-up", "router-off-r0", "router-stock-cond-r0", "router-on-r0",
         "router-stock-cond-r1", "router-on-r1", "router-off-r1"]
     assert [name for name, _ in routers["offload"].started] == [
-        "router-warm-up-offload", "router-stock-cond-offload-r0", "router-kvturn-offload-r0",
-        "router-stock-cond-offload-r1", "router-kvturn-offload-r1"]
+        "router-warm-up-offload", "router-stock-cond-offload-r0", "router-stock-cond-offload-r1"]
+    # kvturn's host tier runs on instances of its own: leases a kvturn run leaves must not
+    # protect its conversations in the host tier the stock mode then uses.
+    assert [name for name, _ in routers["host-tier"].started] == [
+        "router-warm-up-host-tier", "router-kvturn-offload-r0", "router-kvturn-offload-r1"]
     assert results["order"] == [*modes, *mode_order(modes, 1)]
     assert "[kvturn-offload 1/2] 2 agents x 3 turns, starting 1 s apart; kvturn-offload, " \
-           "router (defaults), client kvturn, offload instances" in said
+           "router (defaults), client kvturn, host-tier instances" in said
     assert {r["body"].get("conversation_id") or r["headers"].get("x-conversation-id", "")
             for r in offload.requests[2:]} >= {"bench-stock-cond-offload-r0-a0"}
     assert not any("bench-stock-cond-r" in r["headers"].get("x-conversation-id", "")
@@ -948,11 +954,13 @@ async def test_the_offload_modes_run_on_instances_of_their_own_beside_the_plain_
     instances = results["configuration"]["instances"]
     assert instances["plain"] == {"modes": ["off", "stock-cond", "on"], "host_tier": None}
     tier = instances["offload"]["host_tier"]
-    assert instances["offload"]["modes"] == ["stock-cond-offload", "kvturn-offload"]
+    assert instances["offload"]["modes"] == ["stock-cond-offload"]
+    assert instances["host-tier"]["modes"] == ["kvturn-offload"]
     assert tier["decode_gib"] == round(2 * 100 * 128 * 2048 / 2 ** 30, 4)  # 50 MiB
     assert tier["prefill_gib"] == 2.0 and tier["multiple_of_device_kv"] == 2.0
-    assert tier["offload_extra"] == {"offload_prompt_only": False}
-    assert results["warmup_ttft_ms_by_profile"].keys() == {"plain", "offload"}
+    assert tier["offload_extra"] == {"eviction_policy": "lru", "offload_prompt_only": False}
+    assert instances["host-tier"]["host_tier"]["offload_extra"] == {}
+    assert results["warmup_ttft_ms_by_profile"].keys() == {"plain", "offload", "host-tier"}
     # Both kvturn modes against every stock mode that ran, each headlined against the
     # strongest by the one rule.
     stock = ["off", "stock-cond", "stock-cond-offload"]
@@ -967,14 +975,14 @@ async def test_the_offload_modes_run_on_instances_of_their_own_beside_the_plain_
     assert heads["on"] == results["headline"] and heads["on"]["mode"] == "on"
     assert heads["kvturn-offload"]["against"] == heads["on"]["against"] in stock
     assert [m["profile"] for m in results["mode_table"]] == [
-        "plain", "plain", "offload", "plain", "offload"]
+        "plain", "plain", "offload", "plain", "host-tier"]
     text = table(results)
     lines = text.splitlines()
     assert "1 prefill + 1 decode of 100 KV blocks per instance profile, side by side (plain " \
-           "for off, stock-cond, on: no host tier; offload for stock-cond-offload, " \
-           "kvturn-offload: vLLM CPU offloading, host tier 2x the device KV: prefill 2.00 GiB " \
-           "(device 1.00 GiB), decode 50 MiB (device 25 MiB), offload_prompt_only false)" \
-           in lines[0]
+           "for off, stock-cond, on: no host tier; offload for stock-cond-offload: vLLM CPU " \
+           "offloading, host tier 2x the device KV: prefill 2.00 GiB (device 1.00 GiB), " \
+           "decode 50 MiB (device 25 MiB), eviction_policy lru, offload_prompt_only false; " \
+           "host-tier for kvturn-offload: " in lines[0]
     assert any(line.startswith("stock-cond-offload: router --no-kv-reuse --conditional-disagg "
                                "512; client ids; offload instances: stock-cond on instances "
                                "with vLLM's CPU KV offloading") for line in lines)

@@ -72,7 +72,7 @@ def test_the_mode_table_maps_each_mode_to_its_router_flags_and_client() -> None:
         "stock-cond-offload": ((*cond, "512", "--prefill-policy", "kv-aware"), IDS, "offload"),
         "kvturn-ll": (("--prefill-policy", "least-loaded"), KVTURN, "plain"),
         "kvturn-kv": ((), KVTURN, "plain"),
-        "kvturn-offload": ((), KVTURN, "offload"),
+        "kvturn-offload": ((), KVTURN, "host-tier"),
     }
     offload = MODES["stock-cond-offload"].stands_for
     assert "llm-d's P2P KV sharing" in offload and "LMCache" in offload
@@ -357,14 +357,19 @@ def test_offload_modes_report_their_instances_host_tokens_and_every_stock_ratio(
                  "offload": {"host_tier": {
                      "prefill_gib": 0.0484, "decode_gib": 3.0, "prefill_device_kv_gib": 0.0161,
                      "decode_device_kv_gib": 1.0, "multiple_of_device_kv": 3.0,
-                     "offload_extra": {"offload_prompt_only": False}}}}}
+                     "offload_extra": {"eviction_policy": "lru",
+                                       "offload_prompt_only": False}}},
+                 "host-tier": {"host_tier": {
+                     "prefill_gib": 0.0484, "decode_gib": 3.0, "prefill_device_kv_gib": 0.0161,
+                     "decode_device_kv_gib": 1.0, "multiple_of_device_kv": 3.0,
+                     "offload_extra": {}}}}}
     doc = scenario_result(sc.name, {"name": "tool", "reply_tokens": [64, 64], "turns": 6,
                                     "system_tokens": 2500, "message_tokens": [100, 300],
                                     "what": "tool calls"}, "tight", sc.kv_statement(66), fleet,
                           [list(modes)] * 2, raw)
     data = build_results(settings, [doc], raw)
     assert [m["profile"] for m in data["mode_table"]] == [
-        "plain", "plain", "offload", "plain", "offload"]
+        "plain", "plain", "offload", "plain", "host-tier"]
     (s,) = data["scenarios"]
     assert s["modes"]["stock-cond-offload"]["host_tokens"]["median"] == 900.0
     assert s["modes"]["stock-cond"]["host_tokens"]["median"] == 0.0
@@ -381,9 +386,10 @@ def test_offload_modes_report_their_instances_host_tokens_and_every_stock_ratio(
         == round(200 / 150, 3)
     text = table(data)
     assert "  plain instances (stock-rr, stock-cond, kvturn-kv): no host tier" in text
-    assert "  offload instances (stock-cond-offload, kvturn-offload): vLLM CPU offloading, " \
+    assert "  offload instances (stock-cond-offload): vLLM CPU offloading, " \
            "host tier 3x the device KV: prefill 50 MiB (device 16 MiB), decode 3.00 GiB " \
-           "(device 1.00 GiB), offload_prompt_only false" in text
+           "(device 1.00 GiB), eviction_policy lru, offload_prompt_only false" in text
+    assert "  host-tier instances (kvturn-offload): " in text
     assert "from host" in text
     (work,) = [line.split() for line in text.splitlines()
                if line.startswith("  stock-cond-offload ") and "[" in line and "ms" not in line

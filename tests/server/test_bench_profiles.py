@@ -37,7 +37,12 @@ def test_the_offload_profile_gives_each_instance_twice_its_device_kv_in_host_mem
     assert HOST_TIER_MULTIPLE == 2.0
     assert cfg.kv_offload_gib_of("prefill") == 2.0
     assert cfg.kv_offload_gib_of("decode") == 2 * 100 * BLOCK / GIB
-    assert cfg.kv_offload_extra == {"offload_prompt_only": False}  # replies are history
+    # Replies are history; vLLM's own order for the stock baseline.
+    assert cfg.kv_offload_extra == {"eviction_policy": "lru", "offload_prompt_only": False}
+    # kvturn's host tier: the same size, kvturn's defaults (its leases' order, replies stored).
+    tiered = profile_config(base, "host-tier")
+    assert tiered.kv_offload_extra == {}
+    assert tiered.decode_kv_offload_gib == cfg.decode_kv_offload_gib
     # Its own logs, the same model and everything else as the plain instances.
     assert cfg.state_dir == tmp_path / "offload" and cfg.model_path == base.model_path
     assert (cfg.decode_num_blocks, cfg.prefill_prefix_caching) == (100, True)
@@ -57,10 +62,10 @@ def test_the_host_tier_is_stated_with_its_multiple_and_the_device_kv(tmp_path: P
     tier = host_tier(profile_config(base, OFFLOAD), 2.0)
     assert tier == {"prefill_gib": 2.0, "decode_gib": 0.0488, "prefill_device_kv_gib": 1.0,
                     "decode_device_kv_gib": 0.0244, "multiple_of_device_kv": 2.0,
-                    "offload_extra": {"offload_prompt_only": False}}
+                    "offload_extra": {"eviction_policy": "lru", "offload_prompt_only": False}}
     assert describe_host_tier(tier) == (
         "vLLM CPU offloading, host tier 2x the device KV: prefill 2.00 GiB (device 1.00 GiB), "
-        "decode 50 MiB (device 25 MiB), offload_prompt_only false")
+        "decode 50 MiB (device 25 MiB), eviction_policy lru, offload_prompt_only false")
 
 
 def test_only_the_profiles_asked_for_are_named_once_in_order() -> None:

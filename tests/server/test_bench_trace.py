@@ -264,7 +264,7 @@ def test_the_routers_thresholds_scale_with_the_tokens() -> None:
     assert {m: (MODES[m].client, MODES[m].profile) for m in MODES} == {
         "stock-pd": ("plain", "plain"), "stock-cond": ("ids", "plain"),
         "stock-cond-2k": ("ids", "plain"), "stock-cond-offload": ("ids", "offload"),
-        "kvturn": ("kvturn", "plain"), "kvturn-offload": ("kvturn", "offload")}
+        "kvturn": ("kvturn", "plain"), "kvturn-offload": ("kvturn", "host-tier")}
     # The offload modes are stock-cond and kvturn as they are, on instances with a host tier.
     assert s.router_args("stock-cond-offload") == s.router_args("stock-cond")
     assert s.router_args("kvturn-offload") == s.router_args("kvturn")
@@ -440,7 +440,11 @@ def test_every_kvturn_mode_meets_the_strongest_stock_mode_by_one_rule_and_every_
     fleet = {"profiles": {"plain": {"host_tier": None}, "offload": {"host_tier": {
         "prefill_gib": 0.0415, "decode_gib": 0.0415, "prefill_device_kv_gib": 0.0208,
         "decode_device_kv_gib": 0.0208, "multiple_of_device_kv": 2.0,
-        "offload_extra": {"offload_prompt_only": False}}}}}
+        "offload_extra": {"eviction_policy": "lru", "offload_prompt_only": False}}},
+        "host-tier": {"host_tier": {
+            "prefill_gib": 0.0415, "decode_gib": 0.0415, "prefill_device_kv_gib": 0.0208,
+            "decode_device_kv_gib": 0.0208, "multiple_of_device_kv": 2.0,
+            "offload_extra": {}}}}}
     data = build_results(s, plan, runs, kv_statement(s, plan, 85), {"cpus": 2},
                          extra={"fleet": fleet})
     cmp = data["comparison"]
@@ -462,9 +466,9 @@ def test_every_kvturn_mode_meets_the_strongest_stock_mode_by_one_rule_and_every_
     assert m["stock-cond-offload"]["host_tokens"]["median"] == 256.0
     assert m["stock-cond"]["host_tokens"]["median"] == 0.0
     assert [e["profile"] for e in data["mode_table"]] == [
-        "plain", "plain", "offload", "plain", "offload"]
+        "plain", "plain", "offload", "plain", "host-tier"]
     text = table(data)
-    assert "  offload instances (stock-cond-offload, kvturn-offload): vLLM CPU offloading, " \
+    assert "  offload instances (stock-cond-offload): vLLM CPU offloading, " \
            "host tier 2x the device KV: prefill 42 MiB (device 21 MiB)" in text
     assert "  stock-cond-offload router --no-kv-reuse --conditional-disagg 64; client ids; " \
            "offload instances: stock-cond on instances" in text

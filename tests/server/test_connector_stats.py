@@ -185,6 +185,25 @@ def test_observe_counts_kvturn_samples(metrics: KVTurnPromMetrics,
     assert value(registry, "kvturn:reads_served_total") == 6
 
 
+def test_observe_counts_the_host_tiers_samples(metrics: KVTurnPromMetrics,
+                                              registry: CollectorRegistry) -> None:
+    stats = KVTurnStats()
+    stats.record("kvturn_host_loaded_tokens", 640)
+    stats.record("kvturn_host_loaded_tokens", 128)
+    stats.record("kvturn_host_evictions", [["none", 5], ["leased", 1]])
+    stats.record("kvturn_host_evictions", [["none", 2]])
+    stats.record("kvturn_host_discarded", 4)
+    stats.record("kvturn_host_load_failures", 1)
+    stats.record("kvturn_host_retentions", 3)
+    metrics.observe(stats.data)
+    assert value(registry, "kvturn:host_loaded_tokens_total") == 768
+    assert value(registry, "kvturn:host_evictions_total", standing="none") == 7
+    assert value(registry, "kvturn:host_evictions_total", standing="leased") == 1
+    assert value(registry, "kvturn:host_discarded_blocks_total") == 4
+    assert value(registry, "kvturn:host_load_failures_total") == 1
+    assert value(registry, "kvturn:host_retentions") == 3
+
+
 def test_gauges_take_the_last_sample(metrics: KVTurnPromMetrics,
                                      registry: CollectorRegistry) -> None:
     stats = KVTurnStats()

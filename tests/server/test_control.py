@@ -113,7 +113,7 @@ def test_describe_a_percent_encoded_key(server: ControlServer, retained: list[in
     assert status == 200
     assert body["key"] == KEY
     assert set(body) == {"key", "engine_id", "params", "num_tokens", "num_blocks", "expires_in",
-                         "hold_remaining", "created_ago"}
+                         "hold_remaining", "created_ago", "where", "host_tokens"}
     assert body["params"]["remote_block_ids"] == [retained]
     assert (body["num_tokens"], body["num_blocks"], body["expires_in"]) == (12, 3, 60.0)
 

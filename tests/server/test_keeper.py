@@ -24,6 +24,7 @@ from tests.server.keeper_fakes import (
     BS,
     FakeBlockPool,
     FakeClock,
+    FakeHostTier,
     coordinates,
     finish,
     make_keeper,
@@ -185,7 +186,7 @@ def test_an_unbound_or_zero_budget_keeper_retains_nothing(pool: FakeBlockPool,
     unbound.service()
     assert (unbound.due(), unbound.has_pins(), unbound.relieve()) == (False, False, False)
     assert unbound.make_room(10) == 0
-    assert unbound.gauges() == (0, 0, 0)
+    assert unbound.gauges() == (0, 0, 0, 0)
     with pytest.raises(RuntimeError, match="not bound"):
         unbound.describe("k")
 
@@ -209,6 +210,7 @@ def test_describe_gives_the_retentions_view(clock: FakeClock, pool: FakeBlockPoo
         "params": read_params(coordinates(), kept, kept.expires_at),
         "num_tokens": 12, "num_blocks": 3,
         "expires_in": 50.0, "hold_remaining": 590.0, "created_ago": 10.0,
+        "where": "device", "host_tokens": 0,
     }
 
 
@@ -310,10 +312,11 @@ def test_stats_and_gauges_count_draining_blocks_as_held(pool: FakeBlockPool,
     assert stats == {
         "engine_id": "decode-engine", "retentions": 1, "retained_blocks": 4,
         "held_blocks": 6, "held_bytes": 6 * 1024, "budget_blocks": 32, "pins": 1,
+        "host_only": 0,
         "events": {"created": 2, "renewed": 0, "released": 1, "expired": 0, "evicted": 0,
-                   "replaced": 0, "refused": 0, "pinned": 1},
+                   "replaced": 0, "refused": 0, "pinned": 1, "host_evicted": 0},
     }
-    assert keeper.gauges() == (1, 6, 6 * 1024)
+    assert keeper.gauges() == (1, 6, 6 * 1024, 0)
 
 
 # Threads: control calls change the table; only the engine thread frees.
@@ -562,7 +565,7 @@ def test_take_events_reports_each_event_once_in_order(
     assert keeper.take_events() == []
     assert keeper.stats()["events"] == {
         "created": 4, "renewed": 1, "released": 1, "expired": 1, "evicted": 1,
-        "replaced": 1, "refused": 1, "pinned": 1}
+        "replaced": 1, "refused": 1, "pinned": 1, "host_evicted": 0}
     keeper.unpin("pin-1")
     keeper.service()
     assert all_free(pool)
@@ -645,3 +648,113 @@ def test_concurrent_control_calls_and_engine_steps_leave_every_reference_balance
     assert all_free(pool)
     stats = keeper.stats()
     assert (stats["retentions"], stats["held_blocks"], stats["pins"]) == (0, 0, 0)
+
+
+# With a host tier: evicted retentions keep their lease there, ended leases leave it too.
+
+
+@pytest.fixture
+def host() -> FakeHostTier:
+    host = FakeHostTier()
+    host.owner = threading.get_ident()
+    return host
+
+
+def host_keeper(pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier,
+                budget: float = 0.25) -> RetentionKeeper:
+    return make_keeper(pool, clock, budget=budget, ttl=60.0, max_hold=600.0, host=host)
+
+
+def test_views_say_where_a_retention_lives(pool: FakeBlockPool, clock: FakeClock,
+                                           host: FakeHostTier, keeper: RetentionKeeper) -> None:
+    finish(pool, keeper, "plain", "r0", 2)
+    view = keeper.describe("plain")
+    assert isinstance(view, dict) and (view["where"], view["host_tokens"]) == ("device", 0)
+    with_host = host_keeper(FakeBlockPool(33), clock, host)
+    finish(with_host._pool, with_host, "k", "r1", 3)  # type: ignore[arg-type]
+    host.resident["k"] = 3 * BS
+    view = with_host.describe("k")
+    assert isinstance(view, dict) and (view["where"], view["host_tokens"]) == ("both", 12)
+    host.resident["k"] = 99  # a turn in progress may hold more: capped at the retention's
+    view = with_host.keepalive("k")
+    assert isinstance(view, dict) and view["host_tokens"] == 12
+    pinned = with_host.pin("k", 5)
+    assert isinstance(pinned, dict) and pinned["where"] == "both"
+
+
+def test_an_evicted_retention_keeps_its_lease_in_the_host_tier(
+        pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
+    keeper = host_keeper(pool, clock, host)  # 8 blocks of budget
+    finish(pool, keeper, "a", "r1", 4)
+    host.resident["a"] = 4 * BS
+    finish(pool, keeper, "b", "r2", 4)
+    assert keeper.make_room(pool.usable) == 2  # live requests need every block
+    assert all_free(pool)
+    view = keeper.describe("a")
+    assert isinstance(view, dict) and view["where"] == "host" and view["num_blocks"] == 0
+    assert view["host_tokens"] == 16 and view["params"]["remote_block_ids"] == [[]]
+    assert view["params"]["kvturn"]["block_hashes"] == []  # nothing a prefill could read
+    assert keeper.pin("a", 5) == Gone("a", GoneReason.EVICTED)
+    keepalive = keeper.keepalive("a")
+    assert isinstance(keepalive, dict) and keepalive["where"] == "host"
+    assert keeper.stats()["host_only"] == 2 and keeper.stats()["host"] == host.usage()
+    assert keeper.gauges()[3] == 2
+    assert keeper.standings().keys() == {"a", "b"}
+
+
+def test_a_host_only_retention_the_host_tier_lost_is_gone_as_evicted(
+        pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
+    keeper = host_keeper(pool, clock, host)
+    finish(pool, keeper, "a", "r1", 4)
+    keeper.make_room(pool.usable)
+    keeper.take_events()
+    assert in_thread(lambda: keeper.keepalive("a")) == Gone("a", GoneReason.EVICTED)
+    assert keeper.describe("a") == Gone("a", GoneReason.EVICTED)
+    assert keeper.take_events() == ["host_evicted"]
+    keeper.service()  # whatever of it was still in flight there goes too
+    assert host.discarded == [["a"]]
+
+
+def test_an_ended_lease_leaves_the_host_tier_on_the_engine_thread(
+        pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
+    keeper = host_keeper(pool, clock, host, budget=1.0)
+    for key in ("released", "expires", "kept"):
+        finish(pool, keeper, key, f"r-{key}", 2)
+        host.resident[key] = 2 * BS
+    assert in_thread(lambda: keeper.release("released")) is True
+    assert host.discarded == []  # the control thread only queues it
+    assert keeper.due()
+    keeper.service()
+    assert host.discarded == [["released"]]
+    clock.advance(61)
+    keeper.service()
+    assert host.discarded[-1] == ["expires", "kept"]
+    assert host.resident == {}
+
+
+def test_a_retention_larger_than_the_budget_is_kept_host_only(
+        pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
+    keeper = host_keeper(pool, clock, host)  # 8 blocks
+    host.resident["big"] = 10 * BS
+    _, kept = finish(pool, keeper, "big", "r1", 10)
+    assert kept is not None and not kept.on_device
+    assert all_free(pool)
+    view = keeper.describe("big")
+    assert isinstance(view, dict) and view["where"] == "host" and view["host_tokens"] == 40
+
+
+def test_a_host_only_lease_whose_first_host_block_went_ends_at_the_next_service(
+        pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
+    keeper = host_keeper(pool, clock, host)
+    for key in ("a", "b"):
+        finish(pool, keeper, key, f"r-{key}", 4)
+        host.resident[key] = 4 * BS
+    keeper.make_room(pool.usable)  # both host-only now; not lost: their leases go on
+    assert keeper.lost.since(0).lost == []
+    host.resident.pop("a")
+    keeper.lost_in_host(["a", "nobody"])  # from inside a store: nothing happens yet
+    assert keeper.describe("b") != Gone("b", GoneReason.EVICTED) and keeper.due()
+    keeper.service()
+    assert keeper.lost.since(0).lost == [("a", "evicted", "kvturn-read/r-a")]
+    assert keeper.describe("a") == Gone("a", GoneReason.EVICTED)
+    assert host.discarded == [["a"]]

@@ -158,6 +158,21 @@ def test_the_spec_keeps_vllms_manager_and_gives_a_host_copy_worker_on_cpu() -> N
     assert worker._host[0].shape == (spec.num_chunks, PAGE)
 
 
+def test_the_spec_builds_kvturns_manager_with_its_policy_and_settings() -> None:
+    from kvturn_server.offload._manager import HostTierManager
+    from kvturn_server.offload._policy import LeasedCachePolicy
+
+    spec = HostOffloadingSpec(offloading_config(
+        4096 * 10, eviction_policy="kvturn", store_one_offs=False, store_threshold=2))
+    manager = spec.get_manager()
+    assert isinstance(manager, HostTierManager) and spec.get_manager() is manager
+    assert isinstance(manager._policy, LeasedCachePolicy)
+    assert manager._policy.store_one_offs is False and manager.store_threshold == 2
+    assert manager.tokens_per_block == 16 and manager.usage()["blocks"] == spec.num_chunks
+    with pytest.raises(ValueError, match="store_one_offs"):
+        HostOffloadingSpec(offloading_config(4096, store_one_offs="no")).get_manager()
+
+
 def test_the_spec_refuses_the_canonical_layout_it_does_not_copy() -> None:
     config = offloading_config(4096 * 10)
     spec = HostOffloadingSpec(config)
@@ -180,11 +195,18 @@ def test_with_offloading_wraps_a_connector_in_a_multiconnector_that_keeps_its_ro
         "kv_buffer_device": "cpu"}
     first, second = outer["kv_connector_extra_config"]["connectors"]
     assert first is inner  # asked first for external tokens: a transfer wins over the host tier
-    assert second == {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    assert second == {"kv_connector": "HostTierConnector",
+                      "kv_connector_module_path": "kvturn_server.offload",
+                      "kv_role": "kv_both",
                       "kv_connector_extra_config": {
                           "spec_name": "HostOffloadingSpec",
                           "spec_module_path": "kvturn_server.offload",
-                          "cpu_bytes_to_use": 1 << 30, "offload_prompt_only": False}}
+                          "cpu_bytes_to_use": 1 << 30, "eviction_policy": "kvturn",
+                          "offload_prompt_only": False}}
+    # vLLM's own behaviour (a stock baseline) is two keys away.
+    stock = offloading_connector(1 << 30, {"eviction_policy": "lru",
+                                           "offload_prompt_only": True})
+    assert stock["kv_connector_extra_config"]["eviction_policy"] == "lru"
     with pytest.raises(ValueError, match="positive"):
         offloading_connector(0)
 

@@ -10,6 +10,7 @@ import pytest
 
 from kvturn_server.connector._hashing import block_hashes
 from kvturn_server.connector._retention import GoneReason, Retention, RetentionTable
+from kvturn_server.connector._tiers import LeaseView, Standing
 
 BS = 4
 
@@ -623,3 +624,85 @@ def test_gone_reasons_are_remembered_within_bounds(clock: FakeClock) -> None:
     retain(table, "c", 1)
     table.retain("c", "again", blocks(1), hashes(1), BS)
     assert table.gone_reason("never") == GoneReason.NO_RETENTION
+
+
+# With a host tier: eviction takes the device blocks, the lease goes on host-only.
+
+
+@pytest.fixture
+def host_table(clock: FakeClock) -> RetentionTable:
+    return RetentionTable(budget_blocks=10, ttl=480.0, max_hold=3600.0, clock=clock,
+                          host_tier=True)
+
+
+def test_with_a_host_tier_eviction_hands_back_device_blocks_and_keeps_the_lease(
+        host_table: RetentionTable, clock: FakeClock) -> None:
+    retain(host_table, "a", 4)
+    retain(host_table, "b", 4)
+    freed = retain(host_table, "c", 4)  # over the budget: a, least recently used, leaves
+    assert keys(freed) == ["a"] and len(freed[0].block_ids) == 4
+    a = host_table.get("a")
+    assert a is not None and not a.on_device and a.block_ids == () and a.num_blocks == 0
+    assert a.readable_block_ids == () and len(a.block_hashes) == 4  # hashes kept, none readable
+    assert host_table.retained_blocks == 8 and host_table.host_only == 1
+    assert host_table.stats.evicted == 1
+    # The lease itself is unchanged: keepalive, touch and release apply, expiry too.
+    assert host_table.keepalive("a") is not None and host_table.touch("a") is not None
+    # A host-only retention has nothing a prefill could read: no pin, "evicted".
+    assert host_table.pin("a", 5) is None
+    assert host_table.gone_reason("a") is GoneReason.EVICTED
+    # And it is never chosen to make room again (it frees nothing).
+    assert keys(host_table.evict_for(3)) == ["b"]
+    existed, gone = host_table.release("a")
+    assert existed and keys(gone) == ["a"] and gone[0].block_ids == ()
+    assert host_table.take_ended() == ["a"]
+
+
+def test_with_a_host_tier_a_retention_larger_than_the_budget_is_kept_host_only(
+        host_table: RetentionTable) -> None:
+    freed = retain(host_table, "big", 11)
+    assert keys(freed) == ["big"] and len(freed[0].block_ids) == 11  # device blocks back
+    big = host_table.get("big")
+    assert big is not None and not big.on_device and big.num_tokens == 11 * BS
+    assert host_table.stats.refused == 1 and host_table.stats.created == 1
+    assert host_table.retained_blocks == 0
+
+
+def test_ended_leases_are_reported_once_with_a_host_tier_only(
+        host_table: RetentionTable, table: RetentionTable, clock: FakeClock) -> None:
+    for t in (host_table, table):
+        retain(t, "released", 2)
+        retain(t, "expires", 2)
+        retain(t, "replaced", 2)
+        retain(t, "replaced", 2)  # a lease going on: not ended
+        t.release("released")
+        clock.advance(481)
+        t.expire()
+    assert host_table.take_ended() == ["released", "expires", "replaced"]
+    assert host_table.take_ended() == []
+    assert table.take_ended() == []  # nobody would take them
+
+
+def test_standings_are_the_live_leases_with_their_last_use_and_pins(
+        host_table: RetentionTable, clock: FakeClock) -> None:
+    retain(host_table, "old", 2)
+    clock.advance(300)
+    retain(host_table, "a", 2)
+    retain(host_table, "b", 2)
+    assert host_table.pin("b", 30) is not None
+    clock.advance(200)  # "old" expired (not handed back yet); a and b live
+    host_table.keepalive("a")
+    assert host_table.standings() == {"a": LeaseView(Standing.LEASED, clock.now),
+                                      "b": LeaseView(Standing.PINNED, clock.now - 200)}
+
+
+def test_a_host_only_retention_whose_host_copy_is_gone_is_dropped_as_evicted(
+        host_table: RetentionTable) -> None:
+    retain(host_table, "a", 6)
+    retain(host_table, "b", 6)  # a leaves the device
+    assert not host_table.drop_lost("a", "someone-else")  # another turn: not this one
+    assert not host_table.drop_lost("b", "req-b")  # on the device: its host copy is a spare
+    assert host_table.drop_lost("a", "req-a")
+    assert host_table.get("a") is None and host_table.gone_reason("a") is GoneReason.EVICTED
+    assert host_table.stats.host_evicted == 1 and host_table.take_ended() == ["a"]
+    assert not host_table.drop_lost("a", "req-a")

@@ -8,8 +8,10 @@ its other hooks are stubbed where they would need a whole engine.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -28,7 +30,8 @@ from kvturn_server.connector._params import FORMAT, KVTURN_FIELD, READ_PREFIX, r
 from kvturn_server.connector._prefill import PrefillSide, ReadRules, ReuseRecord
 from kvturn_server.connector._reuse import ReuseReason
 from kvturn_server.connector._scheduler import KVTurnPullScheduler
-from tests.server.keeper_fakes import BS, FakeBlockPool, coordinates, tokens
+from kvturn_server.connector._tiers import HostCounters, HostLoad, tier_link
+from tests.server.keeper_fakes import BS, FakeBlockPool, FakeHostTier, coordinates, tokens
 
 KEY = "3f2a9c0d1e4b5a67/conv:42"
 CONTROL_URL = "http://127.0.0.1:8201"
@@ -477,3 +480,62 @@ def test_a_prefill_reports_no_local_hit_for_its_own_legs() -> None:
     assert prefill.finished(request, None) == {
         KVTURN_FIELD: {"conversation": KEY, "retained": False, "engine_id": "decode-engine"}}
     assert prefill.records == {}
+
+
+# With a host tier, a decode leg that computes its own prompt counts what it loaded from there.
+
+
+@pytest.fixture
+def host_sched(pool: FakeBlockPool) -> tuple[KVTurnPullScheduler, FakeHostTier]:
+    host = FakeHostTier()
+    engine = f"decode-engine-{uuid.uuid4().hex}"
+    tier_link(engine).host = host
+    keeper = make_keeper(ConnectorConfig(), kv_cache_config(), DEFAULT_SEED)
+    sched = base_scheduler(keeper)
+    side(sched).at = dataclasses.replace(side(sched).at, engine_id=engine)
+    sched.bind_block_pool(pool)
+    return sched, host
+
+
+@pytest.mark.parametrize(("prompt_len", "local", "host_tokens", "reason"), [
+    (17, 0, 16, "hit"),  # nothing left on the device: all of it from host memory
+    (17, 8, 8, "hit"),  # the head still in the device's prefix cache, the rest from host
+    (21, 0, 8, "partial"),
+    (17, 4, 0, "partial"),  # nothing loaded from host: 0, said
+])
+def test_a_decode_leg_counts_what_it_loaded_from_the_host_tier(
+        host_sched: tuple[KVTurnPullScheduler, FakeHostTier], pool: FakeBlockPool,
+        prompt_len: int, local: int, host_tokens: int, reason: str) -> None:
+    sched, host = host_sched
+    if host_tokens:
+        host.loads["own"] = HostLoad(host_tokens)
+    out = run_own_prompt(sched, pool, prompt_len, [local])
+    assert out[KVTURN_FIELD]["reuse"] == {"reason": reason, "reused_tokens": local + host_tokens,
+                                          "local_tokens": local, "host_tokens": host_tokens}
+    stats = sched.take_stats()
+    assert stats is not None
+    assert stats.data["kvturn_host_loaded_tokens"] == ([host_tokens] if host_tokens else [])
+
+
+def test_a_failed_host_load_reports_nothing_loaded_and_says_so(
+        host_sched: tuple[KVTurnPullScheduler, FakeHostTier], pool: FakeBlockPool) -> None:
+    sched, host = host_sched
+    host.loads["own"] = HostLoad(0, failed=True)
+    out = run_own_prompt(sched, pool, 17, [4])
+    assert out[KVTURN_FIELD]["reuse"] == {"reason": "partial", "reused_tokens": 4,
+                                          "local_tokens": 4, "host_tokens": 0,
+                                          "host_failed": True}
+
+
+def test_the_keeper_is_bound_to_the_engines_host_tier_and_stats_carry_its_counters(
+        host_sched: tuple[KVTurnPullScheduler, FakeHostTier], pool: FakeBlockPool) -> None:
+    sched, host = host_sched
+    keeper = side(sched).keeper
+    assert keeper is not None and keeper._host is host and side(sched).host is host
+    host.counters = HostCounters(evicted={"none": 3, "leased": 1}, discarded=2, load_failures=1)
+    stats = sched.take_stats()
+    assert stats is not None
+    assert stats.data["kvturn_host_evictions"] == [[["leased", 1], ["none", 3]]]
+    assert stats.data["kvturn_host_discarded"] == [2]
+    assert stats.data["kvturn_host_load_failures"] == [1]
+

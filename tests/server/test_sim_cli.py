@@ -25,7 +25,7 @@ def test_simulate_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFix
                  "--decodes", "1", "--sweep-budgets", "0.25,0.5", "--sweep-ttls", "480",
                  "--json", str(out), "--quiet"]) == 0
     data = json.loads(out.read_text())
-    assert set(data["policies"]) == {"vllm-ttl-480", "kvturn-lease", "lru-budget",
+    assert set(data["policies"]) == {"vllm-ttl-480", "kvturn-lease", "kvturn-host", "lru-budget",
                                      "evict-before-starve", "stock-pd", "stock-cond",
                                      "stock-cond-2k", "stock-cond-offload"}
     assert len(data["sweep"]) == 2 and data["config"]["conversations"] == 30

@@ -128,3 +128,21 @@ def test_stock_memory_is_free_or_cached_never_lost() -> None:
         for decode in sim.decodes:
             assert decode.live == 0 and not decode.waiting and len(decode.table) == 0
             assert sorted(decode.free_ids()) == list(range(decode.capacity)), name
+
+
+def test_kvturn_s_host_tier_keeps_an_evicted_retention_and_loads_it_back() -> None:
+    """kvturn-host: a retention live requests evicted from the decode stays in host memory, so
+    the router does not mark it lost (the connector logs it only once the host tier drops it)
+    and the next turn continues on the decode, loading it back; device-only, the lost record's
+    turn takes a prefill."""
+    block = FleetSpec(prefills=1, decodes=1, decode_blocks=120, block_size=64)
+    conversations = [Conversation(f"c{i}", i * 0.5, 6000, (100, 100), (64, 64), (30.0,))
+                     for i in range(2)]
+    policies = standard_policies(host_gib=4.0)  # 256 blocks of 16 MiB
+    host = simulate(SimSettings(fleet=block, policy=policies["kvturn-host"]),
+                    conversations).summary()
+    device = simulate(SimSettings(fleet=block, policy=policies["kvturn-lease"]),
+                      conversations).summary()
+    assert device["retention_stats"]["evicted"] >= 1
+    assert device["routes"]["prefill"] > host["routes"]["prefill"]
+    assert host["routes"] == {"prefill": 2, "decode": 2}

@@ -14,7 +14,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvturn_server.bench._profiles import HOST_TIER_MULTIPLE, HOST_TIER_PEERS, OFFLOAD
+from kvturn_server.bench._profiles import (
+    HOST_TIER,
+    HOST_TIER_MULTIPLE,
+    HOST_TIER_PEERS,
+    OFFLOAD,
+)
+from kvturn_server.bench._profiles import PLAIN as PLAIN_INSTANCES
 from kvturn_server.bench._profiles import PLAIN as PLAIN_PROFILE
 from kvturn_server.bench._profiles import kv_bytes_per_token as kv_bytes_per_token
 from kvturn_server.bench.agent._loop import IDS as IDS
@@ -98,9 +104,9 @@ MODE_TABLE: tuple[FleetMode, ...] = (
     FleetMode("kvturn-kv", (), KVTURN,
               "kvturn reuse with kv-aware placement (the router's default policy)"),
     FleetMode("kvturn-offload", (), KVTURN,
-              "kvturn-kv on the same instances as stock-cond-offload: kvturn's retention on the "
-              "decodes with vLLM's CPU offloading's host tier behind it",
-              by_default=False, profile=OFFLOAD),
+              "kvturn-kv with its host tier (docs/connector.md \"The host tier\": the same size "
+              "as stock-cond-offload's, evicted in the leases' order), on instances of its own",
+              by_default=False, profile=HOST_TIER),
 )
 MODES: dict[str, FleetMode] = {m.name: m for m in MODE_TABLE}
 STOCK_MODES = tuple(m.name for m in MODE_TABLE if not m.kvturn)
@@ -213,7 +219,7 @@ class FleetBenchSettings:
             raise ValueError(f"unknown model size {self.size!r}")
         if not self.host_tier_multiple > 0:
             raise ValueError(f"--host-tier must be positive, got {self.host_tier_multiple:g}")
-        if self.gpu and any(MODES[m].profile == OFFLOAD for m in self.modes):
+        if self.gpu and any(MODES[m].profile != PLAIN_INSTANCES for m in self.modes):
             raise ValueError("the offload modes size the host tier against the instances' "
                              "device KV, known before start only on the CPU build: run them "
                              "without --gpu")

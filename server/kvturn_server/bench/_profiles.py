@@ -5,11 +5,16 @@ A mode whose instances need other vLLM settings than another's cannot share inst
 Each mode of ``kvturn bench agent``, ``trace`` and ``fleet`` names a profile:
 
 - ``plain``: the kvturn connector alone, as ``kvturn up`` serves it.
-- ``offload``: the same beside vLLM's CPU KV offloading (``kvturn_server.offload``: vLLM's
-  ``OffloadingConnector`` in a ``MultiConnector`` after kvturn's connector), a host tier on every
-  instance of ``multiple`` times that instance's device KV, replies stored too
-  (``offload_prompt_only: false``: an agent sends the previous reply back in its next prompt,
-  and with vLLM's default a host hit stops at the previous prompt, docs/cpu-stack.md).
+- ``offload``: the same beside vLLM's CPU KV offloading as vLLM ships it (``kvturn_server.offload``:
+  vLLM's ``OffloadingConnector`` in a ``MultiConnector`` after kvturn's connector, vLLM's LRU
+  order), a host tier on every instance of ``multiple`` times that instance's device KV, replies
+  stored too (``offload_prompt_only: false``: an agent sends the previous reply back in its next
+  prompt, and with vLLM's default a host hit stops at the previous prompt, docs/cpu-stack.md).
+  The stock baseline's host tier.
+- ``host-tier``: the same host tier with kvturn's defaults (docs/connector.md, "The host tier":
+  evicted in the leases' order, released and expired conversations discarded). kvturn's own.
+  Its instances are not the stock mode's: leases left by a kvturn run would protect kvturn's
+  conversations in a host tier a stock run then shares.
 
 A benchmark starts the instances of each profile its modes use (``ProfileFleets``), one profile
 after the other, and keeps them all up until it ends: every mode still runs in rotated order
@@ -31,14 +36,17 @@ if TYPE_CHECKING:
     from kvturn_server.local._fleet import Fleet, FleetConfig
     from kvturn_server.local._stack import Progress
 
-PLAIN, OFFLOAD = "plain", "offload"
-PROFILES = (PLAIN, OFFLOAD)
+PLAIN, OFFLOAD, HOST_TIER = "plain", "offload", "host-tier"
+PROFILES = (PLAIN, OFFLOAD, HOST_TIER)
 HOST_TIER_MULTIPLE = 2.0
 """The host tier against the device KV by default: an H200 serving a 32B model keeps about
 70 GB (65 GiB) of KV beside the weights, and llm-d's guides give each rank 100-150 GiB of CPU
 tier (``kvturn simulate``'s stock-cond-offload takes 128 GiB): about twice the device KV."""
-OFFLOAD_EXTRA: dict[str, Any] = {"offload_prompt_only": False}
-"""The offloading connector's settings beyond the size, on every offload instance."""
+OFFLOAD_EXTRA: dict[str, dict[str, Any]] = {
+    OFFLOAD: {"eviction_policy": "lru", "offload_prompt_only": False},
+    HOST_TIER: {},  # kvturn's defaults: its leases' order, replies stored
+}
+"""The offloading connector's settings beyond the size, per host-tier profile."""
 GIB = 1024 ** 3
 # vLLM's block size on CPU platforms (vllm/platforms/cpu.py).
 CPU_BLOCK_SIZE = 128
@@ -87,15 +95,15 @@ def profile_config(base: FleetConfig, profile: str,
     state under ``offload/`` and the plain profile's model."""
     if profile == PLAIN:
         return base
-    if profile != OFFLOAD:
+    if profile not in OFFLOAD_EXTRA:
         raise ValueError(f"unknown instance profile {profile!r}; one of {', '.join(PROFILES)}")
     if not multiple > 0:
         raise ValueError(f"the host tier multiple must be positive, got {multiple:g}")
     prefill, decode = (multiple * device_kv_bytes(base, role) / GIB
                        for role in ("prefill", "decode"))
-    return replace(base, state_dir=base.state_dir / OFFLOAD, model_dir=base.model_path,
+    return replace(base, state_dir=base.state_dir / profile, model_dir=base.model_path,
                    kv_offload_gib=decode, prefill_kv_offload_gib=prefill,
-                   decode_kv_offload_gib=decode, kv_offload_extra=dict(OFFLOAD_EXTRA))
+                   decode_kv_offload_gib=decode, kv_offload_extra=dict(OFFLOAD_EXTRA[profile]))
 
 
 def host_tier(cfg: FleetConfig, multiple: float | None = None) -> dict[str, Any] | None:
@@ -124,7 +132,10 @@ def describe_host_tier(tier: dict[str, Any] | None) -> str:
         return "no host tier"
     multiple = tier.get("multiple_of_device_kv")
     extra = ", ".join(f"{k} {str(v).lower()}" for k, v in tier.get("offload_extra", {}).items())
-    return ("vLLM CPU offloading, host tier"
+    extra_keys = tier.get("offload_extra", {})
+    what = ("vLLM CPU offloading" if extra_keys.get("eviction_policy") == "lru"
+            else "kvturn's host tier (vLLM's offloading connector in the leases' order)")
+    return (what + ", host tier"
             + (f" {multiple:g}x the device KV" if multiple is not None else "")
             + f": prefill {_mib(tier['prefill_gib'])} (device "
             f"{_mib(tier['prefill_device_kv_gib'])}), decode {_mib(tier['decode_gib'])} (device "
@@ -176,7 +187,7 @@ class ProfileFleets:
 
     def host_tier(self, profile: str) -> dict[str, Any] | None:
         return host_tier(self.configs[profile],
-                         self.multiple if profile == OFFLOAD else None)
+                         self.multiple if profile in OFFLOAD_EXTRA else None)
 
     def describe(self) -> dict[str, Any]:
         """Per profile: its fleet's configuration, start-up time and host tier."""

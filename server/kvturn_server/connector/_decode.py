@@ -5,7 +5,8 @@ under that key by the :class:`~kvturn_server.connector._keeper.RetentionKeeper`,
 makes room for live requests and serves the control endpoint. vLLM's own bidirectional pinning
 stays off on decodes: it would pin every finished request, single-use, with a fixed TTL.
 A decode leg that computes its own prompt (no remote prefill) reports its local prefix-cache hit
-in the same shape as a prefill's ``kvturn.reuse``.
+in the same shape as a prefill's ``kvturn.reuse``, plus what it loaded from the decode's host
+tier when it has one (``host_tokens``; ``_tiers.py``, ``kvturn_server.offload``).
 
 :class:`DecodeSide` holds no vLLM state: the scheduler adapter (``_scheduler.py``) calls it
 before vLLM's own hook and hands it vLLM's answer after. The keeper learns where prefills read
@@ -32,10 +33,12 @@ from kvturn_server.connector._prefill import PrefillSide
 from kvturn_server.connector._retention import Retention
 from kvturn_server.connector._reuse import ReuseReason
 from kvturn_server.connector._stats import KVTurnStats
+from kvturn_server.connector._tiers import HostLoad, HostTier, tier_link
 
 log = logging.getLogger("kvturn.connector")
 
-_GAUGE_KEYS = ("kvturn_retentions", "kvturn_retained_blocks", "kvturn_retained_bytes")
+_GAUGE_KEYS = ("kvturn_retentions", "kvturn_retained_blocks", "kvturn_retained_bytes",
+               "kvturn_host_retentions")
 
 
 class DecodeSide:
@@ -53,15 +56,22 @@ class DecodeSide:
         self.legs = legs
         self._progress_thread = progress_thread
         self._local_hits: dict[str, int] = {}
-        self._gauges: tuple[int, int, int] = (0, 0, 0)
+        self._gauges: tuple[int, ...] = (0, 0, 0, 0)
         self._housekeeper: Housekeeper | None = None
+        self.host: HostTier | None = None
+        self._host_loaded: list[int] = []  # per turn since take_stats
 
     # Wiring done once the engine's cache manager exists.
 
     def bind_block_pool(self, pool: Any) -> None:
+        # Both connectors of the MultiConnector exist by now: the host tier, if any, is linked.
+        self.host = tier_link(self.at.engine_id).host
+        if self.host is not None:
+            log.info("kvturn: this decode has a host tier (%s); retentions evicted from its "
+                     "KV cache keep their lease there", self.host.usage())
         if self.keeper is None:
             return
-        self.keeper.bind(pool, self.at)
+        self.keeper.bind(pool, self.at, self.host)
         waker = EngineWaker.from_stack(self.keeper.service)
         self.keeper.set_waker(waker.wake)
         if waker.attached:
@@ -90,6 +100,7 @@ class DecodeSide:
         """vLLM's answer for a finished request; a conversation turn's says if it is retained."""
         params = request.kv_transfer_params
         local_hit = self._local_hits.pop(request.request_id, None)
+        load = self.host.take_loaded(request.request_id) if self.host is not None else None
         if isinstance(params, dict) and params.get("do_remote_decode"):
             return self.legs.finished(request, out)
         key = conversation_key(params) if isinstance(params, dict) else None
@@ -97,7 +108,7 @@ class DecodeSide:
             return out
         result = self._retain(request, key, block_ids, out)
         if local_hit is not None:
-            result[KVTURN_FIELD]["reuse"] = self._local_report(request, local_hit)
+            result[KVTURN_FIELD]["reuse"] = self._local_report(request, local_hit, load)
         return result
 
     def has_pending_block_frees(self) -> bool:
@@ -128,6 +139,18 @@ class DecodeSide:
     def take_stats(self) -> KVTurnStats | None:
         """kvturn's stats since the last call: the keeper's events, gauges when they moved."""
         stats = self.legs.take_stats() or KVTurnStats()
+        for tokens in self._host_loaded:
+            stats.record("kvturn_host_loaded_tokens", tokens)
+        self._host_loaded = []
+        if self.host is not None:
+            counters = self.host.take_counters()
+            if counters.evicted:
+                stats.record("kvturn_host_evictions",
+                             [[standing, n] for standing, n in sorted(counters.evicted.items())])
+            if counters.discarded:
+                stats.record("kvturn_host_discarded", counters.discarded)
+            if counters.load_failures:
+                stats.record("kvturn_host_load_failures", counters.load_failures)
         if self.keeper is not None:
             for event in self.keeper.take_events():
                 stats.record("kvturn_retention_events", event)
@@ -153,18 +176,31 @@ class DecodeSide:
         if conversation_key(params) is not None:
             self._local_hits.setdefault(request.request_id, num_computed_tokens)
 
-    def _local_report(self, request: Any, local_hit: int) -> dict[str, Any]:
-        """A decode leg's ``kvturn.reuse``: its own cache is where the history came from."""
+    def _local_report(self, request: Any, local_hit: int,
+                      load: HostLoad | None) -> dict[str, Any]:
+        """A decode leg's ``kvturn.reuse``: its own caches are where the history came from, the
+        device's prefix cache (``local_tokens``) and, with a host tier, host memory
+        (``host_tokens``; 0 and ``host_failed`` when that copy failed and was recomputed)."""
+        host = load.tokens if load is not None and not load.failed else 0
+        reused = local_hit + host
         # As on a prefill: the full blocks of all but the last prompt token can be reused.
         bs = self.at.block_size
         full_tokens = max(len(request.prompt_token_ids or ()) - 1, 0) // bs * bs
-        if local_hit <= 0 or full_tokens == 0:
+        if reused <= 0 or full_tokens == 0:
             reason = ReuseReason.MISS
-        elif local_hit >= full_tokens:
+        elif reused >= full_tokens:
             reason = ReuseReason.HIT
         else:
             reason = ReuseReason.PARTIAL
-        return {"reason": reason.value, "reused_tokens": local_hit, "local_tokens": local_hit}
+        report: dict[str, Any] = {"reason": reason.value, "reused_tokens": reused,
+                                  "local_tokens": local_hit}
+        if self.host is not None:
+            report["host_tokens"] = host
+            if load is not None and load.failed:
+                report["host_failed"] = True
+            if host:
+                self._host_loaded.append(host)
+        return report
 
     # Retaining.
 

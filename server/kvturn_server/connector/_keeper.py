@@ -16,6 +16,13 @@ decisions out on the block pool and makes them safe across threads:
 - Live requests come first. :meth:`make_room` (a waiting request needs blocks) and
   :meth:`relieve` (a running request could not get blocks; vLLM asks before preempting) evict
   least recently used unpinned retentions, so retention never causes a preemption.
+- With a host tier (``_tiers.py``; bound with the block pool) an evicted retention keeps its
+  lease, host-only, and every view says where the retention lives (``where``: ``device``,
+  ``host`` or ``both``; ``host_tokens``). The host tier orders its evictions by
+  :meth:`standings`, and a lease that ends (release, expiry) frees the conversation's host
+  blocks too, on the engine thread (the host tier, like the block pool, belongs to it). The
+  keeper never calls the host tier while holding its own lock: the host tier calls
+  :meth:`standings` from inside its eviction.
 """
 
 from __future__ import annotations
@@ -30,9 +37,10 @@ from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
 from kvturn_server.connector._lost import LostLog
 from kvturn_server.connector._params import READ_PREFIX, ReadCoordinates, read_params
 from kvturn_server.connector._retention import GoneReason, Retention, RetentionTable
+from kvturn_server.connector._tiers import HostTier, LeaseView
 
 RETENTION_EVENTS = ("created", "renewed", "released", "expired", "evicted", "replaced",
-                    "refused", "pinned")
+                    "refused", "pinned", "host_evicted")
 
 
 class BlockPool(Protocol):
@@ -79,7 +87,12 @@ class RetentionKeeper:
         self._pool: BlockPool | None = None
         self._at: ReadCoordinates | None = None
         self._table: RetentionTable | None = None
+        self._host: HostTier | None = None
         self._to_free: list[Retention] = []
+        # Conversations whose lease ended: their host blocks are freed on the engine thread.
+        self._to_discard: list[str] = []
+        # Conversations whose first host block went: a host-only lease of theirs ends.
+        self._to_check: set[str] = set()
         self._wake: Callable[[], object] = lambda: None
         self._counted = {name: 0 for name in RETENTION_EVENTS}
         self.pending_events: list[str] = []
@@ -88,16 +101,18 @@ class RetentionKeeper:
 
     # Set-up (engine thread, at start).
 
-    def bind(self, pool: BlockPool, at: ReadCoordinates) -> None:
-        """Attach the engine's block pool (the budget is a fraction of its usable blocks) and
-        the coordinates a prefill reads this decode at: every view of a retention carries the
-        params built from them (:func:`~kvturn_server.connector._params.read_params`)."""
+    def bind(self, pool: BlockPool, at: ReadCoordinates, host: HostTier | None = None) -> None:
+        """Attach the engine's block pool (the budget is a fraction of its usable blocks), the
+        coordinates a prefill reads this decode at (every view of a retention carries the
+        params built from them: :func:`~kvturn_server.connector._params.read_params`) and the
+        decode's host tier, if it has one (then evicted retentions keep their lease)."""
         usable = max(pool.num_gpu_blocks - 1, 0)  # block 0 is vLLM's null block
         with self._lock:
-            self._pool, self._at = pool, at
+            self._pool, self._at, self._host = pool, at, host
             self._table = RetentionTable(
                 budget_blocks=int(usable * self.budget), ttl=self._ttl,
-                max_hold=self._max_hold, max_pin=self._max_pin, clock=self._clock)
+                max_hold=self._max_hold, max_pin=self._max_pin, clock=self._clock,
+                host_tier=host is not None)
 
     def set_waker(self, wake: Callable[[], object]) -> None:
         """``wake`` makes the engine thread call :meth:`service` soon, even when idle."""
@@ -145,6 +160,7 @@ class RetentionKeeper:
             self._free([held])  # undo the hold: the table never saw these blocks
             raise
         self._free(freed)
+        self._discard()
         return kept if kept is not None and kept.request_id == request_id else None
 
     def service(self) -> None:
@@ -152,15 +168,18 @@ class RetentionKeeper:
         table = self._table
         if table is None:
             return
+        self._check_host()
         with self._lock:
             deadline = table.next_deadline()
-            if not self._to_free and (deadline is None or deadline > self._clock()):
+            if not self._to_free and not self._to_discard \
+                    and (deadline is None or deadline > self._clock()):
                 return
             before = self._snapshot(table)
             freed = self._to_free + table.expire()
             self._to_free = []
             self._count(table, before)
         self._free(freed)
+        self._discard()
 
     def has_pins(self) -> bool:
         table = self._table
@@ -169,7 +188,7 @@ class RetentionKeeper:
     def due(self) -> bool:
         """Whether :meth:`service` has work now (for the idle-engine housekeeper)."""
         with self._lock:
-            if self._to_free:
+            if self._to_free or self._to_discard or self._to_check:
                 return True
             deadline = self._table.next_deadline() if self._table is not None else None
             return deadline is not None and deadline <= self._clock()
@@ -192,6 +211,7 @@ class RetentionKeeper:
                 break
             self._free(freed)
             evicted += len(freed)
+        self._discard()
         return evicted
 
     def relieve(self) -> bool:
@@ -206,9 +226,23 @@ class RetentionKeeper:
             freed = table.evict_for(1)
             self._count(table, before)
         self._free(freed)
+        self._discard()
         return bool(freed)
 
     # Any thread (control server).
+
+    def standings(self) -> dict[str, LeaseView]:
+        """Every live lease and how it stands (for the host tier's eviction order)."""
+        with self._lock:
+            table = self._table
+            return table.standings() if table is not None else {}
+
+    def lost_in_host(self, conversations: Iterable[str]) -> None:
+        """The host tier evicted these conversations' first blocks. Checked at the next
+        :meth:`service`: the host tier calls this from inside a store, where nothing may call
+        back into it."""
+        with self._lock:
+            self._to_check.update(conversations)
 
     def describe(self, key: str) -> dict[str, Any] | Gone:
         with self._lock:
@@ -216,7 +250,8 @@ class RetentionKeeper:
             retention = table.get(key)
             if retention is None:
                 return Gone(key, table.gone_reason(key))
-            return self._view(retention, retention.expires_at)
+            view = self._view(retention, retention.expires_at)
+        return self._placed(retention, view)
 
     def pin(self, key: str, ttl: float) -> dict[str, Any] | Gone:
         with self._lock:
@@ -232,7 +267,9 @@ class RetentionKeeper:
             view = self._view(retention, pin.expires_at)
         view.update(pin_id=pin.pin_id, pin_expires_in=round(pin.expires_at - self._clock(), 3))
         self._wake()  # the pin's expiry is a new deadline for service()
-        return view
+        placed = self._placed(retention, view)
+        assert isinstance(placed, dict)  # pinned: on the device
+        return placed
 
     def unpin(self, pin_id: str) -> bool:
         with self._lock:
@@ -245,12 +282,20 @@ class RetentionKeeper:
     def keepalive(self, key: str) -> dict[str, Any] | Gone:
         with self._lock:
             table, _ = self._require()
+            current = table.get(key)
+        # A host-only lease whose host copy is gone promises nothing: not renewed, dropped.
+        if current is not None and not current.on_device \
+                and isinstance(lost := self._placed(current, {}), Gone):
+            return lost
+        with self._lock:
+            table, _ = self._require()
             before = self._snapshot(table)
             retention = table.keepalive(key)
             self._count(table, before)
             if retention is None:
                 return Gone(key, table.gone_reason(key))
-            return self._view(retention, retention.expires_at)
+            view = self._view(retention, retention.expires_at)
+        return self._placed(retention, view)
 
     def release(self, key: str) -> bool | Gone:
         with self._lock:
@@ -261,14 +306,14 @@ class RetentionKeeper:
             if not existed:
                 return Gone(key, table.gone_reason(key))
             self._to_free.extend(freed)
-        if freed:
-            self._wake()
+        if freed or self._host is not None:
+            self._wake()  # frees, and host blocks to discard
         return True
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             table, at = self._require()
-            return {
+            stats: dict[str, Any] = {
                 "engine_id": at.engine_id,
                 "retentions": len(table),
                 "retained_blocks": table.retained_blocks,
@@ -276,16 +321,22 @@ class RetentionKeeper:
                 "held_bytes": table.held_blocks * self.block_bytes,
                 "budget_blocks": table.budget_blocks,
                 "pins": table.num_pins,
+                "host_only": table.host_only,
                 "events": dict(self._counted),
             }
+            host = self._host
+        if host is not None:
+            stats["host"] = host.usage()
+        return stats
 
-    def gauges(self) -> tuple[int, int, int]:
-        """(retentions, held blocks, held bytes), for metrics."""
+    def gauges(self) -> tuple[int, int, int, int]:
+        """(retentions, held blocks, held bytes, host-only retentions), for metrics."""
         with self._lock:
             table = self._table
             if table is None:
-                return 0, 0, 0
-            return len(table), table.held_blocks, table.held_blocks * self.block_bytes
+                return 0, 0, 0, 0
+            return (len(table), table.held_blocks, table.held_blocks * self.block_bytes,
+                    table.host_only)
 
     def take_events(self) -> list[str]:
         with self._lock:
@@ -298,6 +349,29 @@ class RetentionKeeper:
         if self._table is None or self._at is None:
             raise RuntimeError("the retention keeper is not bound to a block pool yet")
         return self._table, self._at
+
+    def _placed(self, retention: Retention, view: dict[str, Any]) -> dict[str, Any] | Gone:
+        """``view`` with where the retention lives (``where``, ``host_tokens``); Gone when it
+        is host-only and the host tier holds none of it any more (then it is dropped).
+
+        Called without the lock: the host tier takes its own, and calls :meth:`standings`
+        with it held.
+        """
+        host = self._host
+        host_tokens = min(host.resident_tokens(retention.key), retention.num_tokens) \
+            if host is not None else 0
+        if not retention.on_device and host_tokens == 0:
+            with self._lock:
+                table, _ = self._require()
+                before = self._snapshot(table)
+                lost = table.drop_lost(retention.key, retention.request_id)
+                self._count(table, before)
+            if lost:
+                self._wake()  # its host blocks (if any are left in flight) go too
+                return Gone(retention.key, GoneReason.EVICTED)
+        view.update(where=("both" if host_tokens else "device") if retention.on_device
+                    else "host", host_tokens=host_tokens)
+        return view
 
     def _view(self, retention: Retention, deadline: float) -> dict[str, Any]:
         now = self._clock()
@@ -318,21 +392,44 @@ class RetentionKeeper:
         if pool is None:
             return
         for retention in retentions:
+            if not retention.block_ids:
+                continue  # host-only: nothing on the device
             # Tail blocks first: they are the least likely to be shared with another sequence.
             pool.free_blocks([pool.blocks[b] for b in reversed(retention.block_ids)])
+
+    def _check_host(self) -> None:
+        """End the host-only leases whose host copy went (engine thread; outside the lock).
+        Routers following the lost log learn of them there."""
+        with self._lock:
+            if not self._to_check or self._table is None:
+                return
+            check, self._to_check = self._to_check, set()
+            held = [r for key in check if (r := self._table.get(key)) is not None
+                    and not r.on_device]
+        for retention in held:
+            self._placed(retention, {})
+
+    def _discard(self) -> None:
+        """Free the host blocks of ended leases (engine thread; outside the lock)."""
+        with self._lock:
+            ended, self._to_discard = self._to_discard, []
+        if ended and self._host is not None:
+            self._host.discard(ended)
 
     @staticmethod
     def _snapshot(table: RetentionTable) -> tuple[int, ...]:
         s = table.stats
         return (s.created, s.renewed, s.released, s.expired, s.evicted, s.replaced, s.refused,
-                s.pinned)
+                s.pinned, s.host_evicted)
 
     def _count(self, table: RetentionTable, before: tuple[int, ...]) -> None:
-        # Events are derived from the table's counters so that no code path can forget one.
+        # Events are derived from the table's counters so that no code path can forget one;
+        # so are the leases that ended (the caller holds the lock).
         for name, old, new in zip(RETENTION_EVENTS, before, self._snapshot(table), strict=True):
             if new > old:
                 self._counted[name] += new - old
                 self.pending_events.extend([name] * (new - old))
+        self._to_discard.extend(table.take_ended())
         lost = table.take_lost()
         if lost:
             self.lost.add((r.key, reason.value, READ_PREFIX + r.request_id) for r, reason in lost)

@@ -74,8 +74,9 @@ def read_params(at: ReadCoordinates, retention: Retention, deadline: float) -> d
             "format": FORMAT,
             # block_size: tokens per hashed block; the prefill must use the same
             "block_size": at.block_size,
-            # block_hashes: hex chained hashes of each retained block, in order
-            "block_hashes": [h.hex() for h in retention.block_hashes],
+            # block_hashes: hex chained hashes of each readable block, in order
+            "block_hashes": [h.hex() for h in
+                             retention.block_hashes[:len(retention.readable_block_ids)]],
             # conversation: the (tenant-scoped) key this retention is kept under
             "conversation": retention.key,
             # control: this decode's control endpoint (pin, keepalive, release)

@@ -13,6 +13,15 @@ the whole answer here:
 - **Evicted**: least recently used first, when the retention budget is exceeded or live requests
   need blocks. Retention is an optimisation; it must never starve live decoding.
 
+**With a host tier** (``host_tier``: the decode copies every computed block to host memory,
+``kvturn_server.offload``) eviction takes a retention's *device* blocks only: its lease goes
+on, held in host memory alone ("host-only"), so keepalive, release and expiry still apply and a
+turn the decode continues loads it back from there. A retention larger than the whole budget
+is kept host-only from the start instead of refused. The host tier orders its own evictions by
+these leases (:meth:`RetentionTable.standings`) and frees a conversation's host blocks when
+its lease ends (:meth:`RetentionTable.take_ended`). A host-only retention whose host copy is
+gone too is dropped by :meth:`RetentionTable.drop_lost`.
+
 **Pins** protect reads in flight. A prefill reads a retention's blocks over NIXL without the
 decode taking part, so the decode cannot tell when a read starts. The router therefore pins the
 retention (a short lease of its own) before it sends the prefill leg, and unpins it after. While
@@ -39,6 +48,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from kvturn_server.connector._hashing import HASH_SIZE
+from kvturn_server.connector._tiers import LeaseView, Standing
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +61,8 @@ class Retention:
     Attributes:
         key: the conversation key (tenant-scoped by the router).
         request_id: the engine-local id of the request whose blocks are kept.
-        block_ids: every block the lease holds, in sequence order. All of them are freed together.
+        block_ids: every device block the lease holds, in sequence order. All of them are freed
+            together. Empty once the retention is host-only (its device blocks were evicted).
         block_hashes: one chained hash per *full* block, in order, so there may be one fewer
             hash than blocks (a trailing partial block is held but can never be read). They must
             cover only tokens whose KV was computed: vLLM never runs a request's final sampled
@@ -79,8 +90,14 @@ class Retention:
         return len(self.block_ids)
 
     @property
+    def on_device(self) -> bool:
+        """Whether the decode still holds its device blocks (else it is host-only)."""
+        return bool(self.block_ids)
+
+    @property
     def readable_block_ids(self) -> tuple[int, ...]:
-        """The block ids that have a hash, paired one to one with ``block_hashes``."""
+        """The device block ids that have a hash, paired one to one with the first of
+        ``block_hashes`` (none once host-only)."""
         return self.block_ids[:len(self.block_hashes)]
 
     def is_live(self, now: float) -> bool:
@@ -119,8 +136,9 @@ class RetentionStats:
     """Counters since the table was built (for the control endpoint and metrics).
 
     ``replaced``, ``released``, ``expired``, ``evicted`` and ``refused`` count retentions handed
-    back for freeing, by cause; ``created`` counts retentions stored; ``renewed`` successful
-    keepalives.
+    back for freeing, by cause (with a host tier, ``evicted`` and ``refused`` hand back device
+    blocks while the lease goes on host-only); ``created`` counts retentions stored; ``renewed``
+    successful keepalives; ``host_evicted`` host-only retentions whose host copy was evicted too.
     """
 
     created: int = 0
@@ -132,6 +150,7 @@ class RetentionStats:
     refused: int = 0
     pinned: int = 0
     pins_expired: int = 0
+    host_evicted: int = 0
 
 
 class RetentionTable:
@@ -159,6 +178,7 @@ class RetentionTable:
         max_pin: float = 300.0,
         remember: int = 4096,
         clock: Callable[[], float] = time.monotonic,
+        host_tier: bool = False,
     ) -> None:
         if isinstance(budget_blocks, bool) or not isinstance(budget_blocks, int) \
                 or budget_blocks < 0:
@@ -173,6 +193,7 @@ class RetentionTable:
         self.max_hold = float(max_hold)
         self.max_pin = float(max_pin)
         self.remember = remember
+        self.host_tier = host_tier
         self.stats = RetentionStats()
         self._clock = clock
         # Insertion order is recency order: first is least recently used.
@@ -192,6 +213,9 @@ class RetentionTable:
         self._pin_ids = itertools.count(1)
         # Recently dropped keys and why, so that "no retention" can say "expired" or "evicted".
         self._gone: OrderedDict[str, GoneReason] = OrderedDict()
+        # Keys whose lease ended (released, expired, lost) since take_ended: with a host tier
+        # their host blocks go too. Not kept without one (nobody would take them).
+        self._ended: list[str] = []
         # Retentions the table dropped on its own (evicted, expired) since the last take_lost.
         self._lost: list[tuple[Retention, GoneReason]] = []
 
@@ -213,6 +237,11 @@ class RetentionTable:
     def num_pins(self) -> int:
         return len(self._pins)
 
+    @property
+    def host_only(self) -> int:
+        """Retentions whose device blocks were evicted, held in the host tier alone."""
+        return sum(1 for r in self._entries.values() if not r.on_device)
+
     def retentions(self) -> list[Retention]:
         """The retentions in the table, least recently used first (expired ones included)."""
         return list(self._entries.values())
@@ -222,6 +251,8 @@ class RetentionTable:
         retention = self._entries.get(key)
         if retention is not None and not retention.is_live(self._clock()):
             return GoneReason.EXPIRED
+        if retention is not None and not retention.on_device:
+            return GoneReason.EVICTED  # from the device: there is nothing to pin
         return self._gone.get(key, GoneReason.NO_RETENTION)
 
     def retain(
@@ -243,7 +274,8 @@ class RetentionTable:
         the last item of the returned list, so its blocks are freed like any other. Nothing else
         is evicted for it, but the previous retention is still replaced, so after ``retain`` the
         key holds exactly the new retention or nothing (never an older turn the router no longer
-        tracks).
+        tracks). With a host tier its blocks come back the same way but its lease is stored,
+        host-only.
 
         Raises:
             ValueError: malformed arguments (empty key, no blocks, negative or repeated block
@@ -271,9 +303,11 @@ class RetentionTable:
         )
         if retention.num_blocks > self.budget_blocks:
             self.stats.refused += 1
-            self._remember(key, GoneReason.EVICTED)
             freed.append(retention)
-            return freed
+            if not self.host_tier:
+                self._remember(key, GoneReason.EVICTED)
+                return freed
+            retention = replace(retention, block_ids=())
         freed.extend(self._free_blocks(
             self.held_blocks + retention.num_blocks - self.budget_blocks, now))
         self._store(retention)
@@ -336,6 +370,7 @@ class RetentionTable:
             return False, []
         self.stats.released += 1
         self._remember(key, GoneReason.RELEASED)
+        self._end(key)
         return True, self._hand_back(retention)
 
     def expire(self) -> list[Retention]:
@@ -353,12 +388,13 @@ class RetentionTable:
 
     def pin(self, key: str, ttl: float) -> tuple[Retention, Pin] | None:
         """Pin the key's live retention for ``ttl`` seconds (capped at ``max_pin``); None if
-        there is no live retention. A pin does not extend the lease and is not a use."""
+        there is no live retention on the device (a host-only one has no blocks a prefill could
+        read). A pin does not extend the lease and is not a use."""
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
             raise ValueError(f"pin ttl must be a positive number of seconds, got {ttl!r}")
         now = self._clock()
         retention = self._entries.get(key)
-        if retention is None or not retention.is_live(now):
+        if retention is None or not retention.is_live(now) or not retention.on_device:
             return None
         pin = Pin(f"pin-{next(self._pin_ids)}", key, retention.request_id,
                   now + min(float(ttl), self.max_pin))
@@ -375,6 +411,33 @@ class RetentionTable:
             return False, []
         return True, self._unpin(pin)
 
+    def standings(self) -> dict[str, LeaseView]:
+        """Every live lease, pinned or not, with its last use: the host tier's eviction order."""
+        now = self._clock()
+        return {key: LeaseView(Standing.PINNED if (key, r.request_id) in self._pin_counts
+                               else Standing.LEASED, r.last_used)
+                for key, r in self._entries.items() if r.is_live(now)}
+
+    def take_ended(self) -> list[str]:
+        """Keys whose lease ended since the last call (released, expired, lost), oldest first;
+        always empty without a host tier. A key may have a new retention by now."""
+        ended, self._ended = self._ended, []
+        return ended
+
+    def drop_lost(self, key: str, request_id: str) -> bool:
+        """Drop the key's host-only retention of ``request_id``: the host tier no longer holds
+        any of it, so the lease promises nothing. False when the key holds something else (a
+        newer turn, or blocks on the device again)."""
+        retention = self._entries.get(key)
+        if retention is None or retention.on_device or retention.request_id != request_id:
+            return False
+        self._drop(key)
+        self.stats.host_evicted += 1
+        self._remember(key, GoneReason.EVICTED)
+        self._end(key)
+        self._log_lost(retention, GoneReason.EVICTED)
+        return True
+
     def next_deadline(self) -> float | None:
         """The soonest clock time at which :meth:`expire` would have something to do."""
         times = [p.expires_at for p in self._pins.values()]
@@ -390,7 +453,8 @@ class RetentionTable:
         For when live requests need blocks the allocator does not have. Expired retentions go
         first (they are dead anyway), then the least recently used unpinned ones; pinned
         retentions are never chosen. It may free more than asked, since retentions are freed
-        whole, and less when only pinned retentions are left.
+        whole, and less when only pinned retentions are left. With a host tier an evicted
+        retention's lease stays, host-only: what comes back is its device blocks.
 
         Raises:
             ValueError: ``blocks_needed`` is not a non-negative int.
@@ -405,25 +469,34 @@ class RetentionTable:
     def _free_blocks(self, needed: int, now: float, *, for_live: bool = False) -> list[Retention]:
         """Drop retentions until ``needed`` blocks are free or nothing unpinned is left.
 
-        Expired retentions go first, then the least recently used unpinned ones. A pinned
-        retention frees nothing now (its blocks drain), so it is never chosen for room.
+        Expired retentions go first, then the least recently used unpinned ones on the device.
+        A pinned retention frees nothing now (its blocks drain), so it is never chosen for room.
         Evictions ``for_live`` requests are logged lost (their blocks are taken at once); one
-        over the budget leaves its blocks in the prefix cache until something needs them.
+        over the budget leaves its blocks in the prefix cache until something needs them. With
+        a host tier an evicted retention stays in the table, host-only, where it was in the LRU
+        order, and is not lost: a turn the decode continues loads it from host memory.
         """
         freed: list[Retention] = []
         while needed > 0:
             retention = self._pop_expired(now, unpinned_only=True)
             if retention is None:
-                victim = next((k for k, r in self._entries.items()
-                               if (k, r.request_id) not in self._pin_counts), None)
+                # O(retentions) when the LRU end is pinned or host-only; a decode holds at
+                # most a few hundred conversations.
+                victim = next((k for k, r in self._entries.items() if r.on_device
+                               and (k, r.request_id) not in self._pin_counts), None)
                 if victim is None:
                     break
-                retention = self._drop(victim)
-                assert retention is not None
                 self.stats.evicted += 1
-                self._remember(victim, GoneReason.EVICTED)
-                if for_live:
-                    self._log_lost(retention, GoneReason.EVICTED)
+                if self.host_tier:
+                    retention = self._entries[victim]
+                    self._retained_blocks -= retention.num_blocks
+                    self._entries[victim] = replace(retention, block_ids=())
+                else:
+                    retention = self._drop(victim)
+                    assert retention is not None
+                    self._remember(victim, GoneReason.EVICTED)
+                    if for_live:
+                        self._log_lost(retention, GoneReason.EVICTED)
             freed.append(retention)
             needed -= retention.num_blocks
         return freed
@@ -449,6 +522,7 @@ class RetentionTable:
             assert retention is not None
             self.stats.expired += 1
             self._remember(key, GoneReason.EXPIRED)
+            self._end(key)
             self._log_lost(retention, GoneReason.EXPIRED)
             return retention
         return None
@@ -478,10 +552,11 @@ class RetentionTable:
 
     def take_lost(self) -> list[tuple[Retention, GoneReason]]:
         """The retentions the table dropped on its own since the last call, oldest first:
-        evicted for live requests (:meth:`evict_for`: the blocks are taken at once) or
-        expired. Not evicted over the budget (the blocks stay in the prefix cache until
-        something needs them), released, replaced or refused: whoever asked for those knows.
-        At most ``remember`` are kept between calls (the oldest go first)."""
+        evicted for live requests (:meth:`evict_for`: the blocks are taken at once; with a
+        host tier only once its host copy is gone too, :meth:`drop_lost`) or expired. Not
+        evicted over the budget (the blocks stay in the prefix cache until something needs
+        them), released, replaced or refused: whoever asked for those knows. At most
+        ``remember`` are kept between calls (the oldest go first)."""
         lost, self._lost = self._lost, []
         return lost
 
@@ -489,6 +564,10 @@ class RetentionTable:
         self._lost.append((retention, reason))
         if len(self._lost) > max(self.remember, 1):
             del self._lost[:len(self._lost) - max(self.remember, 1)]
+
+    def _end(self, key: str) -> None:
+        if self.host_tier:
+            self._ended.append(key)
 
     def _remember(self, key: str, reason: GoneReason) -> None:
         if not self.remember:

@@ -35,6 +35,7 @@ from kvturn_server.connector._keeper import RetentionKeeper
 from kvturn_server.connector._params import ReadCoordinates
 from kvturn_server.connector._prefill import PrefillSide, ReadRules, make_calibration
 from kvturn_server.connector._stats import KVTurnStats
+from kvturn_server.connector._tiers import tier_link
 
 log = logging.getLogger("kvturn.connector")
 
@@ -65,6 +66,10 @@ class KVTurnPullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                         "decode retains no KV for the next turn's prefill")
         else:
             keeper = make_keeper(config, kv_cache_config, self.hash_seed)
+        if keeper is not None:
+            # A host tier beside this connector (kvturn_server.offload) orders its evictions
+            # by these leases.
+            tier_link(self.engine_id).leases = keeper
         self.control = self._start_control(vllm_config, keeper, None)
         # The workers (other processes) run NIXL's progress thread by the same rule.
         self.side = DecodeSide(keeper, self.read_coordinates(), PrefillSide(self.read_rules()),

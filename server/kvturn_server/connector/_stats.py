@@ -8,9 +8,15 @@ keep working unchanged.
 Keys (all lists, one item per observation; aggregation concatenates):
 
 - ``kvturn_retention_events``: ``created``, ``renewed``, ``released``, ``expired``,
-  ``evicted``, ``replaced``, ``refused``, ``pinned`` (decode).
-- ``kvturn_retentions`` / ``kvturn_retained_blocks`` / ``kvturn_retained_bytes``: gauge samples,
-  the last one wins (decode).
+  ``evicted``, ``replaced``, ``refused``, ``pinned``, ``host_evicted`` (decode).
+- ``kvturn_retentions`` / ``kvturn_retained_blocks`` / ``kvturn_retained_bytes`` /
+  ``kvturn_host_retentions``: gauge samples, the last one wins (decode).
+- ``kvturn_host_loaded_tokens``: prompt tokens a conversation turn the decode served alone loaded
+  from its host tier, per turn (decode with a host tier).
+- ``kvturn_host_evictions``: ``[standing, blocks]`` pairs, host-tier blocks evicted for room by
+  the standing of their conversation (``none``, ``gone``, ``leased``).
+- ``kvturn_host_discarded``: host-tier blocks freed because their lease ended or their copy
+  failed; ``kvturn_host_load_failures``: host-tier loads whose copy failed (recomputed).
 - ``kvturn_reuse``: the reuse outcome of each finished prefill (``X-KVTurn-Reuse`` values).
 - ``kvturn_reused_tokens``: prompt tokens read from a decode per finished prefill.
 - ``kvturn_fallbacks``: why a prefill recomputed what a retention offered (``expired``,
@@ -35,13 +41,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
 COST_GAUGES = ("kvturn_cost_read_fixed_seconds", "kvturn_cost_read_bytes_per_second",
                "kvturn_cost_compute_tokens_per_second")
 KVTURN_KEYS = ("kvturn_retention_events", "kvturn_retentions", "kvturn_retained_blocks",
-               "kvturn_retained_bytes", "kvturn_reuse", "kvturn_reused_tokens",
-               "kvturn_fallbacks", "kvturn_read_timeouts", "kvturn_reads_served", *COST_GAUGES)
+               "kvturn_retained_bytes", "kvturn_host_retentions", "kvturn_reuse",
+               "kvturn_reused_tokens", "kvturn_fallbacks", "kvturn_read_timeouts",
+               "kvturn_reads_served", "kvturn_host_loaded_tokens", "kvturn_host_evictions",
+               "kvturn_host_discarded", "kvturn_host_load_failures", *COST_GAUGES)
 _NIXL_KEYS = frozenset(NixlKVConnectorStats().data)
 _GAUGES = {
     "kvturn:retentions": "Retentions this decode holds.",
     "kvturn:retained_blocks": "KV blocks held by retentions (including draining ones).",
     "kvturn:retained_bytes": "Bytes of KV cache held by retentions.",
+    "kvturn:host_retentions":
+        "Retentions whose device blocks were evicted, held in the decode's host tier alone.",
     "kvturn:cost_read_fixed_seconds":
         "Prefill cost model: expected fixed cost of one read of retained KV, whatever its size "
         "(in use: calibrated, configured or default).",
@@ -84,8 +94,10 @@ class KVTurnPromMetrics(NixlPromMetrics):  # type: ignore[misc]
         self._events = counter(
             name="kvturn:retention_events", labelnames=[*labelnames, "event"],
             documentation="Decode retentions by event: created, renewed (keepalive), released, "
-                          "expired, evicted (budget or live requests), replaced (next turn), "
-                          "refused (larger than the budget), pinned (for a read).")
+                          "expired, evicted (from the device: budget or live requests; with a "
+                          "host tier the lease goes on there), replaced (next turn), refused "
+                          "(larger than the budget), pinned (for a read), host_evicted (a "
+                          "host-only retention lost its host copy too).")
         self._reuse = counter(
             name="kvturn:reuse_outcomes", labelnames=[*labelnames, "reason"],
             documentation="Prefill requests by reuse outcome (the X-KVTurn-Reuse values).")
@@ -101,6 +113,21 @@ class KVTurnPromMetrics(NixlPromMetrics):  # type: ignore[misc]
         self._reads_served = counter(
             name="kvturn:reads_served", labelnames=labelnames,
             documentation="Completed reads of this decode's retentions by a prefill.")
+        self._host_loaded = counter(
+            name="kvturn:host_loaded_tokens", labelnames=labelnames,
+            documentation="Prompt tokens of conversation turns the decode served alone that "
+                          "it loaded from its host tier.")
+        self._host_evictions = counter(
+            name="kvturn:host_evictions", labelnames=[*labelnames, "standing"],
+            documentation="Host-tier blocks evicted for room, by their conversation's "
+                          "standing: none (no conversation), gone (no live lease), leased.")
+        self._host_discarded = counter(
+            name="kvturn:host_discarded_blocks", labelnames=labelnames,
+            documentation="Host-tier blocks freed because their conversation's lease ended "
+                          "(release, expiry) or their copy failed.")
+        self._host_load_failures = counter(
+            name="kvturn:host_load_failures", labelnames=labelnames,
+            documentation="Loads from the host tier whose copy failed (recomputed).")
         self._gauges = {
             name.replace(":", "_", 1): gauge(name=name, labelnames=labelnames,
                                              multiprocess_mode="mostrecent",
@@ -124,6 +151,15 @@ class KVTurnPromMetrics(NixlPromMetrics):  # type: ignore[misc]
             self._read_timeouts.labels(*labels).inc(n)
         if n := len(data.get("kvturn_reads_served", ())):
             self._reads_served.labels(*labels).inc(n)
+        if tokens := sum(data.get("kvturn_host_loaded_tokens", ())):
+            self._host_loaded.labels(*labels).inc(tokens)
+        for pairs in data.get("kvturn_host_evictions", ()):
+            for standing, blocks in pairs:
+                self._host_evictions.labels(*labels, standing).inc(blocks)
+        if n := sum(data.get("kvturn_host_discarded", ())):
+            self._host_discarded.labels(*labels).inc(n)
+        if n := sum(data.get("kvturn_host_load_failures", ())):
+            self._host_load_failures.labels(*labels).inc(n)
         for key, gauge in self._gauges.items():
             samples = data.get(key)
             if samples:

@@ -81,8 +81,8 @@ class FleetConfig:
     startup_timeout: float = 600.0
     extra_vllm_args: tuple[str, ...] = field(default_factory=tuple)
     kv_offload_gib: float = 0.0
-    """Host memory (GiB) of every instance for vLLM's CPU KV offloading, as
-    ``StackConfig.kv_offload_gib``; 0: off."""
+    """Host memory (GiB) of every instance's host tier, as ``StackConfig.kv_offload_gib``
+    (kvturn's by default; ``kv_offload_extra`` as ``StackConfig``'s); 0: off."""
     kv_offload_extra: dict[str, Any] = field(default_factory=dict)
     prefill_kv_offload_gib: float | None = None
     """The host tier of every prefill where it differs from ``kv_offload_gib`` (None: that

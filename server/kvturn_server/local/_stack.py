@@ -98,12 +98,14 @@ class StackConfig:
     decode_connector_extra: dict[str, Any] = field(default_factory=dict)
     """The same for the decode's."""
     kv_offload_gib: float = 0.0
-    """Host memory (GiB) for vLLM's own CPU KV offloading on the prefill and the decode: vLLM's
-    ``OffloadingConnector`` beside the kvturn connector in a ``MultiConnector``
-    (``kvturn_server.offload``, docs/cpu-stack.md). 0: off. The reference never offloads."""
+    """Host memory (GiB) of the host tier on the prefill and the decode: vLLM's CPU KV offloading
+    under kvturn's lease, beside the kvturn connector in a ``MultiConnector``
+    (``kvturn_server.offload``, docs/connector.md "The host tier", docs/cpu-stack.md). 0: off.
+    The reference never offloads."""
     kv_offload_extra: dict[str, Any] = field(default_factory=dict)
-    """More keys for the offloading connector's ``kv_connector_extra_config``
-    (``offload_prompt_only``, ``eviction_policy``, ...); they override the stack's own."""
+    """More keys for the host tier's ``kv_connector_extra_config`` (``eviction_policy``,
+    ``offload_prompt_only``, ...; ``{"eviction_policy": "lru", "offload_prompt_only": true}``:
+    vLLM's own behaviour); they override the stack's own."""
 
     @property
     def model_path(self) -> Path:

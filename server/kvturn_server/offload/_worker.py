@@ -12,6 +12,12 @@ blocks, and loads before the forward that needs them, both on the worker's own t
 done in place is ordered before anything that could change its blocks, and ``wait`` has nothing
 left to wait for. Each copy's time goes with its result into vLLM's ``vllm:kv_offload_*``
 metrics.
+
+A copy that fails (it raises) is finished all the same: vLLM 0.32's offloading worker asserts
+that every job succeeded and would die on ``success=False``. The failure is kept apart instead,
+for the host-tier connector (``_connector.py``) to report: the destination blocks of a failed
+load (:meth:`HostCopyWorker.take_load_errors`, which vLLM recomputes) and the failed jobs
+(:meth:`HostCopyWorker.take_failed_jobs`, whose chunks the scheduler side discards).
 """
 
 from __future__ import annotations
@@ -49,21 +55,33 @@ class HostCopyWorker(OffloadingWorker):  # type: ignore[misc]
             [(r.tensor_idx, r.page_size_bytes) for r in refs]
             for refs in kv_caches.group_data_refs]
         self._finished: list[TransferResult] = []
+        self._load_errors: set[int] = set()
+        self._failed_jobs: set[int] = set()
         log.info("host KV tier: %d chunks of %d block(s), %.1f MiB in %d tensor(s)",
                  num_chunks, blocks_per_chunk,
                  sum(h.numel() for h in self._host) / 2**20, len(self._host))
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        self._finished.append(self._copy(job_id, src_spec, dst_spec.block_ids, to_host=True))
+        self._finished.append(self._run(job_id, src_spec, dst_spec.block_ids, to_host=True))
         return True
 
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        self._finished.append(self._copy(job_id, dst_spec, src_spec.block_ids, to_host=False))
+        self._finished.append(self._run(job_id, dst_spec, src_spec.block_ids, to_host=False))
         return True
 
     def get_finished(self) -> list[TransferResult]:
         done, self._finished = self._finished, []
         return done
+
+    def take_load_errors(self) -> set[int]:
+        """Device blocks that failed loads left unwritten, since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_failed_jobs(self) -> set[int]:
+        """Jobs (stores and loads) whose copy failed, since the last call."""
+        failed, self._failed_jobs = self._failed_jobs, set()
+        return failed
 
     def wait(self, job_ids: set[int]) -> None:
         return  # every copy completed when it was submitted
@@ -71,6 +89,21 @@ class HostCopyWorker(OffloadingWorker):  # type: ignore[misc]
     def shutdown(self) -> None:
         for views in (self._host_np, self._device_np, self._host, self._device):
             views.clear()
+
+    def _run(self, job_id: int, device_spec: Any, host_chunks: Any,
+             *, to_host: bool) -> TransferResult:
+        try:
+            return self._copy(job_id, device_spec, host_chunks, to_host=to_host)
+        except Exception:
+            log.exception("host KV tier: %s job %d failed; %s", "store" if to_host else "load",
+                          job_id, "its chunks are discarded" if to_host
+                          else "its blocks are recomputed")
+            self._failed_jobs.add(job_id)
+            if not to_host:
+                self._load_errors.update(int(b) for b in device_spec.block_ids.tolist())
+            # Finished, not successful: see the module docstring. No size or time, so that
+            # vLLM's transfer metrics count only real copies.
+            return TransferResult(job_id=job_id, success=True)
 
     def _copy(self, job_id: int, device_spec: Any, host_chunks: Any,
               *, to_host: bool) -> TransferResult:
@@ -83,6 +116,10 @@ class HostCopyWorker(OffloadingWorker):  # type: ignore[misc]
             for tensor_idx, page in self._refs[part.group]:
                 device, host = self._device_np[tensor_idx], self._host_np[tensor_idx]
                 for d, h, n in runs:
+                    # A slice past the end would copy nothing, silently: fail the job instead.
+                    if d < 0 or h < 0 or d + n > len(device) or h + n > len(host):
+                        raise ValueError(f"blocks {d}..{d + n - 1} / host rows {h}..{h + n - 1}"
+                                         f" outside {len(device)} / {len(host)}")
                     if to_host:
                         host[h:h + n, :page] = device[d:d + n, :page]
                     else:

@@ -283,6 +283,12 @@ def standard_policies(*, budget: float = RETENTION_BUDGET, ttl_s: float = 480.0,
         Policy("kvturn-lease", ttl_s=ttl_s, max_hold_s=max(3600.0, ttl_s),
                keepalive_s=ttl_s / 8, release=True, budget=budget,
                peer="kvturn: leases the SDK renews during tool gaps and releases at the end"),
+        Policy("kvturn-host", ttl_s=ttl_s, max_hold_s=max(3600.0, ttl_s),
+               keepalive_s=ttl_s / 8, release=True, budget=budget, host_gib=host_gib,
+               peer="kvturn with its host tier (docs/connector.md, \"The host tier\"): "
+                    "kvturn-lease, and a decode's evicted retentions kept in host memory (the "
+                    "same size as stock-cond-offload's), loaded back for the next turn; "
+                    "simulated least recently used there, as the leases' order mostly is"),
         Policy("lru-budget", ttl_s=UNLIMITED_S, max_hold_s=UNLIMITED_S, budget=budget,
                peer="retention with no lease, least recently used out past the budget"),
         Policy("evict-before-starve", ttl_s=UNLIMITED_S, max_hold_s=UNLIMITED_S, budget=1.0,

@@ -288,7 +288,11 @@ class Simulation:
         if placement is not None and placement.retained and placement.lost is None \
                 and self.s.router.follow_evictions:
             lost = self._lost_log(placement.decode).get(key)
-            if lost is not None and lost[0] == placement.turn:
+            host = self._decode_of[placement.decode].host
+            if lost is not None and lost[0] == placement.turn \
+                    and not (host is not None and host.holds(key)):
+                # With a host tier an evicted retention stays there (the connector logs it
+                # only once the host tier drops it too), and the decode loads it back.
                 placement = self.placements[key] = replace(placement, retained=False,
                                                            lost=lost[1])
         return placement

@@ -152,6 +152,10 @@ class HostTier:
         self._entries[key] = tuple(hashes)
         self.blocks += len(hashes)
 
+    def holds(self, key: str) -> bool:
+        """Whether a copy of ``key``'s latest blocks is here (no use)."""
+        return key in self._entries
+
     def lookup(self, key: str, hashes: Sequence[bytes]) -> int:
         """Verified blocks of ``hashes`` held here (a use: most recently used now)."""
         held = self._entries.get(key)

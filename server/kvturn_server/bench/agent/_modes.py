@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from kvturn_server.bench._profiles import HOST_TIER as HOST_TIER_PROFILE
 from kvturn_server.bench._profiles import HOST_TIER_PEERS, HOST_TIER_SOURCES
 from kvturn_server.bench._profiles import OFFLOAD as OFFLOAD_PROFILE
 from kvturn_server.bench._profiles import PLAIN as PLAIN_PROFILE
@@ -125,11 +126,11 @@ MODE_TABLE: tuple[AgentMode, ...] = (
     AgentMode("on", "kvturn", (), KVTURN, _KVTURN, ("docs/http-api.md B, Placement",)),
     AgentMode(
         "kvturn-offload", "kvturn-offload", (), KVTURN,
-        _KVTURN + ", on the same instances as stock-cond-offload: kvturn's retention on the "
-        "device with vLLM's CPU offloading's host tier behind it (write-through, LRU), from "
-        "which the decode loads what an evicted retention lost",
-        ("docs/http-api.md B, Placement", "docs/cpu-stack.md \"vLLM's CPU offloading\""),
-        OFFLOAD_PROFILE),
+        _KVTURN + ", with its host tier (the same size as stock-cond-offload's, on instances of "
+        "its own): an evicted retention keeps its lease in host memory, evicted there in the "
+        "leases' order, and the decode loads it back for the next turn",
+        ("docs/http-api.md B, Placement", "docs/connector.md \"The host tier\""),
+        HOST_TIER_PROFILE),
 )
 MODES_BY_NAME: dict[str, AgentMode] = {m.name: m for m in MODE_TABLE}
 MODES = tuple(MODES_BY_NAME)

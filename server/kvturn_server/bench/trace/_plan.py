@@ -24,7 +24,13 @@ from kvturn_server.bench._fleet_plan import (
     kv_bytes_per_token,
     rotated,
 )
-from kvturn_server.bench._profiles import HOST_TIER_MULTIPLE, HOST_TIER_PEERS, OFFLOAD
+from kvturn_server.bench._profiles import (
+    HOST_TIER,
+    HOST_TIER_MULTIPLE,
+    HOST_TIER_PEERS,
+    OFFLOAD,
+)
+from kvturn_server.bench._profiles import PLAIN as PLAIN_INSTANCES
 from kvturn_server.bench.trace._scale import ReplayPlan, Scaling
 
 # The modes. Router flags (before the thresholds are scaled, see ``router_args``) and the
@@ -49,9 +55,9 @@ MODE_TABLE: tuple[FleetMode, ...] = (
               "kvturn's reuse with the router's defaults, each conversation a kvturn SDK "
               "conversation (leases kept through tool gaps, released at the end)"),
     FleetMode("kvturn-offload", (), KVTURN,
-              "kvturn on the same instances as stock-cond-offload: kvturn's retention on the "
-              "decode with vLLM's CPU offloading's host tier behind it", by_default=False,
-              profile=OFFLOAD),
+              "kvturn with its host tier (docs/connector.md \"The host tier\": the same size "
+              "as stock-cond-offload's, evicted in the leases' order), on instances of its own",
+              by_default=False, profile=HOST_TIER),
 )
 MODES: dict[str, FleetMode] = {m.name: m for m in MODE_TABLE}
 STOCK_MODES = tuple(m.name for m in MODE_TABLE if not m.kvturn)
@@ -122,7 +128,7 @@ class TraceBenchSettings:
             raise ValueError("--retention-ttl must be positive")
         if not self.host_tier_multiple > 0:
             raise ValueError(f"--host-tier must be positive, got {self.host_tier_multiple:g}")
-        if self.gpu and any(MODES[m].profile == OFFLOAD for m in self.modes):
+        if self.gpu and any(MODES[m].profile != PLAIN_INSTANCES for m in self.modes):
             raise ValueError("the offload modes size the host tier against the instances' "
                              "device KV, known before start only on the CPU build: run them "
                              "without --gpu")

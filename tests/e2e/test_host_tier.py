@@ -1,0 +1,217 @@
+"""The decode's host tier under kvturn's lease, on a real stack of its own.
+
+The session stack has no host tier, so this module starts a small one, once: prefill, decode,
+a plain reference and a router with the defaults a user gets (short turns continued on the
+decode), with ``kv_offload_gib`` set (vLLM's offloading connector beside kvturn's, with
+kvturn's spec: eviction in the lease's order, discards, host loads in the reuse report;
+docs/connector.md, "The host tier"). The decode keeps ``DECODE_BLOCKS`` blocks of KV, half of
+them for retentions, and ``HOST_BLOCKS`` in host memory: another conversation's long turn pushes
+the others out of its device KV, and out of host memory the least recently used lease goes,
+not the one an agent kept alive.
+
+Every answer is held to the plain reference run (``_greedy``), text and logprobs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from kvturn_server.local import (
+    INSTALL_HINT,
+    Stack,
+    StackConfig,
+    free_port,
+    scrape,
+    vllm_is_installed,
+)
+from kvturn_server.local._direct import control, retention_path
+from kvturn_server.local._metrics import total
+
+from ._forced import ReferenceScorer, scoring_with
+from ._helpers import Delta, plain_chat, retention_stats, wait_until
+from ._turns import Turn, assert_same_answer, chat_turn
+
+BLOCK = 128  # tokens of a KV block on the CPU platform
+BLOCK_BYTES = 256 * 1024  # one block of the tiny model (2 layers, K and V, 2 x 64, float32)
+MAX_MODEL_LEN = 4096
+DECODE_BLOCKS = MAX_MODEL_LEN // BLOCK + 1  # one longest request (and vLLM's null block)
+RETENTION_BUDGET = 0.5  # 16 blocks
+HOST_BLOCKS = 40  # A, B, C (5 blocks each) fit; D (30) only if one of them goes: vLLM's LRU
+# would evict A, stored first; kvturn's order the least recently used lease, B
+TTL = 300.0  # the leases outlive the module
+API_KEY = "host-tier"
+SHORT_WORDS = 130  # about 5 full blocks
+LONG_WORDS = 780  # about 30 blocks: with its reply, nearly the whole decode
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def host_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    if not vllm_is_installed():
+        pytest.fail(f"e2e tests need the vLLM CPU stack: {INSTALL_HINT}", pytrace=False)
+    state = tmp_path_factory.mktemp("host-tier")
+    ports = ("router_port", "prefill_port", "decode_port", "reference_port",
+             "prefill_side_channel_port", "decode_side_channel_port", "prefill_control_port",
+             "decode_control_port")
+    cfg = StackConfig(state_dir=state, model_dir=Path(state) / "model", with_reference=True,
+                      max_model_len=MAX_MODEL_LEN, decode_num_blocks=DECODE_BLOCKS,
+                      retention_budget=RETENTION_BUDGET,
+                      kv_offload_gib=HOST_BLOCKS * BLOCK_BYTES / 2**30,
+                      decoder_kv_blocks_ttl=TTL, retention_max_hold=2 * TTL,
+                      prefill_connector_extra={"compute_tokens_per_s": 1.0},
+                      **{name: free_port() for name in ports})
+    with Stack(cfg, die_with_parent=True) as running:
+        running.start()
+        with scoring_with(ReferenceScorer(cfg.reference_url, cfg.served_model_name)):
+            yield running
+
+
+class Words:
+    """Seeded text of distinct words: a conversation's tag first, so that no two share a
+    block."""
+
+    def __init__(self, seed: int) -> None:
+        rng = random.Random(seed)
+        self.rng = rng
+        self.vocabulary = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz")
+                                   for _ in range(rng.randint(3, 7))) for _ in range(300)]
+
+    def text(self, tag: str, words: int) -> str:
+        return tag + " " + " ".join(self.rng.choice(self.vocabulary) for _ in range(words))
+
+
+def tenant_key(conversation: str) -> str:
+    """The decode's key of a conversation (the router scopes it by the API key's digest)."""
+    return f"{hashlib.sha256(f'Bearer {API_KEY}'.encode()).hexdigest()[:16]}/{conversation}"
+
+
+def decode_counters(cfg: StackConfig) -> dict[str, float]:
+    s = scrape(cfg.decode_url)
+    return {"host_cached": total(s, "vllm:prompt_tokens_cached_by_source_total", source="host"),
+            "host_loaded": total(s, "kvturn:host_loaded_tokens_total"),
+            "evicted_leased": total(s, "kvturn:host_evictions_total", standing="leased")}
+
+
+def turn(cfg: StackConfig, client: OpenAI, conversation: str,
+         messages: list[dict[str, Any]]) -> Turn:
+    """One turn through the router, held to the reference; its answer joins the history."""
+    reference = plain_chat(cfg.reference_url, cfg.served_model_name, messages, MAX_TOKENS)
+    answer = chat_turn(client, cfg.served_model_name, conversation, messages, False,
+                       max_tokens=MAX_TOKENS)
+    assert_same_answer(answer, reference)
+    messages.append({"role": "assistant", "content": answer.text})
+    return answer
+
+
+def conversation_call(cfg: StackConfig, conversation: str, method: str, suffix: str = "") -> None:
+    """The router's conversation endpoint, as the SDK calls it (keepalive, release)."""
+    request = urllib.request.Request(
+        f"{cfg.router_url}/kvturn/v1/conversations/{conversation}{suffix}", method=method,
+        data=b"{}" if method == "POST" else None,
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 200
+
+
+def describe(cfg: StackConfig, conversation: str) -> tuple[int, dict[str, Any]]:
+    return control(cfg.decode_control_url, "GET", retention_path(tenant_key(conversation)))
+
+
+def test_a_conversation_pushed_out_of_device_kv_continues_from_host_memory(
+        host_stack: Stack) -> None:
+    cfg = host_stack.config
+    client = OpenAI(base_url=f"{cfg.router_url}/v1", api_key=API_KEY, max_retries=0)
+    words = Words(seed=26)
+    a = f"host-a-{uuid.uuid4().hex[:8]}"
+    history: list[dict[str, Any]] = [{"role": "user", "content": words.text(a, SHORT_WORDS)}]
+    first = turn(cfg, client, a, history)
+    assert first.headers["x-kvturn-route"] == "prefill", first.headers
+    status, retained = describe(cfg, a)
+    assert status == 200, retained
+    a_tokens = retained["num_tokens"]
+    assert a_tokens >= 4 * BLOCK, retained
+    # Its last blocks are copied at the engine step after the one that finished it.
+    wait_until(lambda: describe(cfg, a)[1].get("host_tokens") == a_tokens, 10,
+               "A's whole turn in host memory")
+    assert describe(cfg, a)[1]["where"] == "both"
+
+    # Two more conversations; A's agent keeps its lease alive (a tool is running); then
+    # another conversation's long turn needs nearly every block of the decode: live requests
+    # come first, so every retention leaves the device and their blocks are reused. In host
+    # memory D's blocks need room too: the least recently used lease goes (B), not A.
+    others = []
+    for name in ("b", "c"):
+        other = f"host-{name}-{uuid.uuid4().hex[:8]}"
+        turn(cfg, client, other, [{"role": "user", "content": words.text(other, SHORT_WORDS)}])
+        others.append(other)
+    b_tokens = describe(cfg, others[0])[1]["num_tokens"]
+    conversation_call(cfg, a, "POST", "/keepalive")
+    before = decode_counters(cfg)
+    d_id = f"host-d-{uuid.uuid4().hex[:8]}"
+    turn(cfg, client, d_id, [{"role": "user", "content": words.text(d_id, LONG_WORDS)}])
+    pressure = {k: v - before[k] for k, v in decode_counters(cfg).items()}
+    assert pressure["evicted_leased"] > 0, pressure
+    status, spilled = describe(cfg, a)
+    assert status == 200 and spilled["where"] == "host", spilled
+    assert spilled["num_blocks"] == 0 and spilled["host_tokens"] == a_tokens, spilled
+    status, b = describe(cfg, others[0])  # B's host copy went: gone entirely, or its tail
+    assert (status == 404 and b["error"]["code"] == "evicted") or b["host_tokens"] < b_tokens, b
+    # D itself is larger than the retention budget: kept, in host memory only.
+    status, long_one = describe(cfg, d_id)
+    assert status == 200 and long_one["where"] == "host", long_one
+    assert retention_stats(cfg.decode_control_url)["host_only"] >= 2
+
+    # A's next turn is short: the router continues it on the decode, which loads A's history
+    # from host memory and computes only the new part.
+    history.append({"role": "user", "content": words.text("and then", 20)})
+    before = decode_counters(cfg)
+    with Delta(cfg.decode_url) as d, Delta(cfg.prefill_url) as p:
+        second = turn(cfg, client, a, history)
+    assert second.headers["x-kvturn-route"] == "decode", second.headers
+    assert p.value is not None and p.value.computed == 0 and p.value.transferred == 0, p.value
+    sources = d.value
+    assert sources is not None
+    # D reused the device blocks A's history was in; host memory had all of it.
+    assert sources.local_cache < a_tokens // 2, sources
+    assert sources.transferred > 0, sources
+    assert sources.local_cache + sources.transferred >= a_tokens - BLOCK, sources
+    assert 0 < sources.computed < 2 * BLOCK, sources
+    assert second.reuse in ("hit", "partial"), second.headers
+    assert second.reused == sources.local_cache + sources.transferred, (second.headers, sources)
+    wait_until(lambda: decode_counters(cfg)["host_loaded"] - before["host_loaded"]
+               == sources.transferred, 10, "kvturn's count of host-loaded tokens")
+    assert decode_counters(cfg)["host_cached"] - before["host_cached"] == sources.transferred
+    # Retained again, on the device (and in host memory).
+    status, again = describe(cfg, a)
+    assert status == 200 and again["where"] in ("device", "both"), again
+
+
+def test_a_released_conversation_leaves_host_memory_too(host_stack: Stack) -> None:
+    cfg = host_stack.config
+    client = OpenAI(base_url=f"{cfg.router_url}/v1", api_key=API_KEY, max_retries=0)
+    words = Words(seed=27)
+    conversation = f"host-release-{uuid.uuid4().hex[:8]}"
+    turn(cfg, client, conversation,
+         [{"role": "user", "content": words.text(conversation, SHORT_WORDS)}])
+    status, retained = describe(cfg, conversation)
+    assert status == 200 and retained["host_tokens"] > 0, retained
+    host = retention_stats(cfg.decode_control_url)["host"]
+    conversation_call(cfg, conversation, "DELETE")
+    # Freed on the engine thread, woken while idle: the control endpoint's stats are live.
+    blocks = retained["host_tokens"] // BLOCK
+    wait_until(lambda: retention_stats(cfg.decode_control_url)["host"]["discarded"]
+               >= host["discarded"] + blocks, 10,
+               "the released conversation's host blocks to be freed")
+    assert retention_stats(cfg.decode_control_url)["host"]["blocks_used"] \
+        <= host["blocks_used"] - blocks
+    status, gone = describe(cfg, conversation)
+    assert status == 404 and gone["error"]["code"] == "released", gone

@@ -10,25 +10,27 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvturn_server.bench._fleet import add_fleet_bench_parser
-from kvturn_server.bench._reuse_cli import add_reuse_bench_parser
-from kvturn_server.bench._router import add_router_bench_parser
-from kvturn_server.bench._sdk_run import add_sdk_bench_parser
+from kvturn_server.bench import (
+    add_fleet_bench_parser,
+    add_reuse_bench_parser,
+    add_router_bench_parser,
+    add_sdk_bench_parser,
+)
 from kvturn_server.bench.agent import add_agent_bench_parser
 from kvturn_server.bench.trace import add_trace_bench_parser
 from kvturn_server.local import (
     SIZES,
+    STOCK_ROUTER_ARGS,
+    Backoff,
+    ProgressLine,
     Stack,
     StackConfig,
     StackError,
     build_model,
+    log_tail,
     read_running,
     stop_running,
 )
-from kvturn_server.local._demo_report import STOCK_ROUTER_ARGS
-from kvturn_server.local._process import log_tail
-from kvturn_server.local._progress import ProgressLine
-from kvturn_server.local._supervise import Backoff
 from kvturn_server.router import add_router_args
 from kvturn_server.sim import add_simulate_parser
 
@@ -207,7 +209,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvturn_server.local._demo import run_demo
+    from kvturn_server.local import run_demo
 
     return run_demo(_stack_config(args), turns=args.turns, tool_latency=args.tool_latency,
                     plot=args.plot, api=args.api)

@@ -102,7 +102,7 @@ class _Fleet:
 
 def test_every_needed_profile_starts_in_turn_and_all_stop_together(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvturn_server.local._fleet.Fleet", _Fleet)
+    monkeypatch.setattr("kvturn_server.local.Fleet", _Fleet)
     _Fleet.events = []
     base = FleetConfig(state_dir=tmp_path / "bench")
     said: list[str] = []

@@ -24,7 +24,7 @@ def add_agents_args(p: argparse.ArgumentParser, d: AgentBenchSettings | FleetBen
     """``--json``, ``--plot``, ``--agents``, ``--time-scale``, ``--seed``, ``--stagger``,
     ``--size``, ``--state-dir`` and ``--retention-ttl``, their defaults from ``d``; ``seeded``:
     what the seed draws, ``state``: what the state directory holds."""
-    from kvturn_server.local._model import SIZES
+    from kvturn_server.local import SIZES
 
     add_output_args(p)
 

@@ -91,18 +91,18 @@ from kvturn_server.bench._sampling import loadavg
 from kvturn_server.bench.agent._loop import PROMPT_DETAILS_ARGS, Live
 from kvturn_server.bench.agent._records import AgentOutcome
 from kvturn_server.bench.agent._workload import AgentBenchSettings, GapDistribution, build_scripts
-from kvturn_server.local._progress import ProgressLine
+from kvturn_server.local import ProgressLine
 
 if TYPE_CHECKING:
     import kvturn
-    from kvturn_server.local._fleet import Fleet
+    from kvturn_server.local import Fleet
 
 WARM_UP = FleetMode("warm-up", (), KVTURN, "warm-up conversation (not counted)")
 
 
 def fleet_config(settings: FleetBenchSettings, scenario: Scenario) -> Any:
     """The fleet of one scenario: its context, its prefills' blocks, the scaled lease."""
-    from kvturn_server.local._fleet import FleetConfig
+    from kvturn_server.local import FleetConfig
 
     slug = scenario.name.replace("/", "-")
     return FleetConfig(
@@ -207,7 +207,7 @@ def run_on_router(fleet: Fleet, mode: FleetMode, args: tuple[str, ...], scenario
     """One run: a router started for it on every instance with ``args``, every plan sent
     through it as ``mode``'s client (``run_mode``), the router stopped. ``table``: the module
     whose mode table gave the flags, named where the router does not start."""
-    from kvturn_server.local._process import StackError
+    from kvturn_server.local import StackError
 
     try:
         router = fleet.start_router(f"router-{mode.name}-r{repeat}", args)

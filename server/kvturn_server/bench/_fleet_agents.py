@@ -158,7 +158,7 @@ class HttpFleetProbe:
         self.decode_controls = list(decode_controls)  # (name, control url)
 
     def _scrape_all(self) -> dict[str, Any]:
-        from kvturn_server.local._metrics import scrape
+        from kvturn_server.local import scrape
 
         out: dict[str, Any] = {}
         for instance, url in self.instances:
@@ -169,7 +169,7 @@ class HttpFleetProbe:
         return out
 
     def counters(self) -> Snapshot:
-        from kvturn_server.local._metrics import host_tokens, total
+        from kvturn_server.local import host_tokens, total
 
         name = "vllm:prompt_tokens_by_source_total"
         return {instance: None if s is None else Counters(

@@ -34,7 +34,7 @@ from kvturn_server.bench.agent._workload import (
     GapDistribution,
     build_scripts,
 )
-from kvturn_server.local._model import SIZES
+from kvturn_server.local import SIZES
 
 # vLLM's block size on CPU platforms (vllm/platforms/cpu.py); the fleet reads the real value
 # back from each instance's vllm:cache_config_info and reports that one.

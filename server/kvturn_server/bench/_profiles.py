@@ -33,8 +33,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvturn_server.local._fleet import Fleet, FleetConfig
-    from kvturn_server.local._stack import Progress
+    from kvturn_server.local import Fleet, FleetConfig, Progress
 
 PLAIN, OFFLOAD, HOST_TIER = "plain", "offload", "host-tier"
 PROFILES = (PLAIN, OFFLOAD, HOST_TIER)
@@ -68,7 +67,7 @@ HOST_TIER_SOURCES = (
 
 def kv_bytes_per_token(size: str) -> int:
     """The local model's KV bytes per token (K and V of every layer)."""
-    from kvturn_server.local._model import SIZES
+    from kvturn_server.local import SIZES
 
     m = SIZES[size]
     return 2 * m.num_layers * m.num_kv_heads * m.head_dim * (4 if m.dtype == "float32" else 2)
@@ -108,7 +107,7 @@ def profile_config(base: FleetConfig, profile: str,
 
 def host_tier(cfg: FleetConfig, multiple: float | None = None) -> dict[str, Any] | None:
     """What host tier ``cfg``'s instances have (None: none), as the results state it."""
-    from kvturn_server.local._fleet import DECODE, PREFILL
+    from kvturn_server.local import DECODE, PREFILL
 
     gib = {role: cfg.kv_offload_gib_of(role) for role in (PREFILL, DECODE)}
     if not any(gib.values()):
@@ -169,7 +168,7 @@ class ProfileFleets:
 
     def start(self, progress: Callable[[], Progress | None] = lambda: None,
               say: Callable[[str], None] = print) -> ProfileFleets:
-        from kvturn_server.local._fleet import Fleet
+        from kvturn_server.local import Fleet
 
         try:
             for profile, cfg in self.configs.items():

@@ -93,8 +93,7 @@ from kvturn_server.bench._reuse_report import (
 )
 from kvturn_server.bench._reuse_stack import Backend, Snapshot, StackBackend
 from kvturn_server.bench._sampling import loadavg
-from kvturn_server.local._progress import ProgressLine
-from kvturn_server.local._stack import Stack, StackConfig
+from kvturn_server.local import ProgressLine, Stack, StackConfig
 
 
 @dataclass(frozen=True)

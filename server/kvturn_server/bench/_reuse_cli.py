@@ -14,7 +14,7 @@ from kvturn_server._cli_common import (
     settings_or_exit,
 )
 from kvturn_server.bench._reuse import ReuseBenchSettings, bench_config, run_reuse_bench
-from kvturn_server.local._model import SIZES
+from kvturn_server.local import SIZES
 
 _ints = number_list(int)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvturn_server.local._metrics import PromptSources
+from kvturn_server.local import PromptSources
 
 NEW_TOKENS = 64
 """The next turn's new message (a user or tool message) in tokens: always computed."""

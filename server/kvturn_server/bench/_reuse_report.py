@@ -24,7 +24,7 @@ from kvturn_server.bench._reuse_plan import (
     mismatch,
 )
 from kvturn_server.bench._stats import quantile
-from kvturn_server.local._metrics import PromptSources
+from kvturn_server.local import PromptSources
 
 TARGET = 1.25
 """The issue's bound on reuse / floor (issue 12, item 5)."""

@@ -8,10 +8,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvturn_server.local._direct import DirectConversation, control, retention_path
-from kvturn_server.local._http import post_json
-from kvturn_server.local._metrics import PromptSources, Samples, scrape, sources, total
-from kvturn_server.local._stack import StackConfig
+from kvturn_server.local import (
+    DirectConversation,
+    PromptSources,
+    Samples,
+    StackConfig,
+    control,
+    post_json,
+    retention_path,
+    scrape,
+    sources,
+    total,
+)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from kvturn_server._cli_common import add_output_args, write_json
 from kvturn_server.bench._router_client import Endpoints, TurnClient
 from kvturn_server.bench._router_fakes import API_NAMES, serve_fake_backends
 from kvturn_server.bench._stats import quantile
-from kvturn_server.local._process import free_port
+from kvturn_server.local import free_port
 
 TARGET_ADDED_P50_MS = 1.5
 TARGET_ADDED_P99_MS = 5.0

@@ -22,7 +22,7 @@ def loadavg() -> tuple[float, ...]:
 def retained_bytes(control_url: str) -> int | None:
     """What a decode retains (``retention.held_bytes`` of its control endpoint's
     ``/kvturn/v1/stats``); None where it cannot be read."""
-    from kvturn_server.local._direct import control
+    from kvturn_server.local import control
 
     try:
         status, stats = control(control_url, "GET", "/kvturn/v1/stats", timeout=5.0)

@@ -3,6 +3,10 @@
 vLLM loads it with ``{"kv_connector": "KVTurnConnector",
 "kv_connector_module_path": "kvturn_server.connector"}``. The connector class imports vLLM and
 NIXL, so it is loaded on first access; the decision logic and the config import without them.
+
+The plain-Python decision logic is public too, for the packages that run it outside vLLM: the
+simulator (``kvturn_server.sim``: retention table, verified reuse, cost model) and the host tier
+(``kvturn_server.offload``: the lease view its eviction order reads).
 """
 
 from __future__ import annotations
@@ -10,11 +14,42 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvturn_server.connector._config import ConnectorConfig, ConnectorConfigError
+from kvturn_server.connector._cost import CostModel, CostSettings
+from kvturn_server.connector._hashing import HASH_SIZE, verified_prefix_blocks
+from kvturn_server.connector._params import conversation_key
+from kvturn_server.connector._retention import Retention, RetentionTable
+from kvturn_server.connector._reuse import decide_reuse
+from kvturn_server.connector._tiers import (
+    HostCounters,
+    HostLoad,
+    LeaseView,
+    Standing,
+    TierLink,
+    tier_link,
+)
 
 if TYPE_CHECKING:
     from kvturn_server.connector._connector import KVTurnConnector
 
-__all__ = ["ConnectorConfig", "ConnectorConfigError", "KVTurnConnector"]
+__all__ = [
+    "HASH_SIZE",
+    "ConnectorConfig",
+    "ConnectorConfigError",
+    "CostModel",
+    "CostSettings",
+    "HostCounters",
+    "HostLoad",
+    "KVTurnConnector",
+    "LeaseView",
+    "Retention",
+    "RetentionTable",
+    "Standing",
+    "TierLink",
+    "conversation_key",
+    "decide_reuse",
+    "tier_link",
+    "verified_prefix_blocks",
+]
 
 
 def __getattr__(name: str) -> Any:

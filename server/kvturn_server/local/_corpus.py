@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import random
 
-_WORDS = (
+WORDS = (
     "the of and to in is that for it as with was on be by this are from at or an have not which "
     "but all they were one can there their has been if more when will would who so no out up into "
     "than them only other new some could time these two may then first any like now over such our "
@@ -34,14 +34,14 @@ _CITIES = ("Paris", "Lima", "Oslo", "Tokyo", "Cairo", "Quito", "Perth", "Seoul",
 
 
 def _sentence(rng: random.Random) -> str:
-    words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+    words = [rng.choice(WORDS) for _ in range(rng.randint(4, 16))]
     text = " ".join(words)
     return text[0].upper() + text[1:] + rng.choice([".", ".", ".", "?", "!", ","])
 
 
 def _code_line(rng: random.Random) -> str:
     indent = "    " * rng.randint(0, 3)
-    words = [rng.choice(_CODE + _WORDS) for _ in range(rng.randint(2, 8))]
+    words = [rng.choice(_CODE + WORDS) for _ in range(rng.randint(2, 8))]
     punct = rng.choice(["(", ")", ":", " = ", ", ", "[", "]", ".", " + ", " == "])
     return indent + punct.join(words)
 
@@ -52,7 +52,7 @@ def _tool_json(rng: random.Random) -> str:
         "arguments": {
             "city": rng.choice(_CITIES),
             "n": rng.randint(0, 999),
-            "query": " ".join(rng.choice(_WORDS) for _ in range(3)),
+            "query": " ".join(rng.choice(WORDS) for _ in range(3)),
         },
     }
     return json.dumps(call)

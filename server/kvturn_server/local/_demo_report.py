@@ -18,7 +18,7 @@ from typing import Literal
 
 from kvturn_server._plot import pyplot, save
 from kvturn_server.local._metrics import PromptSources
-from kvturn_server.router._config import RouterConfig
+from kvturn_server.router import RouterConfig
 
 Api = Literal["chat", "responses", "messages"]
 API_NAMES: dict[str, str] = {"chat": "Chat Completions", "responses": "Responses",

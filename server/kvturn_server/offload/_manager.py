@@ -34,7 +34,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from kvturn_server.connector._tiers import HostCounters, HostLoad, TierLink
+from kvturn_server.connector import HostCounters, HostLoad, TierLink
 from kvturn_server.offload._policy import LeasedCachePolicy
 
 log = logging.getLogger("kvturn.offload")

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
-from kvturn_server.connector._tiers import LeaseView, Standing
+from kvturn_server.connector import LeaseView, Standing
 
 Key = bytes
 """A host block's key: vLLM's ``OffloadKey`` (block hash and KV-cache group)."""

@@ -26,8 +26,7 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 
-from kvturn_server.connector._params import conversation_key
-from kvturn_server.connector._tiers import LeaseView, Standing, TierLink
+from kvturn_server.connector import LeaseView, Standing, TierLink, conversation_key
 from kvturn_server.offload._order import HostOrder, stores_request
 
 POLICY_NAME = "kvturn"

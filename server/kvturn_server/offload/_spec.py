@@ -22,7 +22,7 @@ from typing import Any
 from vllm.platforms import current_platform
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from kvturn_server.connector._tiers import tier_link
+from kvturn_server.connector import tier_link
 from kvturn_server.offload._manager import HostTierManager
 from kvturn_server.offload._worker import HostCopyWorker
 

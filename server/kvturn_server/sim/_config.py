@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvturn_server.connector import ConnectorConfig
-from kvturn_server.router._config import RouterConfig
+from kvturn_server.router import RouterConfig
 from kvturn_server.sim._roofline import (
     H100_SXM,
     H200,

@@ -36,15 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
-from kvturn_server.bench.agent._workload import FRAMING_TOKENS
-from kvturn_server.connector._cost import CostModel, CostSettings
-from kvturn_server.connector._reuse import decide_reuse
-from kvturn_server.router import _placement as routing
-from kvturn_server.router._history import Transcript
-from kvturn_server.router._legs import coverage
-from kvturn_server.router._pin import gone_reason
-from kvturn_server.router._pool import Backend, Pool
-from kvturn_server.router._state import Placement
+from kvturn_server import router as routing
+from kvturn_server.bench.agent import FRAMING_TOKENS
+from kvturn_server.connector import CostModel, CostSettings, decide_reuse
+from kvturn_server.router import Backend, Placement, Pool, Transcript, coverage, gone_reason
 from kvturn_server.sim._config import GIB, SimSettings
 from kvturn_server.sim._instances import (
     SHARED_SYSTEM,

@@ -21,8 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvturn_server.connector._hashing import HASH_SIZE, verified_prefix_blocks
-from kvturn_server.connector._retention import Retention, RetentionTable
+from kvturn_server.connector import HASH_SIZE, Retention, RetentionTable, verified_prefix_blocks
 from kvturn_server.sim._config import Policy
 
 _POOL: list[bytes] = []

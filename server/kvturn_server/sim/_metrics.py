@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
-from kvturn_server.bench._stats import percentile
+from kvturn_server.bench import percentile
 from kvturn_server.sim._config import GIB, SimSettings
 from kvturn_server.sim._instances import SimDecode, SimPrefill
 from kvturn_server.sim._workload import Conversation

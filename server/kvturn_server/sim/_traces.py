@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from kvturn_server.bench.agent._workload import GapDistribution
+from kvturn_server.bench.agent import GapDistribution
 from kvturn_server.sim._workload import Conversation, load_trace
 from kvturn_server.traces import TraceConversation, TraceRequest, read_traces
 

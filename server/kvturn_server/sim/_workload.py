@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvturn_server.bench.agent._workload import (
+from kvturn_server.bench.agent import (
     FRAMING_TOKENS,
     AgentBenchSettings,
     GapDistribution,

@@ -30,7 +30,7 @@ def settings_from_args(args: argparse.Namespace) -> AgentBenchSettings:
 
 
 def cmd_bench_agent(args: argparse.Namespace) -> int:
-    from kvturn_server.local._model import SIZES
+    from kvturn_server.local import SIZES
 
     def checked() -> AgentBenchSettings:
         settings = settings_from_args(args)

@@ -23,7 +23,7 @@ from kvturn_server.bench._profiles import HOST_TIER_PEERS, HOST_TIER_SOURCES
 from kvturn_server.bench._profiles import OFFLOAD as OFFLOAD_PROFILE
 from kvturn_server.bench._profiles import PLAIN as PLAIN_PROFILE
 from kvturn_server.bench.agent._loop import IDS, KVTURN, PLAIN
-from kvturn_server.router._config import RouterConfig
+from kvturn_server.router import RouterConfig
 
 
 def _router_default(name: str) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 from kvturn_server.bench._stats import (
     distribution,
 )
-from kvturn_server.local._metrics import PromptSources
+from kvturn_server.local import PromptSources
 
 
 @dataclass

@@ -81,12 +81,11 @@ from kvturn_server.bench.agent._workload import (
     instance_profiles,
     mode_order,
 )
-from kvturn_server.local._metrics import PromptSources
-from kvturn_server.local._progress import ProgressLine
+from kvturn_server.local import ProgressLine, PromptSources
 
 if TYPE_CHECKING:
     import kvturn
-    from kvturn_server.local._fleet import Fleet
+    from kvturn_server.local import Fleet
 
 # One agent: the shared loop (``_loop``) as the mode's client kind.
 
@@ -156,7 +155,7 @@ class HttpProbe:
 
     @staticmethod
     def _sources(url: str) -> PromptSources | None:
-        from kvturn_server.local._metrics import prompt_sources
+        from kvturn_server.local import prompt_sources
 
         try:
             return prompt_sources(url)
@@ -171,7 +170,7 @@ class HttpProbe:
 
     def decode_block_size(self) -> int | None:
         """The decode's block size, as its ``vllm:cache_config_info`` states it."""
-        from kvturn_server.local._metrics import scrape
+        from kvturn_server.local import scrape
 
         try:
             samples = scrape(self.decode_url)
@@ -357,7 +356,7 @@ def run_agent_bench(settings: AgentBenchSettings,
     """Start the prefill and the decode of every instance profile the modes use, run the modes
     (a router each run, on its profile's instances), stop everything; print a table, write the
     JSON and the plot when their paths are set; return the results."""
-    from kvturn_server.local._model import SIZES
+    from kvturn_server.local import SIZES
 
     settings.check_fits(SIZES[settings.size].max_positions)
     cfg = agent_fleet_config(settings)

@@ -63,7 +63,7 @@ from kvturn_server.bench.agent._workload import (
     build_scripts,
     instance_profiles,
 )
-from kvturn_server.local._metrics import PromptSources
+from kvturn_server.local import PromptSources
 
 # The bar for the decode's inter-token latency with kvturn on: p99 within 10 % of off.
 ITL_P99_TOLERANCE = 1.10

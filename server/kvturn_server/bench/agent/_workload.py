@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 from kvturn_server.bench._profiles import HOST_TIER_MULTIPLE, host_tier, needed, profile_config
 from kvturn_server.bench.agent._loop import PROMPT_DETAILS_ARGS
 from kvturn_server.bench.agent._modes import DEFAULT_MODES, MODES, MODES_BY_NAME
-from kvturn_server.local._corpus import _WORDS
+from kvturn_server.local import WORDS
 
 if TYPE_CHECKING:
-    from kvturn_server.local._fleet import FleetConfig
+    from kvturn_server.local import FleetConfig
 
 Z90 = 1.2815515655446004  # NormalDist().inv_cdf(0.9)
 Z99 = 2.3263478740408408  # NormalDist().inv_cdf(0.99)
@@ -352,7 +352,7 @@ def _rng(seed: int, *parts: object) -> random.Random:
 def _words(rng: random.Random, n: int) -> str:
     """``n`` words of the local tokenizer's training vocabulary: one token each (with the
     leading space), so word counts are token counts to within a token."""
-    return " ".join(rng.choice(_WORDS) for _ in range(n))
+    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 def agent_shape(settings: AgentBenchSettings, agent: int) -> tuple[
@@ -406,8 +406,7 @@ def agent_fleet_config(settings: AgentBenchSettings) -> FleetConfig:
     each run starts its own), leases scaled like the tool gaps, the decode's blocks as
     ``--decode-blocks`` sets them. The offload profile's are these with a host tier
     (``bench/_profiles.profile_config``)."""
-    from kvturn_server.local._fleet import FleetConfig
-    from kvturn_server.local._model import SIZES
+    from kvturn_server.local import SIZES, FleetConfig
 
     return FleetConfig(
         state_dir=settings.state_dir, prefills=PREFILLS, decodes=DECODES,

@@ -58,7 +58,7 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
 
 def add_trace_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     """Add ``trace`` to ``kvturn bench``'s subcommands (sets ``func``)."""
-    from kvturn_server.local._model import SIZES
+    from kvturn_server.local import SIZES
 
     d = TraceBenchSettings()
     s = d.scaling

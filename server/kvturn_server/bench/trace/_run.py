@@ -43,17 +43,17 @@ from kvturn_server.bench.trace._report import table
 from kvturn_server.bench.trace._scale import ReplayPlan, plan_replay
 from kvturn_server.bench.trace._summary import build_results
 from kvturn_server.bench.trace._text import scripts
-from kvturn_server.local._progress import ProgressLine
+from kvturn_server.local import ProgressLine
 
 if TYPE_CHECKING:
-    from kvturn_server.local._fleet import FleetConfig
+    from kvturn_server.local import FleetConfig
 
 SCENARIO = "trace"
 
 
 def load_plan(settings: TraceBenchSettings) -> ReplayPlan:
     """The traces read and scaled; raises ValueError where they cannot run on the model."""
-    from kvturn_server.local._model import SIZES
+    from kvturn_server.local import SIZES
     from kvturn_server.traces import read_traces
 
     if not settings.traces:
@@ -70,7 +70,7 @@ def load_plan(settings: TraceBenchSettings) -> ReplayPlan:
 
 
 def fleet_config(settings: TraceBenchSettings, plan: ReplayPlan) -> FleetConfig:
-    from kvturn_server.local._fleet import FleetConfig
+    from kvturn_server.local import FleetConfig
 
     blocks = instance_blocks(settings, plan)
     return FleetConfig(

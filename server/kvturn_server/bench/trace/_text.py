@@ -8,7 +8,7 @@ same positions), and prompts whose ids differ share nothing. Tokens past the las
 holds the seed, the mode, the repeat and the file (hash ids are comparable within a file only),
 so no KV cached in one run can serve another.
 
-Each word of the local tokenizer's vocabulary (``kvturn_server.local._corpus._WORDS``) is one
+Each word of the local tokenizer's vocabulary (``kvturn_server.local.WORDS``) is one
 token with its leading space, so a message of N words is N tokens.
 """
 
@@ -19,13 +19,13 @@ import hashlib
 from kvturn_server.bench._fleet_plan import AgentPlan
 from kvturn_server.bench.agent._workload import AgentScript, Message
 from kvturn_server.bench.trace._scale import ReplayConversation, ReplayPlan
-from kvturn_server.local._corpus import _WORDS
+from kvturn_server.local import WORDS
 from kvturn_server.traces import TraceRequest
 
 
 def _word(salt: str, key: str, position: int) -> str:
     digest = hashlib.blake2b(f"{salt}|{key}|{position}".encode(), digest_size=8).digest()
-    return _WORDS[int.from_bytes(digest, "big") % len(_WORDS)]
+    return WORDS[int.from_bytes(digest, "big") % len(WORDS)]
 
 
 def words(salt: str, request: TraceRequest, cid: str, start: int, count: int,

@@ -25,8 +25,8 @@ from openai import OpenAI
 
 from kvturn_server.local import Stack, StackConfig, free_port
 from kvturn_server.local._direct import control, retention_path
+from kvturn_server.local._launch import server_specs
 from kvturn_server.local._process import ServerSpec, launch, stop_group, wait_healthy
-from kvturn_server.local._stack import server_specs
 
 from ._helpers import Delta, plain_chat, wait_until
 from ._turns import Turn, assert_same_answer, chat_turn

@@ -44,8 +44,8 @@ from kvturn_server.bench._reuse_report import (
 from kvturn_server.bench._reuse_stack import Snapshot, TurnReply
 from kvturn_server.bench._stats import quantile
 from kvturn_server.cli import build_parser
+from kvturn_server.local._launch import kv_transfer_config
 from kvturn_server.local._metrics import PromptSources
-from kvturn_server.local._stack import kv_transfer_config
 
 BLOCK = 16
 ZERO = PromptSources(0, 0, 0)

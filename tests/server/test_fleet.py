@@ -19,8 +19,8 @@ from kvturn_server.local._fleet import (
     plan_instances,
     router_argv,
 )
+from kvturn_server.local._launch import server_specs
 from kvturn_server.local._process import ServerSpec
-from kvturn_server.local._stack import server_specs
 from kvturn_server.router import router_config_from_args
 
 

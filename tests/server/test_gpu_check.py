@@ -15,7 +15,7 @@ from kvturn_server.bench._fleet_plan import scenarios
 from kvturn_server.bench._reuse_cli import settings_from_args
 from kvturn_server.cli import build_parser
 from kvturn_server.local import SIZES
-from kvturn_server.local._stack import kv_transfer_config
+from kvturn_server.local._launch import kv_transfer_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"

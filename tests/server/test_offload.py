@@ -30,7 +30,8 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvturn_server.local import StackConfig, kv_transfer_config
-from kvturn_server.local._stack import RunningStack, server_specs
+from kvturn_server.local._launch import server_specs
+from kvturn_server.local._stack import RunningStack
 from kvturn_server.offload import HostOffloadingSpec, offloading_connector, with_offloading
 from kvturn_server.offload._rows import GroupRows, transfer_rows
 from kvturn_server.offload._worker import HostCopyWorker

@@ -20,8 +20,9 @@ from kvturn_server.local import (
     kv_transfer_config,
     read_running,
 )
+from kvturn_server.local._launch import server_specs
 from kvturn_server.local._process import ServerSpec, launch, pid_alive, stop_group, wait_healthy
-from kvturn_server.local._stack import STATE_FILE, server_specs
+from kvturn_server.local._stack import STATE_FILE
 
 
 def test_config_refuses_clashing_ports_and_non_loopback() -> None:

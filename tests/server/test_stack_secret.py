@@ -11,8 +11,8 @@ import pytest
 
 from kvturn_server._control_secret import ENV, ENV_FILE, resolve_secret
 from kvturn_server.local import StackConfig, StackError
+from kvturn_server.local._launch import server_specs
 from kvturn_server.local._secret import ensure_control_secret
-from kvturn_server.local._stack import server_specs
 
 
 @pytest.fixture(autouse=True)

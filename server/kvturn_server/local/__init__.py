@@ -17,6 +17,7 @@ from kvturn_server.local._demo_report import STOCK_ROUTER_ARGS
 from kvturn_server.local._direct import DirectConversation, control, retention_path
 from kvturn_server.local._fleet import DECODE, PREFILL, Fleet, FleetConfig, Instance, Router
 from kvturn_server.local._http import post_json
+from kvturn_server.local._launch import kv_transfer_config
 from kvturn_server.local._metrics import (
     PromptSources,
     Samples,
@@ -35,7 +36,6 @@ from kvturn_server.local._stack import (
     RunningStack,
     Stack,
     StackConfig,
-    kv_transfer_config,
     read_running,
     stop_running,
     vllm_is_installed,

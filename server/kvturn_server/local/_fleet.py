@@ -4,10 +4,10 @@ listen on 127.0.0.1 unless ``FleetConfig.hosts`` gives each instance an address 
 127.0.0.0/8 (and ``router_host`` the routers'), as hosts of a real fleet have.
 
 Each instance is launched exactly as the ``Stack`` launches its prefill or decode
-(``_vllm_spec``: same flags, same connector config), only with ports of its own, so a fleet and
-the stack differ in how many instances run, not in how one runs. Routers are started and stopped
-separately (``start_router``), any number of them against the same instances, each with its own
-flags: a benchmark can give every mode a fresh router on the same warm backends.
+(``_launch.vllm_spec``: same flags, same connector config), only with ports of its own, so a
+fleet and the stack differ in how many instances run, not in how one runs. Routers are started
+and stopped separately (``start_router``), any number of them against the same instances, each
+with its own flags: a benchmark can give every mode a fresh router on the same warm backends.
 
     with Fleet(FleetConfig(state_dir=tmp, prefills=2), die_with_parent=True) as fleet:
         fleet.start()
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvturn_server._control_secret import is_loopback
+from kvturn_server.local._launch import vllm_spec
 from kvturn_server.local._model import SIZES, build_model, is_built
 from kvturn_server.local._process import (
     Listening,
@@ -45,7 +46,6 @@ from kvturn_server.local._stack import (
     INSTALL_HINT,
     Progress,
     StackConfig,
-    _vllm_spec,
     vllm_is_installed,
 )
 
@@ -207,7 +207,7 @@ def instance_spec(cfg: FleetConfig, name: str, role: str, port: int, side_channe
         stack = replace(base, decode_host=host, decode_control_port=control_port)
     else:
         raise ValueError(f"role must be {PREFILL!r} or {DECODE!r}, got {role!r}")
-    return _vllm_spec(stack, name, port, _ROLES[role], side_channel_port)
+    return vllm_spec(stack, name, port, _ROLES[role], side_channel_port)
 
 
 def plan_instances(cfg: FleetConfig,

@@ -8,8 +8,8 @@ client, what each mode stands for), ``_workload`` (settings, tool gaps, the agen
 ``_loop`` (one agent's turns as one kind of client; shared with ``kvturn bench fleet``),
 ``_run`` (the instances of each profile, a router per run, the modes, the repeats),
 ``_records`` (what a run records), ``_summary`` (summaries, comparisons with every stock mode,
-verdicts, the headline, the JSON document), ``_report`` (the table), ``_plot`` (the PNG),
-``_cli`` (the command line)."""
+verdicts), ``_results`` (the headline against the strongest, the JSON document), ``_report``
+(the table), ``_plot`` (the PNG), ``_cli`` (the command line)."""
 
 from kvturn_server.bench.agent._cli import (
     add_agent_bench_parser,
@@ -28,6 +28,7 @@ from kvturn_server.bench.agent._modes import (
 from kvturn_server.bench.agent._plot import write_plot
 from kvturn_server.bench.agent._records import AgentOutcome, ModeRun, Sample, TurnRecord
 from kvturn_server.bench.agent._report import table
+from kvturn_server.bench.agent._results import build_results, headline, strongest_stock
 from kvturn_server.bench.agent._run import (
     Connect,
     FleetRouters,
@@ -44,13 +45,10 @@ from kvturn_server.bench.agent._run import (
 from kvturn_server.bench.agent._summary import (
     against,
     aggregate_comparison,
-    build_results,
     compare,
     decode_turns,
-    headline,
     never_slower_checks,
     pooled_comparison,
-    strongest_stock,
     summarize,
     tail_makeup,
     verdict,

@@ -69,7 +69,7 @@ from kvturn_server.bench.agent._modes import KVTURN_MODE, MODES_BY_NAME
 from kvturn_server.bench.agent._plot import write_plot
 from kvturn_server.bench.agent._records import AgentOutcome, ModeRun, Sample, TurnRecord
 from kvturn_server.bench.agent._report import table
-from kvturn_server.bench.agent._summary import build_results
+from kvturn_server.bench.agent._results import build_results
 from kvturn_server.bench.agent._workload import (
     CPU_BLOCK_SIZE,
     DECODES,

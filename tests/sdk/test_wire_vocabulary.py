@@ -20,7 +20,7 @@ from kvturn._identity import validate_conversation_id
 from kvturn._turns import TurnInfo
 from kvturn_server.connector._config import ConnectorConfig
 from kvturn_server.connector._control import PREFIX as CONTROL_PREFIX
-from kvturn_server.connector._retention import GoneReason
+from kvturn_server.connector._lease import GoneReason
 from kvturn_server.connector._reuse import ReuseReason
 from kvturn_server.router import Router, RouterConfig, create_app
 from kvturn_server.router._conversations import PREFIX as CONVERSATIONS_PREFIX

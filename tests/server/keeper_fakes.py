@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvturn_server.connector._keeper import RetentionKeeper
+from kvturn_server.connector._lease import Retention
 from kvturn_server.connector._params import ReadCoordinates
-from kvturn_server.connector._retention import Retention
 from kvturn_server.connector._tiers import HostCounters, HostLoad
 
 BS = 4

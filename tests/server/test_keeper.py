@@ -18,8 +18,8 @@ import pytest
 
 from kvturn_server.connector._hashing import block_hashes
 from kvturn_server.connector._keeper import Gone, RetentionKeeper
+from kvturn_server.connector._lease import GoneReason
 from kvturn_server.connector._params import read_params
-from kvturn_server.connector._retention import GoneReason
 from tests.server.keeper_fakes import (
     BS,
     FakeBlockPool,

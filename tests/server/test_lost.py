@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from kvturn_server.connector._control import ControlServer
+from kvturn_server.connector._lease import GoneReason
 from kvturn_server.connector._lost import LostLog
 from kvturn_server.connector._params import READ_PREFIX
-from kvturn_server.connector._retention import GoneReason, RetentionTable
+from kvturn_server.connector._retention import RetentionTable
 from tests.server.keeper_fakes import FakeBlockPool, FakeClock, finish, make_keeper
 
 # The log.

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from kvturn_server.connector._hashing import block_hashes
-from kvturn_server.connector._retention import GoneReason, Retention, RetentionTable
+from kvturn_server.connector._lease import GoneReason, Retention
+from kvturn_server.connector._retention import RetentionTable
 from kvturn_server.connector._tiers import LeaseView, Standing
 
 BS = 4
@@ -447,7 +448,7 @@ def test_frequent_keepalives_do_not_grow_the_expiry_heap(
     for _ in range(1000):
         clock.advance(1)
         table.keepalive("a")
-    assert len(table._heap) <= 2 * len(table) + 64 + 1
+    assert len(table._expiry) <= 2 * len(table) + 64 + 1
     clock.advance(480)
     assert keys(table.expire()) == ["b", "a"]
 

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 from kvturn_server.connector._config import ConnectorConfig, ConnectorConfigError
 from kvturn_server.connector._cost import CostModel, CostSettings
 from kvturn_server.connector._hashing import HASH_SIZE, verified_prefix_blocks
+from kvturn_server.connector._lease import Retention
 from kvturn_server.connector._params import conversation_key
-from kvturn_server.connector._retention import Retention, RetentionTable
+from kvturn_server.connector._retention import RetentionTable
 from kvturn_server.connector._reuse import decide_reuse
 from kvturn_server.connector._tiers import (
     HostCounters,

@@ -23,6 +23,7 @@ from kvturn_server.connector._config import ConnectorConfig
 from kvturn_server.connector._engine import EngineWaker, Housekeeper
 from kvturn_server.connector._extra_keys import block_extras
 from kvturn_server.connector._keeper import RetentionKeeper
+from kvturn_server.connector._lease import Retention
 from kvturn_server.connector._params import (
     KVTURN_FIELD,
     ReadCoordinates,
@@ -30,7 +31,6 @@ from kvturn_server.connector._params import (
     not_retained,
 )
 from kvturn_server.connector._prefill import PrefillSide
-from kvturn_server.connector._retention import Retention
 from kvturn_server.connector._reuse import ReuseReason
 from kvturn_server.connector._stats import KVTurnStats
 from kvturn_server.connector._tiers import HostLoad, HostTier, tier_link

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
+from kvturn_server.connector._lease import GoneReason, Retention
 from kvturn_server.connector._lost import LostLog
 from kvturn_server.connector._params import READ_PREFIX, ReadCoordinates, read_params
-from kvturn_server.connector._retention import GoneReason, Retention, RetentionTable
+from kvturn_server.connector._retention import RetentionTable
 from kvturn_server.connector._tiers import HostTier, LeaseView
 
 RETENTION_EVENTS = ("created", "renewed", "released", "expired", "evicted", "replaced",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvturn_server.connector._retention import Retention
+from kvturn_server.connector._lease import Retention
 
 KVTURN_FIELD = "kvturn"
 FORMAT = 1

@@ -39,118 +39,21 @@ The table is not thread-safe; its owner serialises access.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from enum import StrEnum
+from dataclasses import replace
 
-from kvturn_server.connector._hashing import HASH_SIZE
+from kvturn_server.connector._expiry import ExpiryQueue
+from kvturn_server.connector._lease import (
+    GoneReason,
+    Pin,
+    Retention,
+    RetentionStats,
+    check_retain,
+)
 from kvturn_server.connector._tiers import LeaseView, Standing
-
-
-@dataclass(frozen=True, slots=True)
-class Retention:
-    """One conversation's retained KV on a decode.
-
-    Frozen: the table hands these out, and a caller holding one must not be able to move a lease
-    by mutating it. Renewals produce a new object.
-
-    Attributes:
-        key: the conversation key (tenant-scoped by the router).
-        request_id: the engine-local id of the request whose blocks are kept.
-        block_ids: every device block the lease holds, in sequence order. All of them are freed
-            together. Empty once the retention is host-only (its device blocks were evicted).
-        block_hashes: one chained hash per *full* block, in order, so there may be one fewer
-            hash than blocks (a trailing partial block is held but can never be read). They must
-            cover only tokens whose KV was computed: vLLM never runs a request's final sampled
-            token through the model, so a block ending in it holds no KV for that slot.
-        num_tokens: tokens whose KV the blocks hold (prompt plus generated, less that final
-            sampled token).
-        created_at: clock time the retention was made.
-        expires_at: clock time the lease runs out unless renewed; live while ``now < expires_at``.
-        hold_until: ``created_at + max_hold``; no keepalive extends the lease past this.
-        last_used: clock time of the last read (``touch``) or keepalive; LRU eviction order.
-    """
-
-    key: str
-    request_id: str
-    block_ids: tuple[int, ...]
-    block_hashes: tuple[bytes, ...]
-    num_tokens: int
-    created_at: float
-    expires_at: float
-    hold_until: float
-    last_used: float
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_ids)
-
-    @property
-    def on_device(self) -> bool:
-        """Whether the decode still holds its device blocks (else it is host-only)."""
-        return bool(self.block_ids)
-
-    @property
-    def readable_block_ids(self) -> tuple[int, ...]:
-        """The device block ids that have a hash, paired one to one with the first of
-        ``block_hashes`` (none once host-only)."""
-        return self.block_ids[:len(self.block_hashes)]
-
-    def is_live(self, now: float) -> bool:
-        return now < self.expires_at
-
-
-class GoneReason(StrEnum):
-    """Why a key has no live retention (the control API's ``code``)."""
-
-    NO_RETENTION = "no_retention"
-    EXPIRED = "expired"
-    RELEASED = "released"
-    EVICTED = "evicted"
-    REPLACED = "replaced"
-
-
-@dataclass(frozen=True, slots=True)
-class Pin:
-    """A short hold on one retention's blocks for a read in flight.
-
-    Attributes:
-        pin_id: the handle to unpin with.
-        key: the conversation key the pin was taken on.
-        request_id: identifies the pinned retention (a key's next turn is another retention).
-        expires_at: clock time the pin lapses if nobody unpins it.
-    """
-
-    pin_id: str
-    key: str
-    request_id: str
-    expires_at: float
-
-
-@dataclass(slots=True)
-class RetentionStats:
-    """Counters since the table was built (for the control endpoint and metrics).
-
-    ``replaced``, ``released``, ``expired``, ``evicted`` and ``refused`` count retentions handed
-    back for freeing, by cause (with a host tier, ``evicted`` and ``refused`` hand back device
-    blocks while the lease goes on host-only); ``created`` counts retentions stored; ``renewed``
-    successful keepalives; ``host_evicted`` host-only retentions whose host copy was evicted too.
-    """
-
-    created: int = 0
-    renewed: int = 0
-    released: int = 0
-    expired: int = 0
-    evicted: int = 0
-    replaced: int = 0
-    refused: int = 0
-    pinned: int = 0
-    pins_expired: int = 0
-    host_evicted: int = 0
 
 
 class RetentionTable:
@@ -199,11 +102,8 @@ class RetentionTable:
         # Insertion order is recency order: first is least recently used.
         self._entries: OrderedDict[str, Retention] = OrderedDict()
         self._retained_blocks = 0
-        # (expires_at, sequence, key). An entry is current only while _heap_seq[key] == sequence;
-        # renewals push a new entry instead of searching the heap for the old one.
-        self._heap: list[tuple[float, int, str]] = []
-        self._heap_seq: dict[str, int] = {}
-        self._next_seq = 0
+        # Every stored retention's deadline, soonest first: exactly the keys of _entries.
+        self._expiry = ExpiryQueue()
         self._pins: dict[str, Pin] = {}
         # (key, request_id) -> live pin count, for retentions in the table and draining ones.
         self._pin_counts: dict[tuple[str, str], int] = {}
@@ -283,7 +183,7 @@ class RetentionTable:
         """
         block_ids = tuple(block_ids)
         block_hashes = tuple(block_hashes)
-        _check_retain(key, request_id, block_ids, block_hashes, num_tokens)
+        check_retain(key, request_id, block_ids, block_hashes, num_tokens)
         now = self._clock()
         freed: list[Retention] = []
         previous = self._drop(key)
@@ -441,10 +341,9 @@ class RetentionTable:
     def next_deadline(self) -> float | None:
         """The soonest clock time at which :meth:`expire` would have something to do."""
         times = [p.expires_at for p in self._pins.values()]
-        while self._heap and self._heap_seq.get(self._heap[0][2]) != self._heap[0][1]:
-            heapq.heappop(self._heap)
-        if self._heap:
-            times.append(self._heap[0][0])
+        soonest = self._expiry.first()
+        if soonest is not None:
+            times.append(soonest[0])
         return min(times) if times else None
 
     def evict_for(self, blocks_needed: int) -> list[Retention]:
@@ -464,7 +363,7 @@ class RetentionTable:
             raise ValueError(f"blocks_needed must be a non-negative int, got {blocks_needed!r}")
         return self._free_blocks(blocks_needed, self._clock(), for_live=True)
 
-    # Internals. _entries, _retained_blocks and _heap_seq change only in _store and _drop.
+    # Internals. _entries, _retained_blocks and _expiry's keys change only in _store and _drop.
 
     def _free_blocks(self, needed: int, now: float, *, for_live: bool = False) -> list[Retention]:
         """Drop retentions until ``needed`` blocks are free or nothing unpinned is left.
@@ -507,25 +406,20 @@ class RetentionTable:
         With ``unpinned_only`` a pinned expired retention at the top of the heap stops the
         search (it would free nothing now); it is dropped by the next plain :meth:`expire`.
         """
-        heap = self._heap
-        while heap:
-            expires_at, seq, key = heap[0]
-            if self._heap_seq.get(key) != seq:
-                heapq.heappop(heap)  # superseded by a renewal, or the retention is gone
-                continue
-            if now < expires_at:
-                return None
-            if unpinned_only and (key, self._entries[key].request_id) in self._pin_counts:
-                return None
-            heapq.heappop(heap)
-            retention = self._drop(key)
-            assert retention is not None
-            self.stats.expired += 1
-            self._remember(key, GoneReason.EXPIRED)
-            self._end(key)
-            self._log_lost(retention, GoneReason.EXPIRED)
-            return retention
-        return None
+        soonest = self._expiry.first()
+        if soonest is None or now < soonest[0]:
+            return None
+        key = soonest[1]
+        if unpinned_only and (key, self._entries[key].request_id) in self._pin_counts:
+            return None
+        self._expiry.pop_first()
+        retention = self._drop(key)
+        assert retention is not None
+        self.stats.expired += 1
+        self._remember(key, GoneReason.EXPIRED)
+        self._end(key)
+        self._log_lost(retention, GoneReason.EXPIRED)
+        return retention
 
     def _hand_back(self, retention: Retention) -> list[Retention]:
         """A retention just dropped from the table: free it now, or let it drain if pinned."""
@@ -586,48 +480,9 @@ class RetentionTable:
         retention = self._entries.pop(key, None)
         if retention is not None:
             self._retained_blocks -= retention.num_blocks
-            del self._heap_seq[key]
+            self._expiry.discard(key)
         return retention
 
     def _schedule_expiry(self, retention: Retention) -> None:
-        seq = self._next_seq
-        self._next_seq += 1
-        self._heap_seq[retention.key] = seq
-        heapq.heappush(self._heap, (retention.expires_at, seq, retention.key))
-        # Superseded entries only leave the heap when they reach its top; with long leases and
-        # frequent keepalives they would pile up, so rebuild once they dominate.
-        if len(self._heap) > 2 * len(self._entries) + 64:
-            self._heap = [(r.expires_at, self._heap_seq[k], k) for k, r in self._entries.items()]
-            heapq.heapify(self._heap)
+        self._expiry.schedule(retention.key, retention.expires_at)
 
-
-def _check_retain(
-    key: str,
-    request_id: str,
-    block_ids: tuple[int, ...],
-    block_hashes: tuple[bytes, ...],
-    num_tokens: int,
-) -> None:
-    if not isinstance(key, str) or not key:
-        raise ValueError(f"retention key must be a non-empty str, got {key!r:.60}")
-    if not isinstance(request_id, str):
-        raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
-    if not block_ids:
-        raise ValueError(f"retention {key!r:.60} has no blocks to keep")
-    for block_id in block_ids:
-        if isinstance(block_id, bool) or not isinstance(block_id, int) or block_id < 0:
-            raise ValueError(
-                f"retention {key!r:.60} block ids must be non-negative ints, got {block_id!r:.60}")
-    if len(set(block_ids)) != len(block_ids):
-        raise ValueError(f"retention {key!r:.60} lists a block id more than once")
-    if len(block_hashes) > len(block_ids):
-        raise ValueError(
-            f"retention {key!r:.60} has {len(block_hashes)} hashes for {len(block_ids)} blocks")
-    for digest in block_hashes:
-        if not isinstance(digest, bytes) or len(digest) != HASH_SIZE:
-            raise ValueError(
-                f"retention {key!r:.60} block hashes must be {HASH_SIZE} bytes, "
-                f"got {digest!r:.60}")
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
-        raise ValueError(f"retention {key!r:.60} num_tokens must be a positive int, "
-                         f"got {num_tokens!r}")

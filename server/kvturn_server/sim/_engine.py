@@ -33,11 +33,10 @@ import itertools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, TextIO
 
 from kvturn_server import router as routing
-from kvturn_server.bench.agent import FRAMING_TOKENS
 from kvturn_server.connector import CostModel, CostSettings, decide_reuse
 from kvturn_server.router import Backend, Placement, Pool, Transcript, coverage, gone_reason
 from kvturn_server.sim._config import GIB, SimSettings
@@ -46,48 +45,18 @@ from kvturn_server.sim._instances import (
     SimDecode,
     SimPrefill,
     conversation_hash,
-    prompt_hashes,
-    trace_hashes,
-    unique_hashes,
 )
 from kvturn_server.sim._metrics import Recorder
+from kvturn_server.sim._turn import (
+    Turn,
+    messages,
+    prompt_block_hashes,
+    retained_block_hashes,
+    retained_record,
+    stock_record,
+    system_blocks,
+)
 from kvturn_server.sim._workload import Conversation
-
-_PAD: dict[tuple[int, int], str] = {}
-
-
-def _pad(tokens: int, version: int) -> str:
-    # The router measures messages in serialised characters: one per token keeps its rate
-    # estimate exact; the character names the history's version, so that a compacted history
-    # no longer extends the old one; shared strings keep memory flat.
-    key = (tokens, version)
-    text = _PAD.get(key)
-    if text is None:
-        text = _PAD[key] = chr(ord("a") + version % 26) * tokens
-    return text
-
-
-@dataclass(slots=True)
-class _Turn:
-    conv: Conversation
-    index: int
-    arrived: float
-    prompt: int
-    first: bytes
-    hashes: list[bytes]
-    placement: Placement | None = None
-    holder: Backend | None = None
-    transcript: Transcript | None = None
-    prefill: Backend | None = None
-    decode: Backend | None = None
-    route: str = "prefill"
-    reason: str = "miss"
-    computed: int = 0
-    reused: int = 0
-    local_hit: int = 0
-    continued: int = 0
-    ready_at: float = 0.0
-    blocks: tuple[int, ...] = field(default_factory=tuple)
 
 
 class Simulation:
@@ -195,11 +164,11 @@ class Simulation:
     def _turn(self, conv: Conversation, index: int) -> None:
         prompt = conv.prompt_tokens(index)
         first = conversation_hash(conv.cid)
-        turn = _Turn(conv, index, self.now, prompt, first,
-                     self._prompt_hashes(conv, index, first, prompt))
+        turn = Turn(conv, index, self.now, prompt, first,
+                    prompt_block_hashes(conv, index, first, prompt, self.block_size))
         self._route(turn)
 
-    def _after(self, turn: _Turn) -> None:
+    def _after(self, turn: Turn) -> None:
         """The reply is complete: the agent's tool gap, then the next turn, or the end."""
         conv, policy = turn.conv, self.s.policy
         if turn.index + 1 >= conv.turns:
@@ -234,41 +203,7 @@ class Simulation:
                                            lost=str(self._decode_of[placement.decode]
                                                     .table.gone_reason(key)))
 
-    # Block hashes.
-
-    def _prompt_hashes(self, conv: Conversation, index: int, first: bytes,
-                       tokens: int) -> list[bytes]:
-        """One hash per full block of the prompt: the trace's ids where it has them."""
-        full = tokens // self.block_size
-        if conv.hash_ids is None:
-            return prompt_hashes(first, full)
-        ids = conv.hash_ids[index][:full]
-        hashes = trace_hashes(conv.scope, ids)
-        if len(hashes) < full:
-            hashes += unique_hashes(f"{conv.cid}/{index}/prompt", len(hashes), full)
-        return hashes
-
-    def _retained_hashes(self, turn: _Turn, tokens: int) -> list[bytes]:
-        """One hash per full block of the prompt and the reply the decode holds. A replayed
-        reply's blocks are the next prompt's where that prompt extends this one (the client
-        sent the reply back), else blocks no prompt has."""
-        conv, full = turn.conv, tokens // self.block_size
-        if conv.hash_ids is None:
-            return prompt_hashes(turn.first, full)
-        hashes = turn.hashes[:full]
-        nxt = turn.index + 1
-        if nxt < conv.turns and conv.versions is not None \
-                and conv.versions[nxt] == conv.versions[turn.index]:
-            hashes += trace_hashes(conv.scope, conv.hash_ids[nxt][len(hashes):full])
-        if len(hashes) < full:
-            hashes += unique_hashes(f"{conv.cid}/{turn.index}/reply", len(hashes), full)
-        return hashes
-
     # The router.
-
-    def _messages(self, turn: _Turn) -> list[dict[str, Any]]:
-        return [{"role": role, "content": _pad(size, version)}
-                for role, size, version in turn.conv.chat(turn.index)]
 
     def _record(self, key: str) -> Placement | None:
         """The router's record of the conversation; the store forgets it ``remember_expired``
@@ -300,7 +235,7 @@ class Simulation:
             log[retention.key] = (retention.request_id, reason.value)
         return log
 
-    def _route(self, turn: _Turn) -> None:
+    def _route(self, turn: Turn) -> None:
         s, policy = self.s, self.s.policy
         key = turn.conv.cid
         placement = self._record(key) if policy.conversation_ids else None
@@ -309,7 +244,7 @@ class Simulation:
             turn.holder = self.decode_pool.by_url(placement.decode)
         if policy.conversation_ids and (policy.conditional_disagg or (
                 policy.retain and s.router.decode_continue_tokens > 0)):
-            turn.transcript = Transcript(self._messages(turn))
+            turn.transcript = Transcript(messages(turn))
         if not policy.retain:
             turn.reason = "disabled"
         if placement is not None and turn.holder is not None:
@@ -335,7 +270,7 @@ class Simulation:
         prefill.in_flight += 1
         self._prefill(turn)
 
-    def _continue(self, turn: _Turn, estimate: int) -> None:
+    def _continue(self, turn: Turn, estimate: int) -> None:
         """The decode that served the conversation runs the turn alone."""
         assert turn.holder is not None
         turn.route, turn.continued = "decode", estimate
@@ -354,7 +289,7 @@ class Simulation:
         return cost.read_fixed_ms / 1e3 + blocks * self.s.fleet.block_bytes \
             / (cost.host_read_gbps * 1e9)
 
-    def _prefill(self, turn: _Turn) -> None:
+    def _prefill(self, turn: Turn) -> None:
         s, bs = self.s, self.block_size
         prefill = turn.prefill
         assert prefill is not None
@@ -367,7 +302,7 @@ class Simulation:
             held = sim.host.lookup(key, hashes)
             if held > own:
                 load_s, own = self._host_load_s(held - own), held
-        system = self._system_blocks(turn.conv)
+        system = system_blocks(turn.conv, self.block_size)
         shared = min(sim.held_blocks(SHARED_SYSTEM), system, full) if system else 0
         local = max(own, shared) * bs
         pin = None
@@ -424,7 +359,7 @@ class Simulation:
         sim.busy_s += compute_s
         self.at(sim.busy_until, self._prefill_done, turn, pin, decode, sim)
 
-    def _prefill_done(self, turn: _Turn, pin: Any, decode: SimDecode | None,
+    def _prefill_done(self, turn: Turn, pin: Any, decode: SimDecode | None,
                       sim: SimPrefill) -> None:
         if pin is not None and decode is not None:
             decode.give_back(decode.table.unpin(pin[1].pin_id)[1])
@@ -432,7 +367,7 @@ class Simulation:
         sim.remember(turn.conv.cid, turn.hashes)
         if sim.host is not None:
             sim.host.store(turn.conv.cid, turn.hashes)
-        system = self._system_blocks(turn.conv)
+        system = system_blocks(turn.conv, self.block_size)
         if system:
             sim.remember(SHARED_SYSTEM, turn.hashes[:system])
         assert turn.prefill is not None
@@ -445,15 +380,9 @@ class Simulation:
         turn.ready_at = self.now + self.s.cost.leg_overhead_ms / 2e3
         self._admit(turn)
 
-    def _system_blocks(self, conv: Conversation) -> int:
-        """Full blocks of the shared system prompt (0 when the conversation has its own)."""
-        if not conv.shared_system:
-            return 0
-        return (conv.system_tokens + FRAMING_TOKENS) // self.block_size
-
     # The decode leg.
 
-    def _admit(self, turn: _Turn) -> None:
+    def _admit(self, turn: Turn) -> None:
         assert turn.decode is not None
         decode = self._decode_of[turn.decode.url]
         if decode.waiting:
@@ -462,7 +391,7 @@ class Simulation:
         if not self._try_start(turn, decode):
             decode.waiting.append(turn)
 
-    def _try_start(self, turn: _Turn, decode: SimDecode) -> bool:
+    def _try_start(self, turn: Turn, decode: SimDecode) -> bool:
         s, bs = self.s, self.block_size
         blocks = math.ceil((turn.prompt + turn.conv.replies[turn.index]) / bs)
         # The decode's own prefix: the conversation's retention when it holds one (a use: most
@@ -478,7 +407,7 @@ class Simulation:
             if held > verified:
                 load_s, verified = self._host_load_s(held - verified), held
         start = max(self.now, turn.ready_at) + load_s
-        hit = max(self._system_blocks(turn.conv), verified) * bs  # the system prompt is hot
+        hit = max(system_blocks(turn.conv, bs), verified) * bs  # the system prompt is hot
         if turn.route == "decode":
             computed = max(1, turn.prompt - hit)
             turn.computed, turn.reused = computed, turn.prompt - computed
@@ -501,7 +430,7 @@ class Simulation:
         self.at(first + (reply - 1) * s.cost.itl_ms / 1e3, self._decode_done, turn, decode)
         return True
 
-    def _first_token(self, turn: _Turn) -> None:
+    def _first_token(self, turn: Turn) -> None:
         if turn.continued and turn.holder is not None:
             turn.holder.continuing = max(0, turn.holder.continuing - turn.continued)
             turn.continued = 0
@@ -509,14 +438,14 @@ class Simulation:
                            prompt=turn.prompt, computed=turn.computed, reused=turn.reused,
                            reason=turn.reason, route=turn.route, when=self.now)
 
-    def _decode_done(self, turn: _Turn, decode: SimDecode) -> None:
+    def _decode_done(self, turn: Turn, decode: SimDecode) -> None:
         s, bs = self.s, self.block_size
         key = turn.conv.cid
         decode.live -= 1
         assert turn.decode is not None
         turn.decode.in_flight -= 1
         tokens = turn.prompt + turn.conv.replies[turn.index] - 1
-        hashes = self._retained_hashes(turn, tokens)
+        hashes = retained_block_hashes(turn, tokens, bs)
         if decode.host is not None:
             decode.host.store(key, hashes)
         if s.policy.retain:
@@ -526,16 +455,8 @@ class Simulation:
             retention = decode.table.get(key)
             old = self.placements.get(key)
             if retention is not None:
-                self.placements[key] = Placement(
-                    decode=decode.name, engine_id=None, num_tokens=tokens,
-                    expires_at=retention.expires_at, turn=retention.request_id,
-                    readable_tokens=tokens // bs * bs, block_size=bs,
-                    prefill=None if turn.prefill is None else turn.prefill.url,
-                    prefill_tokens=turn.prompt if turn.prefill is not None else (
-                        old.prefill_tokens if old is not None else 0),
-                    history=None if turn.transcript is None else turn.transcript.history())
-                if turn.prefill is None and old is not None:
-                    self.placements[key] = replace(self.placements[key], prefill=old.prefill)
+                self.placements[key] = retained_record(turn, decode.name, retention, tokens,
+                                                       bs, old)
             else:
                 # Not retained (refused over the budget): the router still records the
                 # decode and the messages (router/_capture.py, _record_unretained).
@@ -551,26 +472,12 @@ class Simulation:
         self._drain(decode)
         self._after(turn)
 
-    def _record_stock(self, turn: _Turn, decode: SimDecode) -> None:
-        """What the router records of a turn nothing retained (``router/_capture.py``,
-        ``remember_affinity`` and ``_record_unretained``): the decode and prefill that served
-        it, the tokens its usage counted (prompt and reply: ``_placement.served_tokens``) and
-        its messages."""
+    def _record_stock(self, turn: Turn, decode: SimDecode) -> None:
         key = turn.conv.cid
-        old = self.placements.get(key)
-        prefill_tokens = turn.prompt if turn.prefill is not None else 0
-        tokens = turn.prompt + turn.conv.replies[turn.index]
-        if turn.prefill is not None:
-            prefill: str | None = turn.prefill.url
-        else:
-            prefill = None if old is None else old.prefill
-            prefill_tokens = 0 if old is None else old.prefill_tokens
-        self.placements[key] = Placement(
-            decode=decode.name, engine_id=None, num_tokens=tokens,
+        self.placements[key] = stock_record(
+            turn, decode.name, self.placements.get(key),
             expires_at=self.now + self.s.router.record_ttl_s,
-            turn=f"r{next(self._request_ids)}", prefill=prefill, prefill_tokens=prefill_tokens,
-            history=None if turn.transcript is None else turn.transcript.history(),
-            retained=False)
+            turn_id=f"r{next(self._request_ids)}")
 
     def _drain(self, decode: SimDecode) -> None:
         while decode.waiting:

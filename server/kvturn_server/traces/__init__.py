@@ -25,7 +25,7 @@ API (stable; everything else is private):
   follow-up, gaps) and counts (requests, follow-ups, shrinks, divergences), the shares of
   follow-ups adding at most N tokens, the gaps longer than S seconds, and ``describe(quantile)``,
   the dict a report prints (quantiles taken with the caller's one definition,
-  ``kvturn_server.bench._stats.quantile``).
+  ``kvturn_server.bench.quantile``).
 
 Subagents are conversations of their own (``<session>/<agent id>``), their first request at
 their parent's time. A follow-up that does not extend the previous prompt (``extends`` False)

@@ -1,4 +1,4 @@
-"""Agents through the real stack with the decode's lease set to seconds (conftest.RETENTION_TTL),
+"""Agents through the real stack with the decode's lease set to seconds (_settings.RETENTION_TTL),
 so that turn gaps are simulated in seconds: issue 7's scenarios. Every turn's answer is compared
 with a plain single-instance run; reuse outcomes come from the router's headers, token counts
 from the instances' metrics and control endpoints.
@@ -29,8 +29,8 @@ from kvturn_server.local._direct import control, retention_path
 
 from ._greedy import assert_same_reply
 from ._helpers import Delta, metric, plain_chat, retention_stats, wait_until
+from ._settings import RETENTION_TTL
 from ._turns import answer_fields, answer_of, assert_same_answer
-from .conftest import RETENTION_TTL
 
 MAX_TOKENS = 140  # past one KV block: each turn leaves decode-generated blocks to read
 BLOCK = 128

@@ -23,7 +23,7 @@ from kvturn_server.local._direct import DirectConversation, control, retention_p
 
 from ._greedy import assert_same_choice, assert_same_reply, chat_logprobs, completion_logprobs
 from ._helpers import Delta, descendant, metric, post, retention_stats, wait_until
-from .conftest import KV_READ_TIMEOUT, RETENTION_TTL
+from ._settings import KV_READ_TIMEOUT, RETENTION_TTL
 
 BLOCK = 128  # vLLM's CPU KV block size
 THRESHOLD = 64  # kv_recompute_threshold (vLLM's default, kept by the stack)
@@ -84,7 +84,7 @@ def test_six_turns_read_the_history_from_the_decode(stack: Stack) -> None:
             assert p.value.computed == len(prompt) - retained, (turn, p.value)
             assert result.reuse["reason"] in ("hit", "partial"), result.reuse
             assert 0 < result.reuse["reused_tokens"] == retained - local, (turn, result.reuse)
-            # The cost model weighed the read (compute pinned: conftest.PREFILL_CONNECTOR_EXTRA;
+            # The cost model weighed the read (compute pinned: _settings.PREFILL_CONNECTOR_EXTRA;
             # the read side is a default until calibrated, which makes the source "default").
             cost = result.reuse["cost"]
             assert cost["tokens"] == retained - local, cost

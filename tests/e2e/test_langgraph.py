@@ -19,7 +19,7 @@ from kvturn_server.local import Stack
 from kvturn_server.local._direct import control, retention_path
 
 from ._helpers import Delta
-from .conftest import RETENTION_TTL
+from ._settings import RETENTION_TTL
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "langgraph_agent.py"
 API_KEY = "langgraph-e2e"

@@ -1,5 +1,5 @@
 """Multi-host correctness on loopback: the session stack's router, prefill, decode and reference
-each listen on a 127.0.0.x address of their own (``conftest.HOSTS``), every address and port
+each listen on a 127.0.0.x address of their own (``_settings.HOSTS``), every address and port
 passed as the README's multi-host recipe passes them, and the prefill and the decode use the
 same side-channel and control port numbers, as two hosts of a fleet do.
 

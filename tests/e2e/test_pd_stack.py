@@ -17,7 +17,7 @@ from kvturn_server.local import Stack
 
 from ._greedy import TOP, assert_same_reply, assert_same_text, chat_logprobs
 from ._helpers import Delta, descendant, failed_transfers, post
-from .conftest import KV_READ_TIMEOUT
+from ._settings import KV_READ_TIMEOUT
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

@@ -23,8 +23,8 @@ from kvturn_server.local._process import stop_group
 from kvturn_server.router._identity import conversation_key
 
 from ._helpers import Delta, metric, plain_chat, post, retention_stats, start_router
+from ._settings import DECODE_BLOCKS, RETENTION_TTL
 from ._turns import Answer, answer_fields, answer_of, assert_same_answer, chat_turn
-from .conftest import DECODE_BLOCKS, RETENTION_TTL
 
 MAX_TOKENS = 64
 SYSTEM = "You are a careful tool agent. " + " ".join(

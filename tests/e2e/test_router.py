@@ -29,8 +29,8 @@ from kvturn_server.local._launch import server_specs
 from kvturn_server.local._process import ServerSpec, launch, stop_group, wait_healthy
 
 from ._helpers import Delta, plain_chat, wait_until
+from ._settings import RETENTION_TTL
 from ._turns import Turn, assert_same_answer, chat_turn
-from .conftest import RETENTION_TTL
 
 MAX_TOKENS = 140  # past one KV block: every turn has decode-generated blocks to read
 SYSTEM = "You are a planning agent. " + " ".join(f"Rule {i}: write step {i}." for i in range(60))

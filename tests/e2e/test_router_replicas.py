@@ -17,7 +17,6 @@ from openai import OpenAI
 
 from kvturn_server.local import Stack
 from kvturn_server.local._process import stop_group
-from tests.server.conftest import redis_server  # noqa: F401 - the fixture, shared
 
 from ._helpers import plain_chat
 from ._helpers import start_router as extra_router
@@ -33,7 +32,7 @@ Launch = Callable[[str], tuple[str, int]]
 
 
 @pytest.fixture(scope="module")
-def start_router(stack: Stack, redis_server: str,  # noqa: F811
+def start_router(stack: Stack, redis_server: str,
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launch]:
     """Starts router replicas over the session stack, all on one Redis state store."""
     cfg = stack.config

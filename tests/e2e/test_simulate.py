@@ -37,7 +37,7 @@ from kvturn_server.sim import (
 )
 
 from ._helpers import Delta, retention_stats, wait_until
-from .conftest import DECODE_BLOCKS, RETENTION_BUDGET, RETENTION_TTL
+from ._settings import DECODE_BLOCKS, RETENTION_BUDGET, RETENTION_TTL
 
 # Seed 1: agent 0 pauses 13.9 s once (past the 12 s lease); four agents' last turns hold more
 # than the 100-block budget together.

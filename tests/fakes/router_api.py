@@ -14,6 +14,9 @@ from urllib.parse import unquote
 
 import httpx2
 
+# Where the SDK's and the integrations' clients find the fake router (never resolved: the
+# clients' transport is the fake's MockTransport).
+BASE_URL = "http://router.test:8000/v1"
 CONVERSATIONS = "/kvturn/v1/conversations/"
 TURN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 

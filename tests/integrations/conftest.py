@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx2
@@ -13,10 +13,9 @@ import pytest
 
 import kvturn
 from kvturn_langgraph import KVTurnChatOpenAI, LeasePolicy
+from tests.fakes.agent_clients import KEEPALIVE, ModelFactory
+from tests.fakes.router_api import BASE_URL
 from tests.integrations._router import FakeRouter
-
-BASE_URL = "http://router.test:8000/v1"
-KEEPALIVE = 0.01
 
 
 @pytest.fixture
@@ -44,9 +43,6 @@ def clients(router: FakeRouter) -> Iterator[tuple[kvturn.OpenAI, kvturn.AsyncOpe
                              http_client=httpx2.AsyncClient(transport=transport), max_retries=0)
     yield sync, aio
     sync.close()
-
-
-ModelFactory = Callable[..., KVTurnChatOpenAI]
 
 
 @pytest.fixture

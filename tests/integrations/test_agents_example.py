@@ -13,8 +13,8 @@ from typing import Any
 import httpx2
 import pytest
 
+from tests.fakes.router_api import BASE_URL
 from tests.integrations._router import FakeRouter, breaks
-from tests.integrations.conftest import BASE_URL
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "openai_agents_sdk.py"
 

@@ -26,8 +26,9 @@ from agents.models.interface import Model, ModelTracing
 
 import kvturn
 from kvturn_agents import KVTurnModel, KVTurnModelProvider
+from tests.fakes.agent_clients import KEEPALIVE
+from tests.fakes.router_api import BASE_URL
 from tests.integrations._router import FakeRouter, breaks
-from tests.integrations.conftest import BASE_URL, KEEPALIVE
 
 APIS = ["chat", "responses"]
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}

@@ -12,8 +12,8 @@ from typing import Any
 import httpx2
 import pytest
 
+from tests.fakes.router_api import BASE_URL
 from tests.integrations._router import FakeRouter, breaks
-from tests.integrations.conftest import BASE_URL
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "langgraph_agent.py"
 

@@ -35,8 +35,9 @@ from kvturn_langgraph import (
     current_conversation,
     kvturn_node,
 )
+from tests.fakes.agent_clients import ModelFactory
+from tests.fakes.router_api import BASE_URL
 from tests.integrations._router import FakeRouter, breaks
-from tests.integrations.conftest import BASE_URL, ModelFactory
 
 Clients = tuple[kvturn.OpenAI, kvturn.AsyncOpenAI]
 

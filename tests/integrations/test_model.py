@@ -13,8 +13,9 @@ from langgraph.graph import START, MessagesState, StateGraph
 
 import kvturn
 from kvturn_langgraph import KVTurnChatOpenAI
+from tests.fakes.agent_clients import ModelFactory
+from tests.fakes.router_api import BASE_URL
 from tests.integrations._router import FakeRouter, breaks
-from tests.integrations.conftest import BASE_URL, ModelFactory
 
 Clients = tuple[kvturn.OpenAI, kvturn.AsyncOpenAI]
 

@@ -10,7 +10,7 @@ from langchain_core.messages import HumanMessage
 
 import kvturn
 from kvturn_langgraph import KVTurnChatOpenAI
-from tests.integrations.conftest import BASE_URL
+from tests.fakes.router_api import BASE_URL
 
 
 class ResponsesRouter:

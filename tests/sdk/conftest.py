@@ -10,8 +10,7 @@ import pytest
 
 import kvturn
 from tests.fakes.router import FakeClock, FakeRouter
-
-BASE_URL = "http://router.test:8000/v1"
+from tests.fakes.router_api import BASE_URL
 
 
 @pytest.fixture

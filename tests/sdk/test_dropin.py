@@ -10,7 +10,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import kvturn
 from tests.fakes.router import FakeRouter
-from tests.sdk.conftest import BASE_URL
+from tests.fakes.router_api import BASE_URL
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 

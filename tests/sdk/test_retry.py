@@ -11,7 +11,7 @@ import pytest
 
 import kvturn
 from tests.fakes.router import FakeClock, FakeRouter, Recorded, error, sse_bytes
-from tests.sdk.conftest import BASE_URL
+from tests.fakes.router_api import BASE_URL
 
 MODEL = "kvturn-tiny"
 MESSAGES = [{"role": "user", "content": "Hi"}]

@@ -16,7 +16,7 @@ import pytest
 import kvturn
 from kvturn_server.router import Router, RouterConfig, create_app
 from tests.fakes.backends import Cluster, ManualClock
-from tests.server.conftest import TEST_SETTINGS
+from tests.fakes.router_harness import TEST_SETTINGS
 
 
 @pytest.fixture

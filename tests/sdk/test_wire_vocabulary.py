@@ -28,7 +28,7 @@ from kvturn_server.router._errors import ApiError
 from kvturn_server.router._identity import _SOURCES, MAX_ID_LENGTH, validate_id
 from kvturn_server.router._legs import PENDING, REUSE_REASONS, DecodeUsage, continued_reuse
 from tests.fakes.backends import Cluster, ManualClock
-from tests.server.conftest import TEST_SETTINGS
+from tests.fakes.router_harness import TEST_SETTINGS
 
 _ROOT = "http://router.test/"
 

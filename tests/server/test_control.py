@@ -20,7 +20,7 @@ import pytest
 
 from kvturn_server.connector._control import MAX_BODY, ControlServer, dial_url
 from kvturn_server.connector._keeper import RetentionKeeper
-from tests.server.keeper_fakes import FakeBlockPool, FakeClock, finish, make_keeper
+from tests.fakes.keeper import FakeBlockPool, FakeClock, finish, make_keeper
 
 KEY = "3f2a9c0d1e4b5a67/conv:42/turns"  # tenant-scoped: "/" and ":" inside the key
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))

@@ -29,7 +29,7 @@ from kvturn_server._control_secret import (
 from kvturn_server.connector._config import ConnectorConfig, ConnectorConfigError
 from kvturn_server.connector._control import ControlServer, exposure_warning
 from kvturn_server.connector._keeper import RetentionKeeper
-from tests.server.keeper_fakes import FakeBlockPool, FakeClock, finish, make_keeper
+from tests.fakes.keeper import FakeBlockPool, FakeClock, finish, make_keeper
 
 SECRET = "s3cret-of-the-fleet-0123456789"
 KEY = "tenant/conv:1"

@@ -1,6 +1,6 @@
 """RetentionKeeper: the retention table carried out on vLLM's block pool, across threads.
 
-The pool is :class:`~tests.server.keeper_fakes.FakeBlockPool`, which keeps vLLM's reference
+The pool is :class:`~tests.fakes.keeper.FakeBlockPool`, which keeps vLLM's reference
 counts and raises on a double free; requests go through it the way they do on a decode (the
 request holds its blocks, the connector retains them at finish, vLLM then frees the request's
 own references), so a retention's blocks end at reference count 1 while held and 0 once freed.
@@ -20,7 +20,7 @@ from kvturn_server.connector._hashing import block_hashes
 from kvturn_server.connector._keeper import Gone, RetentionKeeper
 from kvturn_server.connector._lease import GoneReason
 from kvturn_server.connector._params import read_params
-from tests.server.keeper_fakes import (
+from tests.fakes.keeper import (
     BS,
     FakeBlockPool,
     FakeClock,

@@ -14,7 +14,7 @@ from kvturn_server.connector._lease import GoneReason
 from kvturn_server.connector._lost import LostLog
 from kvturn_server.connector._params import READ_PREFIX
 from kvturn_server.connector._retention import RetentionTable
-from tests.server.keeper_fakes import FakeBlockPool, FakeClock, finish, make_keeper
+from tests.fakes.keeper import FakeBlockPool, FakeClock, finish, make_keeper
 
 # The log.
 

@@ -20,7 +20,7 @@ from kvturn_server.router._state_responses import (
     ResponseStore,
 )
 from tests.fakes.backends import FakeBackend, ManualClock
-from tests.server.conftest import Harness, MakeHarness
+from tests.fakes.router_harness import Harness, MakeHarness
 
 # Replies shaped like vLLM 0.32's, built on the fake decode's own (which retains and reports).
 

@@ -15,7 +15,7 @@ from kvturn_server.router import _json
 from kvturn_server.router._identity import conversation_key
 from kvturn_server.router._legs import coverage
 from tests.fakes.backends import DEFAULT_SSE, Cluster
-from tests.server.conftest import Harness, MakeHarness
+from tests.fakes.router_harness import Harness, MakeHarness
 
 KEY = conversation_key("c", None)
 U1 = {"role": "user", "content": "list the files in the repository"}

@@ -16,7 +16,7 @@ from kvturn_server._control_secret import ENV, ENV_FILE, HEADER
 from kvturn_server.router import RouterConfig, RouterConfigError, add_router_args
 from kvturn_server.router._flags import router_config_from_args
 from tests.fakes.backends import Cluster
-from tests.server.conftest import MakeHarness
+from tests.fakes.router_harness import MakeHarness
 
 SECRET = "fleet-secret-0123456789abcdef"
 P, D = "http://prefill:8100", "http://decode:8200"

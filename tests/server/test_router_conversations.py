@@ -7,7 +7,7 @@ from urllib.parse import quote
 import pytest
 
 from tests.fakes.backends import Cluster
-from tests.server.conftest import MakeHarness
+from tests.fakes.router_harness import MakeHarness
 
 
 def _path(conversation: str, suffix: str = "") -> str:

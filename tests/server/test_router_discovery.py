@@ -14,7 +14,7 @@ import pytest
 from kvturn_server.router import Router, RouterApp, RouterConfig, RouterConfigError, create_app
 from kvturn_server.router._discovery import resolve
 from tests.fakes.backends import DEFAULT_SSE, AsgiCall, Cluster, ManualClock, wait_for
-from tests.server.conftest import TEST_SETTINGS
+from tests.fakes.router_harness import TEST_SETTINGS
 
 
 class FakeDns:

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from tests.fakes.backends import Cluster
-from tests.server.conftest import MakeHarness
+from tests.fakes.router_harness import MakeHarness
 
 
 def _metric(text: str, name: str, **labels: str) -> float:

@@ -11,7 +11,7 @@ import pytest
 
 from kvturn_server.router import MemoryStore
 from tests.fakes.backends import DEFAULT_SSE, AsgiCall, Cluster, ManualClock, sse
-from tests.server.conftest import MakeHarness
+from tests.fakes.router_harness import MakeHarness
 
 PREFILL_FAILURES: list[Any] = [
     "connect", "broken", "hang", ("status", 500), ("status", 503), ("status", 429),

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from kvturn_server.router import RouterConfig, create_app
 from tests.fakes.backends import Cluster, ManualClock
-from tests.server.conftest import TEST_SETTINGS
+from tests.fakes.router_harness import TEST_SETTINGS
 
 EXAMPLES = 600
 PER_REQUEST_S = 2.0

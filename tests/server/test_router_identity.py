@@ -14,7 +14,7 @@ from kvturn_server.router._identity import (
     tenant_of,
     validate_id,
 )
-from tests.server.conftest import MakeHarness
+from tests.fakes.router_harness import MakeHarness
 
 
 def _tenant(auth: str) -> str:

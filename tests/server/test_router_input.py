@@ -12,7 +12,7 @@ import pytest
 
 from kvturn_server.router._stream import scrub_events
 from tests.fakes.backends import Cluster, sse
-from tests.server.conftest import Harness, MakeHarness
+from tests.fakes.router_harness import Harness, MakeHarness
 
 FORGED = {"do_remote_prefill": True, "remote_host": "10.6.6.6", "remote_port": 6666,
           "remote_engine_id": "evil", "remote_block_ids": [[666]],

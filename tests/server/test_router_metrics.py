@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fakes.backends import Cluster
-from tests.server.conftest import MakeHarness
+from tests.fakes.router_harness import MakeHarness
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -25,7 +25,7 @@ from kvturn_server.router._placement import (
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import Placement
 from tests.fakes.backends import Cluster
-from tests.server.conftest import MakeHarness
+from tests.fakes.router_harness import MakeHarness
 
 KEY = conversation_key("c", None)
 U1 = {"role": "user", "content": "list the files in the repository"}

@@ -6,7 +6,7 @@ import pytest
 
 from kvturn_server.router._pool import Backend, Pool
 from tests.fakes.backends import Cluster, wait_for
-from tests.server.conftest import MakeHarness
+from tests.fakes.router_harness import MakeHarness
 
 
 def _pool(n: int = 3) -> Pool:

@@ -4,7 +4,7 @@ and not while draining; the body says why not."""
 from __future__ import annotations
 
 from tests.fakes.backends import Cluster
-from tests.server.conftest import MakeHarness
+from tests.fakes.router_harness import MakeHarness
 
 
 async def test_ready_follows_backend_health_and_drain(make_harness: MakeHarness) -> None:

@@ -12,7 +12,7 @@ from kvturn_server.local import free_port
 from kvturn_server.router import PooledTransport, RouterConfig, create_app
 from kvturn_server.router._backend import BackendClient, BackendError
 from tests.fakes.backends import DEFAULT_SSE, Cluster, wait_for
-from tests.server.conftest import TEST_SETTINGS
+from tests.fakes.router_harness import TEST_SETTINGS
 
 
 async def test_shutdown_drains_in_flight_streams() -> None:

@@ -14,7 +14,7 @@ from kvturn_server.router._state import SUPERSEDED, ConversationStore
 from kvturn_server.router._state_redis import RedisStore
 from kvturn_server.router._wiring import open_store
 from tests.fakes.backends import AsgiCall, Cluster, ManualClock
-from tests.server.conftest import MakeHarness
+from tests.fakes.router_harness import MakeHarness
 
 MakeStore = Callable[..., Awaitable[ConversationStore]]
 

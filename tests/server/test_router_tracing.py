@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvturn_server.router import RouterConfig, RouterConfigError, create_app
 from kvturn_server.router._tracing import OtelTracing, incoming_trace
 from tests.fakes.backends import Cluster
-from tests.server.conftest import TEST_SETTINGS, MakeHarness
+from tests.fakes.router_harness import TEST_SETTINGS, MakeHarness
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"

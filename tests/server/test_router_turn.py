@@ -13,7 +13,7 @@ import pytest
 from kvturn_server.router._legs import NO_RETENTION_PARAMS
 from kvturn_server.router._stream import split_done
 from tests.fakes.backends import DEFAULT_SSE, AsgiCall, Cluster, sse, wait_for
-from tests.server.conftest import MakeHarness
+from tests.fakes.router_harness import MakeHarness
 
 TENANT_NONE = "-"  # the tenant of requests without Authorization
 

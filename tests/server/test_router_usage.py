@@ -14,7 +14,7 @@ from kvturn_server.router._apis import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from kvturn_server.router._legs import DecodeUsage
 from kvturn_server.router._stream import UsageTap
 from tests.fakes.backends import DEFAULT_SSE, Cluster, sse
-from tests.server.conftest import MakeHarness
+from tests.fakes.router_harness import MakeHarness
 
 USAGE = {"prompt_tokens": 300, "completion_tokens": 7, "total_tokens": 307,
          "prompt_tokens_details": {"cached_tokens": 256}}

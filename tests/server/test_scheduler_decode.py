@@ -1,7 +1,7 @@
 """The decode side of the scheduler: retain finished turns, publish them, make room for live ones.
 
 The scheduler is built with ``__new__`` and the attributes these paths read; its keeper is the
-real one (built by ``make_keeper``) over :class:`~tests.server.keeper_fakes.FakeBlockPool`.
+real one (built by ``make_keeper``) over :class:`~tests.fakes.keeper.FakeBlockPool`.
 vLLM's own decode-side ``request_finished`` runs for real (with retention it returns at once);
 its other hooks are stubbed where they would need a whole engine.
 """
@@ -31,7 +31,7 @@ from kvturn_server.connector._prefill import PrefillSide, ReadRules, ReuseRecord
 from kvturn_server.connector._reuse import ReuseReason
 from kvturn_server.connector._scheduler import KVTurnPullScheduler
 from kvturn_server.connector._tiers import HostCounters, HostLoad, tier_link
-from tests.server.keeper_fakes import BS, FakeBlockPool, FakeHostTier, coordinates, tokens
+from tests.fakes.keeper import BS, FakeBlockPool, FakeHostTier, coordinates, tokens
 
 KEY = "3f2a9c0d1e4b5a67/conv:42"
 CONTROL_URL = "http://127.0.0.1:8201"

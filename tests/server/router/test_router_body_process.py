@@ -17,7 +17,7 @@ import pytest
 
 from kvturn_server.local import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GROWTH_BOUND_MIB = 96  # the default body cap is 32 MiB; what is over it is never held
 
 

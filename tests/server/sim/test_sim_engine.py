@@ -29,7 +29,7 @@ from kvturn_server.sim import (
     synthetic,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SMALL = FleetSpec(prefills=1, decodes=1)
 
 

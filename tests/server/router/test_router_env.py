@@ -13,7 +13,7 @@ import pytest
 from kvturn_server.router import RouterConfig, RouterConfigError, add_router_args
 from kvturn_server.router._flags import env_name, router_config_from_args
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _config(argv: list[str], env: dict[str, str]) -> RouterConfig:

@@ -14,7 +14,7 @@ from kvturn_server.router._history import Transcript
 from kvturn_server.sim import FleetSpec, SimSettings, simulate, standard_policies
 from kvturn_server.sim._traces import is_agent_trace, load_conversations, replicate
 
-SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "claude-code"
+SHARED = Path(__file__).resolve().parents[3] / ".." / "shared" / "traces" / "claude-code"
 
 # One session (a plain follow-up, then a compaction that keeps the first 2 blocks, then a
 # follow-up of that) and a subagent it started.

@@ -66,7 +66,7 @@ from kvturn_server.router import RouterConfig
 from tests.fakes.bench_router import AgentBenchRouter as FakeRouter
 from tests.fakes.bench_router import Routers, failing_turn
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PLAIN_MODES = tuple(m for m in MODES if MODES_BY_NAME[m].profile == "plain")
 
 MIB = 1024 * 1024

@@ -37,7 +37,7 @@ from kvturn_server.bench.trace._text import scripts
 from kvturn_server.traces import TraceConversation, read_traces
 from tests.fakes.bench_router import FleetBenchProbe, FleetBenchRouter, mock_client
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "claude-code"
+SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "traces" / "claude-code"
 BS = 64
 SYSTEM_IDS = list(range(1, 11))  # 640 tokens of system prompt and tools
 MIB = 1024 * 1024

@@ -1,7 +1,7 @@
 """The agent loop both agent benchmarks share: what it refuses before sending anything.
 
 The loop's turns, gaps and client kinds are exercised through each benchmark against its fake
-router (tests/server/test_bench_agent.py, tests/server/test_bench_fleet.py)."""
+router (tests/server/bench/test_bench_agent.py, tests/server/bench/test_bench_fleet.py)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import pytest
 from kvturn_server.bench._stats import quantile
 from kvturn_server.traces import TraceFormatError, read_traces, summarize
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "claude-code"
+SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "traces" / "claude-code"
 
 
 def _call(t: float, prompt: int, reply: int, ids: list[int], think: float = 0.0) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from kvturn_server.local import free_port
 from kvturn_server.router import PooledTransport
 from kvturn_server.router._backend import BackendClient, BackendError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CHUNKS = [b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n',
           b'data: {"choices":[{"index":0,"delta":{"content":"b"}}]}\n\n',
           b"data: [DONE]\n\n"]

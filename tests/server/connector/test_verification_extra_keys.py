@@ -27,7 +27,7 @@ from kvturn_server.connector._params import KVTURN_FIELD
 from kvturn_server.connector._prefill import PrefillSide, ReadRules, ReuseRecord
 from kvturn_server.connector._reuse import ReuseReason
 from tests.fakes.keeper import BS, FakeBlockPool, tokens
-from tests.server.test_scheduler_decode import KEY, decode_leg, decode_scheduler
+from tests.server.connector.test_scheduler_decode import KEY, decode_leg, decode_scheduler
 
 IMAGE_TOKEN = 9  # the placeholder id of every image
 ADAPTER_A = LoRARequest("adapter-a", 1, "/adapters/a")

@@ -22,7 +22,7 @@ if [ -z "$PYTHON" ]; then
   exit 1
 fi
 
-# redis-server: the router's state-store tests run against a real one (tests/server/conftest.py
+# redis-server: the router's state-store tests run against a real one (tests/conftest.py
 # starts a private instance). Checked before the stamp: a machine can lack it while .venv is
 # intact. Idempotent: nothing happens when it is already on PATH.
 if ! command -v redis-server >/dev/null 2>&1; then

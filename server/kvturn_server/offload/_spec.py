@@ -41,7 +41,7 @@ class HostOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
                 raise ValueError(f"kv_connector_extra_config.store_one_offs must be true or "
                                  f"false, got {store_one_offs!r}")
             # The arguments vLLM's CPUOffloadingSpec.get_manager gives its manager, read the
-            # same way (tests/server/test_offload.py pins them).
+            # same way (tests/server/offload/test_offload.py pins them).
             self._manager = HostTierManager(
                 link=tier_link(self.config.engine_id),
                 tokens_per_block=self.tokens_per_block[0] * self.blocks_per_chunk,

@@ -10,19 +10,18 @@ from __future__ import annotations
 import functools
 import math
 import random
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from kvturn_server.bench._profiles import (
     HOST_TIER,
-    HOST_TIER_MULTIPLE,
     HOST_TIER_PEERS,
     OFFLOAD,
 )
-from kvturn_server.bench._profiles import PLAIN as PLAIN_INSTANCES
 from kvturn_server.bench._profiles import PLAIN as PLAIN_PROFILE
 from kvturn_server.bench._profiles import kv_bytes_per_token as kv_bytes_per_token
+from kvturn_server.bench._run_settings import InstanceRunSettings
 from kvturn_server.bench.agent._loop import IDS as IDS
 from kvturn_server.bench.agent._loop import KVTURN as KVTURN
 from kvturn_server.bench.agent._loop import PLAIN as PLAIN
@@ -154,8 +153,9 @@ REAL_CONTEXT_TOKENS = 32768
 # Settings.
 
 @dataclass(frozen=True)
-class FleetBenchSettings:
-    """Everything ``kvturn bench fleet`` is run with (recorded in the JSON)."""
+class FleetBenchSettings(InstanceRunSettings):
+    """Everything ``kvturn bench fleet`` is run with (recorded in the JSON): its own, and how
+    its instances start and its runs are driven (``InstanceRunSettings``)."""
 
     prefills: int = 2
     decodes: int = 1
@@ -176,21 +176,6 @@ class FleetBenchSettings:
     kv_cache_gib: float = 1.0
     retention_ttl_s: float | None = None
     decode_continue_tokens: int | None = None
-    gpu: bool = False
-    """KV in the accelerator's memory (vLLM's default) instead of the CPU build's host buffer."""
-    vllm_args: tuple[str, ...] = ()
-    """More ``vllm serve`` flags for every instance (``--gpu-memory-utilization=0.28``)."""
-    host_tier_multiple: float = HOST_TIER_MULTIPLE
-    """The offload modes' host tier, a multiple of each instance's device KV."""
-    warmup: bool = True
-    sample_interval_s: float = 1.0
-    progress_interval_s: float = 10.0
-    settle_s: float = 2.0
-    drain_timeout_s: float = 60.0
-    max_retries: int = 2
-    request_timeout_s: float = 600.0
-    json_path: Path | None = None
-    plot_path: Path | None = None
 
     def __post_init__(self) -> None:
         if self.prefills < 1 or self.decodes < 1:
@@ -217,12 +202,7 @@ class FleetBenchSettings:
             raise ValueError("--decode-continue-tokens must be >= 0")
         if self.size not in SIZES:
             raise ValueError(f"unknown model size {self.size!r}")
-        if not self.host_tier_multiple > 0:
-            raise ValueError(f"--host-tier must be positive, got {self.host_tier_multiple:g}")
-        if self.gpu and any(MODES[m].profile != PLAIN_INSTANCES for m in self.modes):
-            raise ValueError("the offload modes size the host tier against the instances' "
-                             "device KV, known before start only on the CPU build: run them "
-                             "without --gpu")
+        self.check_instances(MODES[m].profile for m in self.modes)
         _ = GapDistribution(time_scale=self.time_scale)  # validates the scale
 
     @property
@@ -255,11 +235,7 @@ class FleetBenchSettings:
         return (*m.router_args, *extra)
 
     def describe(self) -> dict[str, Any]:
-        data = asdict(self)
-        for key in ("state_dir", "json_path", "plot_path"):
-            data[key] = None if data[key] is None else str(data[key])
-        for key in ("modes", "profiles", "sizings", "message_tokens", "vllm_args"):
-            data[key] = None if data[key] is None else list(data[key])
+        data = super().describe()
         data["effective_retention_ttl_s"] = self.retention_ttl
         data["effective_keepalive_interval_s"] = self.keepalive_interval
         return data

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +26,10 @@ from kvturn_server.bench._fleet_plan import (
 )
 from kvturn_server.bench._profiles import (
     HOST_TIER,
-    HOST_TIER_MULTIPLE,
     HOST_TIER_PEERS,
     OFFLOAD,
 )
-from kvturn_server.bench._profiles import PLAIN as PLAIN_INSTANCES
+from kvturn_server.bench._run_settings import InstanceRunSettings
 from kvturn_server.bench.trace._scale import ReplayPlan, Scaling
 
 # The modes. Router flags (before the thresholds are scaled, see ``router_args``) and the
@@ -83,8 +82,9 @@ def _router_default(name: str) -> int:
 
 
 @dataclass(frozen=True)
-class TraceBenchSettings:
-    """Everything ``kvturn bench trace`` runs with (recorded in the JSON)."""
+class TraceBenchSettings(InstanceRunSettings):
+    """Everything ``kvturn bench trace`` runs with (recorded in the JSON): its own, and how its
+    instances start and its runs are driven (``InstanceRunSettings``; progress every 15 s)."""
 
     traces: tuple[Path, ...] = ()
     modes: tuple[str, ...] = DEFAULT_MODES
@@ -101,19 +101,7 @@ class TraceBenchSettings:
     kv_cache_gib: float = 1.0
     retention_ttl_s: float | None = None
     extra_router_args: tuple[str, ...] = ()
-    gpu: bool = False
-    vllm_args: tuple[str, ...] = ()
-    host_tier_multiple: float = HOST_TIER_MULTIPLE
-    """The offload modes' host tier, a multiple of each instance's device KV."""
-    warmup: bool = True
-    sample_interval_s: float = 1.0
     progress_interval_s: float = 15.0
-    settle_s: float = 2.0
-    drain_timeout_s: float = 60.0
-    max_retries: int = 2
-    request_timeout_s: float = 600.0
-    json_path: Path | None = None
-    plot_path: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.modes or any(m not in MODES for m in self.modes) or len(
@@ -126,12 +114,7 @@ class TraceBenchSettings:
             raise ValueError("--real-kv-tokens must be at least 1")
         if self.retention_ttl_s is not None and not self.retention_ttl_s > 0:
             raise ValueError("--retention-ttl must be positive")
-        if not self.host_tier_multiple > 0:
-            raise ValueError(f"--host-tier must be positive, got {self.host_tier_multiple:g}")
-        if self.gpu and any(MODES[m].profile != PLAIN_INSTANCES for m in self.modes):
-            raise ValueError("the offload modes size the host tier against the instances' "
-                             "device KV, known before start only on the CPU build: run them "
-                             "without --gpu")
+        self.check_instances(MODES[m].profile for m in self.modes)
 
     @property
     def retention_ttl(self) -> float:
@@ -173,11 +156,7 @@ class TraceBenchSettings:
         return (*args, *self.extra_router_args)
 
     def describe(self) -> dict[str, Any]:
-        data = asdict(self)
-        for key in ("state_dir", "json_path", "plot_path"):
-            data[key] = None if data[key] is None else str(data[key])
-        for key in ("traces", "modes", "extra_router_args", "vllm_args"):
-            data[key] = [str(v) for v in data[key]]
+        data = super().describe()
         data["scaling"] = self.scaling.describe()
         data["effective_retention_ttl_s"] = self.retention_ttl
         data["effective_keepalive_interval_s"] = self.keepalive_interval

@@ -68,6 +68,12 @@ class FleetMode:
     def kvturn(self) -> bool:
         return self.client == KVTURN
 
+    def describe(self, router_args: tuple[str, ...]) -> dict[str, object]:
+        """The mode as the JSON's mode table states it (``router_args``: the flags its router
+        started with, from the bench's settings)."""
+        return {"mode": self.name, "router_args": list(router_args), "client": self.client,
+                "profile": self.profile, "stands_for": self.stands_for}
+
 
 def _stock_cond(n: int) -> tuple[str, ...]:
     # kv-aware with --no-kv-reuse: the conversation's last prefill unless it is busier than the

@@ -244,9 +244,8 @@ def build_results(settings: FleetBenchSettings, scenarios: list[dict[str, Any]],
         "benchmark": "fleet",
         "seed": settings.seed,
         "settings": settings.describe(),
-        "mode_table": [{"mode": m.name, "router_args": list(settings.router_args(m.name)),
-                        "client": m.client, "profile": m.profile, "stands_for": m.stands_for}
-                       for m in MODE_TABLE if m.name in settings.modes],
+        "mode_table": [m.describe(settings.router_args(m.name)) for m in MODE_TABLE
+                       if m.name in settings.modes],
         "order_rationale": ORDER_RATIONALE,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform()},

@@ -1,6 +1,6 @@
 """What the agent benchmarks' commands (``kvturn bench agent``, ``fleet``, ``trace``) share: the
 options of their agents, the offload modes' host tier, the client they measure through, and the
-plot and line that follow the JSON. (What every measuring command shares is in
+table, plot and line that follow the JSON. (What every measuring command shares is in
 ``kvturn_server._cli_common``.)
 """
 
@@ -66,10 +66,13 @@ def bench_client(url: str, timeout_s: float, max_retries: int) -> kvturn.AsyncOp
                               max_retries=max_retries, timeout=timeout_s, http_client=http)
 
 
-def write_plot_and_say(results: dict[str, Any], json_path: Path, plot: Path | None,
-                       write_plot: Callable[[dict[str, Any], Path], bool],
-                       say: Callable[[str], None]) -> None:
-    """Draw the plot next to the JSON (already written) unless ``plot`` says where; say what
-    was written."""
-    path = plot_path(json_path, plot)
-    say_written(json_path, path, write_plot(results, path), say)
+def say_results(results: dict[str, Any], table: Callable[[dict[str, Any]], str],
+                json_path: Path | None, plot: Path | None,
+                write_plot: Callable[[dict[str, Any], Path], bool],
+                say: Callable[[str], None]) -> None:
+    """Say the table; where the JSON was written (``json_path``), draw the plot next to it
+    unless ``plot`` says where, and say what was written."""
+    say(table(results))
+    if json_path is not None:
+        path = plot_path(json_path, plot)
+        say_written(json_path, path, write_plot(results, path), say)

@@ -61,7 +61,7 @@ from kvturn_server.bench._cli import (
     add_agents_args,
     add_host_tier_arg,
     bench_client,
-    write_plot_and_say,
+    say_results,
 )
 from kvturn_server.bench._fleet_agents import (
     FleetProbe,
@@ -322,9 +322,7 @@ def run_fleet_bench(settings: FleetBenchSettings,
             "load_average": {"start": list(load_start), "end": list(loadavg())}})
         if settings.json_path is not None:
             write_json(results, settings.json_path)
-    say(table(results))
-    if settings.json_path is not None:
-        write_plot_and_say(results, settings.json_path, settings.plot_path, write_plot, say)
+    say_results(results, table, settings.json_path, settings.plot_path, write_plot, say)
     return results
 
 

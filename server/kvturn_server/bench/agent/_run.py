@@ -53,7 +53,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvturn_server._cli_common import write_json
-from kvturn_server.bench._cli import bench_client, write_plot_and_say
+from kvturn_server.bench._cli import bench_client, say_results
 from kvturn_server.bench._host import describe_cpu, host_info
 from kvturn_server.bench._profiles import PLAIN as PLAIN_PROFILE
 from kvturn_server.bench._profiles import ProfileFleets, describe_host_tier, needed
@@ -396,8 +396,7 @@ def run_agent_bench(settings: AgentBenchSettings,
                             "router_startup_s": {name: seconds for r in routers.values()
                                                  for name, seconds in r.startup_s.items()},
                             "profiles": fleets.describe()}
-    say(table(results))
     if settings.json_path is not None:
         write_json(results, settings.json_path)
-        write_plot_and_say(results, settings.json_path, settings.plot_path, write_plot, say)
+    say_results(results, table, settings.json_path, settings.plot_path, write_plot, say)
     return results

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvturn_server._cli_common import write_json
-from kvturn_server.bench._cli import write_plot_and_say
+from kvturn_server.bench._cli import say_results
 from kvturn_server.bench._fleet import run_on_router, warm_up
 from kvturn_server.bench._fleet_agents import HttpFleetProbe, ModeRun
 from kvturn_server.bench._fleet_plan import CPU_BLOCK_SIZE
@@ -161,7 +161,5 @@ def run_trace_bench(settings: TraceBenchSettings,
                     "load_average": {"start": list(load_start), "end": list(loadavg())}})
                 if settings.json_path is not None:
                     write_json(results, settings.json_path)
-    say(table(results))
-    if settings.json_path is not None:
-        write_plot_and_say(results, settings.json_path, settings.plot_path, write_plot, say)
+    say_results(results, table, settings.json_path, settings.plot_path, write_plot, say)
     return results

@@ -11,21 +11,16 @@ between turns and the release at the run's end.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from agents import OpenAIChatCompletionsModel, OpenAIResponsesModel
-from agents.models.interface import Model, ModelTracing
+from agents.models.interface import Model
 
 import kvturn
 from kvturn_agents._runs import RunLease, RunLeases
 
 if TYPE_CHECKING:
-    from agents.agent_output import AgentOutputSchemaBase
-    from agents.handoffs import Handoff
-    from agents.items import ModelResponse, TResponseInputItem, TResponseStreamEvent
-    from agents.model_settings import ModelSettings
-    from agents.tool import Tool
-    from openai.types.responses.response_prompt_param import ResponsePromptParam
+    from agents.items import ModelResponse, TResponseStreamEvent
 
 API = Literal["chat", "responses"]
 OnTurn = Callable[[kvturn.AsyncConversation], None]
@@ -62,53 +57,26 @@ class KVTurnModel(Model):
         else:
             await lease.hold()  # the run goes on with its tools: keep the lease alive
 
-    async def get_response(
-        self,
-        system_instructions: str | None,
-        input: str | list[TResponseInputItem],
-        model_settings: ModelSettings,
-        tools: list[Tool],
-        output_schema: AgentOutputSchemaBase | None,
-        handoffs: list[Handoff],
-        tracing: ModelTracing,
-        *,
-        previous_response_id: str | None,
-        conversation_id: str | None,
-        prompt: ResponsePromptParam | None,
-    ) -> ModelResponse:
+    # Both calls take the SDK's ``Model`` parameters and forward them as they came: the model
+    # that runs the call is the SDK's own, so whatever the runner passes (a later release's
+    # new parameters too) reaches it unchanged; kvturn reads none of them.
+
+    async def get_response(self, *args: Any, **kwargs: Any) -> ModelResponse:
         owner, lease, model = await self._start()
         answered = False
         try:
-            response = await model.get_response(
-                system_instructions, input, model_settings, tools, output_schema, handoffs,
-                tracing, previous_response_id=previous_response_id,
-                conversation_id=conversation_id, prompt=prompt)
+            response = await model.get_response(*args, **kwargs)
             answered = True
             return response
         finally:
             await self._end(owner, lease, answered=answered)
 
-    async def stream_response(
-        self,
-        system_instructions: str | None,
-        input: str | list[TResponseInputItem],
-        model_settings: ModelSettings,
-        tools: list[Tool],
-        output_schema: AgentOutputSchemaBase | None,
-        handoffs: list[Handoff],
-        tracing: ModelTracing,
-        *,
-        previous_response_id: str | None,
-        conversation_id: str | None,
-        prompt: ResponsePromptParam | None,
-    ) -> AsyncIterator[TResponseStreamEvent]:
+    async def stream_response(self, *args: Any,
+                              **kwargs: Any) -> AsyncIterator[TResponseStreamEvent]:
         owner, lease, model = await self._start()
         answered = False
         try:
-            async for event in model.stream_response(
-                    system_instructions, input, model_settings, tools, output_schema,
-                    handoffs, tracing, previous_response_id=previous_response_id,
-                    conversation_id=conversation_id, prompt=prompt):
+            async for event in model.stream_response(*args, **kwargs):
                 yield event
             answered = True
         finally:

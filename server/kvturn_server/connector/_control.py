@@ -288,8 +288,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         if close:
             self.send_header("Connection", "close")  # also ends this connection's loop
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            # The caller went away first: a router stopping mid long poll (GET /lost?wait=).
+            # Nothing to answer; not an error of this server's.
+            log.debug("control: %s %s: the client closed before the answer", self.command,
+                      self.path)
+            self.close_connection = True
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("control %s", format % args)

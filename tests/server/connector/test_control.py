@@ -408,3 +408,26 @@ def test_the_reported_url_is_one_a_peer_can_dial() -> None:
         assert srv.url == f"http://127.0.0.3:{srv.address[1]}"
     finally:
         srv.start().stop()
+
+
+def test_answer_to_a_client_that_went_away_is_dropped_quietly() -> None:
+    """A router that stops mid long poll closes its socket; the answer is dropped, no
+    traceback (BrokenPipeError used to reach socketserver's handle_error)."""
+    from kvturn_server.connector._control import _Handler
+
+    class _Gone:
+        def write(self, data: bytes) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    handler = _Handler.__new__(_Handler)
+    handler.wfile = _Gone()  # type: ignore[assignment]
+    handler.request_version = "HTTP/1.1"
+    handler.command, handler.path = "GET", "/kvturn/v1/lost?after=0&wait=10"
+    handler.requestline = "GET /kvturn/v1/lost HTTP/1.1"
+    handler.client_address = ("127.0.0.1", 1)
+    handler.close_connection = False
+    handler._send(200, {"entries": []})
+    assert handler.close_connection is True

@@ -56,6 +56,8 @@ class DecodeSide:
         self.legs = legs
         self._progress_thread = progress_thread
         self._local_hits: dict[str, int] = {}
+        # Waiting requests asked about and not yet scheduled (see before_match).
+        self._asked: set[str] = set()
         self._gauges: tuple[int, ...] = (0, 0, 0, 0)
         self._housekeeper: Housekeeper | None = None
         self.host: HostTier | None = None
@@ -93,12 +95,22 @@ class DecodeSide:
             # A waiting request is about to ask for blocks: retentions make way first.
             bs = self.at.block_size
             needed = -(-request.num_tokens // bs) - num_computed_tokens // bs + 1
+            if request.request_id in self._asked \
+                    and self.keeper.free_blocks() < -(-request.num_tokens // bs) + 1:
+                # Asked before and still waiting: vLLM's admission needed more than the free
+                # blocks make_room counts (it also takes the hit's cached blocks out of the
+                # free pool and reserves what in-flight prefills and async loads still need).
+                # While the pool could not hold the whole request, one more retention goes
+                # per step until it fits, instead of the request waiting for a lease to expire.
+                self.keeper.relieve()
+            self._asked.add(request.request_id)
             self.keeper.make_room(needed)
 
     def finished(self, request: Any, block_ids: Any,
                  out: dict[str, Any] | None) -> dict[str, Any] | None:
         """vLLM's answer for a finished request; a conversation turn's says if it is retained."""
         params = request.kv_transfer_params
+        self._asked.discard(request.request_id)
         local_hit = self._local_hits.pop(request.request_id, None)
         load = self.host.take_loaded(request.request_id) if self.host is not None else None
         if isinstance(params, dict) and params.get("do_remote_decode"):
@@ -130,6 +142,8 @@ class DecodeSide:
                 and self.keeper.has_pins())
 
     def step_scheduled(self, scheduler_output: Any) -> None:
+        for new in getattr(scheduler_output, "scheduled_new_reqs", ()):
+            self._asked.discard(new.req_id)
         if self.keeper is not None:
             self.keeper.service()
 

@@ -215,6 +215,10 @@ class RetentionKeeper:
         self._discard()
         return evicted
 
+    def free_blocks(self) -> int:
+        """The pool's free blocks (cached ones included), or 0 before it is bound."""
+        return self._pool.get_num_free_blocks() if self._pool is not None else 0
+
     def relieve(self) -> bool:
         """A running request could not get blocks: evict the least recently used unpinned
         retention. True when something was freed (vLLM then retries next step instead of

@@ -324,6 +324,32 @@ def test_a_waiting_request_makes_room_before_vllm_allocates(
     assert pool.get_num_free_blocks() >= 9
 
 
+def test_a_request_still_waiting_after_an_ask_takes_one_more_retention_per_step(
+        pool: FakeBlockPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """make_room trusts the local hit; vLLM's admission can need more (it takes the hit's cached
+    blocks out of the free pool, and reserves for in-flight loads). A request asked again
+    without having been scheduled is short: a retention goes each step while the pool could not
+    hold it whole, instead of it waiting out a lease (seen as stalls of one lease TTL under
+    memory pressure in bench trace)."""
+    sched = decode_scheduler(pool, retention_budget=1.0)
+    monkeypatch.setattr(NixlPullConnectorScheduler, "get_num_new_matched_tokens",
+                        lambda self, request, num_computed: (0, False))
+    for i in range(3):
+        finish(sched, pool, n_blocks=9, computed=36, request_id=f"r{i}",
+               params=decode_leg(f"t/k{i}"))
+    keeper = side(sched).keeper
+    assert keeper is not None and pool.get_num_free_blocks() == 5
+    waiting = FakeRequest("w", tokens(30), 0, None)  # 8 blocks, 6 of them a local hit
+    sched.get_num_new_matched_tokens(waiting, 24)
+    assert keeper.stats()["retentions"] == 3  # 3 blocks needed beyond the hit: 5 are free
+    sched.get_num_new_matched_tokens(waiting, 24)  # not admitted: asked again
+    assert keeper.stats()["retentions"] == 2
+    side(sched).step_scheduled(SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="w")]))
+    again = FakeRequest("w", tokens(30), 0, None)  # asked anew after being scheduled
+    sched.get_num_new_matched_tokens(again, 24)
+    assert keeper.stats()["retentions"] == 2
+
+
 def test_vllm_asks_before_preempting_and_a_retention_goes_instead(
         sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
     assert sched.has_pending_block_frees() is False

@@ -1258,8 +1258,8 @@ def test_the_old_comparison_is_the_one_against_off_under_its_old_keys() -> None:
 
 
 def test_the_committed_results_of_before_still_print() -> None:
-    # docs/bench/agent.json: off and on only, the old keys, no mode table, no headline.
-    data = json.loads((REPO / "docs/bench/agent.json").read_text())
+    # docs/bench/agent-session6.json: off and on only, the old keys, no mode table, no headline.
+    data = json.loads((REPO / "docs/bench/agent-session6.json").read_text())
     assert "comparisons" not in data
     text = table(data)
     assert "kvturn (on) against off (stock-pd):" in text

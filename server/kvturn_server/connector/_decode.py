@@ -94,9 +94,9 @@ class DecodeSide:
         if self.keeper is not None:
             # A waiting request is about to ask for blocks: retentions make way first.
             bs = self.at.block_size
-            needed = -(-request.num_tokens // bs) - num_computed_tokens // bs + 1
-            if request.request_id in self._asked \
-                    and self.keeper.free_blocks() < -(-request.num_tokens // bs) + 1:
+            whole = -(-request.num_tokens // bs) + 1  # every block, and 1 to grow into
+            needed = whole - num_computed_tokens // bs
+            if request.request_id in self._asked and self.keeper.free_blocks() < whole:
                 # Asked before and still waiting: vLLM's admission needed more than the free
                 # blocks make_room counts (it also takes the hit's cached blocks out of the
                 # free pool and reserves what in-flight prefills and async loads still need).

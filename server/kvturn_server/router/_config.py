@@ -30,10 +30,16 @@ from kvturn_server._control_secret import (
     check_secret,
     read_secret_file,
 )
+from kvturn_server._defaults import RETENTION_TTL
+from kvturn_server._settings import Check, check_all, rename_aliases, setting
 
 
 class RouterConfigError(ValueError):
     """A setting the router cannot run with; the message says which and why."""
+
+
+NEED_BACKENDS = ("the router needs at least one prefill and one decode backend (--prefill URL "
+                 "--decode URL, or prefill/decode in the config file)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,142 +117,222 @@ def _base_url(url: str, what: str) -> str:
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 PREFILL_POLICIES = ("kv-aware", "affinity", "least-loaded", "round-robin")
+HTTP_CLIENTS = ("pooled", "httpx")
+
+
+def _seconds(name: str, value: Any) -> Any:
+    _positive(name, value)
+    return value
+
+
+def _seconds_or_zero(name: str, value: Any) -> Any:
+    _positive(name, value, allow_zero=True)
+    return value
+
+
+def _optional_seconds(name: str, value: Any) -> Any:
+    return value if value is None else _seconds(name, value)
+
+
+def _whole(least: int) -> Check:
+    def check(name: str, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise RouterConfigError(f"{name} must be a whole number >= {least}, got {value!r}")
+        return value
+    return check
+
+
+def _one_of(choices: tuple[str, ...]) -> Check:
+    def check(name: str, value: Any) -> Any:
+        if value not in choices:
+            what = (" or ".join(map(repr, choices)) if len(choices) == 2
+                    else f"one of {', '.join(choices)}")
+            raise RouterConfigError(f"{name} must be {what}, got {value!r}")
+        return value
+    return check
+
+
+def _switch(name: str, value: Any) -> Any:
+    if not isinstance(value, bool):
+        raise RouterConfigError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _port(name: str, value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise RouterConfigError(f"{name} must be 0-65535, got {value!r}")
+    return value
+
+
+def _state(name: str, value: Any) -> Any:
+    if value != "memory" and not (isinstance(value, str) and value.startswith(
+            ("redis://", "rediss://", "unix://"))):
+        raise RouterConfigError(
+            f"{name} must be 'memory' or a Redis URL (redis://host:port/db), got {value!r}")
+    return value
+
+
+def _any(name: str, value: Any) -> Any:
+    return value
+
+
+_WHOLE_0, _WHOLE_1 = _whole(0), _whole(1)
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     """Where the router listens, which backends it uses, and how long it waits for them.
 
-    Attributes:
-        prefill: base URLs of prefill vLLM instances (``http://host:port``).
-        decode: decode instances; plain URLs are accepted and get the default control URL.
-        host, port: where the router listens.
-        prefill_timeout: seconds for a whole prefill leg; a leg past it is retried once on
-            another prefill, then the decode computes the prompt itself.
-        connect_timeout: seconds to open a connection to any backend.
-        decode_timeout: seconds the decode may stay silent: for the reply head and between
-            stream chunks, or for a whole non-streaming reply.
-        control_timeout: seconds for a control-endpoint call (pin, unpin, describe, keepalive,
-            release). Past it there is no reuse for that turn; the turn itself goes on.
-        pin_ttl: seconds a pin holds a retention's blocks; must cover the prefill leg
-            (default: prefill_timeout + 10).
-        health_interval: seconds between active health checks of every backend.
-        health_timeout: seconds a health check may take.
-        eject_after: consecutive failures (checks or legs) that eject a backend.
-        readmit_after: consecutive successful checks that re-admit an ejected backend.
-        state: ``memory`` (default, per process) or ``redis://host:port/db`` (shared by
-            router replicas and kept across restarts; also ``rediss://``, ``unix://``).
-        state_prefix: prefix of every Redis key the router writes.
-        max_conversations: table cap; past it the least recently used conversation goes.
-        retention_ttl: lease seconds assumed when a decode reports a retention without
-            ``expires_in``.
-        remember_expired: seconds a conversation stays in the table after its lease ran out,
-            so that its next turn reports ``expired`` rather than ``miss``.
-        retry_after: seconds clients are told to wait on transient errors (``Retry-After``).
-        drain_timeout: seconds a shutdown waits for in-flight requests and streams.
-        drain_grace: seconds between SIGTERM and the start of that shutdown, during which
-            ``/ready`` answers 503 (so that load balancers take the router out of rotation)
-            while new requests are still served; 0 (default) shuts down at once.
-        discovery_interval: seconds between two resolutions of the ``dns+http://`` backends
-            (``_discovery.py``): new addresses join their pool, vanished ones are drained.
-        otel: export an OpenTelemetry span per backend leg over OTLP (``_tracing.py``; needs
-            the ``kvturn[otel]`` extra; the exporter reads the standard ``OTEL_*``
-            variables, e.g. ``OTEL_EXPORTER_OTLP_ENDPOINT``).
-        max_body_bytes: largest request body accepted; a body is refused (413) as soon as
-            this many bytes have arrived, declared or chunked.
-        body_timeout: seconds a client has to send a request's whole body; past it the
-            router answers 408 and closes the connection.
-        backend_api_key: sent as ``Authorization: Bearer`` to every backend, if set.
-        control_secret: the decodes' control API secret (``X-KVTurn-Control-Secret`` on every
-            control call); from a config file or ``KVTURN_CONTROL_SECRET``, never a flag.
-        control_secret_file: a file holding it (``--control-secret-file``,
-            ``KVTURN_CONTROL_SECRET_FILE``); read at start-up.
-        http_client: ``pooled`` (the router's lean keep-alive transport) or ``httpx``
-            (httpx2's default transport; slower, for comparison or odd networks).
-        capture_attempts: how often the router asks a decode for a just-finished stream's
-            retention before taking the answer it has (the decode retains at finish, which
-            can trail the stream's last byte by a scheduler step).
-        capture_retry_delay: seconds between those attempts.
-        log_level, log_format: ``debug``..``error``; ``text`` or ``json`` lines.
-        prefill_policy: how a turn's prefill is chosen (``_placement.py``): ``kv-aware``
-            (default: the prefill that computed this conversation's last prefill leg, unless
-            it is busier than the least loaded one by more than ``prefill_affinity_slack``),
-            ``affinity`` (that prefill whenever it is healthy: session affinity),
-            ``least-loaded`` or ``round-robin``.
-        prefill_affinity_slack: requests in flight the holding prefill may have beyond the
-            least loaded one before ``kv-aware`` sends the turn elsewhere.
-        decode_affinity_slack: requests in flight the decode retaining a conversation may have
-            beyond the least loaded decode before its turn's decode leg goes elsewhere.
-        kv_reuse: False runs stock P/D: no pins, no retention on the decodes, no decode
-            continuation; conversation ids still give affinity.
-        decode_continue_tokens: a turn whose holding decode is estimated to lack at most this
-            many prompt tokens is served by that decode alone, with no prefill leg and no
-            transfer; 0 turns this off.
-        decode_continue_budget: estimated prompt tokens of continued turns one decode may be
-            computing at once; past it turns take the prefill path (protects the inter-token
-            latency of the decode's other requests).
-        follow_evictions: follow each decode's lost log (retentions it evicted or let
-            expire: ``GET /kvturn/v1/lost``, a long poll) and mark the records naming them
-            lost, so that their next turns take a prefill (``_lost.py``).
-        conditional_disagg: with ``kv_reuse`` off, stock conditional disaggregation (the
-            baseline kvturn is measured against: llm-d's prefix-based-pd-decider, Dynamo's
-            conditional disaggregation; ``_placement.conditional_decode``): a turn whose
-            estimated uncached part on the decode that served the conversation is at most
-            this many tokens runs on that decode alone; 0 (default) is plain stock P/D.
-        min_read_tokens: the router pins a retention for a prefill leg only when at least
-            this many of its tokens are beyond what that prefill is known to hold.
-        responses_ttl: seconds a stored Responses API response (``/v1/responses``) can be
-            continued by ``previous_response_id`` after it was written.
-        max_responses: stored responses kept (least recently used go first).
-        responses_max_bytes: in-memory state only: total bytes of stored responses kept.
+    One field per setting, documented in its ``setting(...)``: ``kvturn router``'s flags, the
+    ``KVTURN_*`` variables, the config file's keys, ``--help`` and the settings table of
+    docs/router-operations.md are built from these fields (``kvturn_server._settings``).
     """
 
-    prefill: tuple[str, ...]
-    decode: tuple[DecodeSpec, ...]
-    host: str = "127.0.0.1"
-    port: int = 8000
-    prefill_timeout: float = 60.0
-    connect_timeout: float = 5.0
-    decode_timeout: float = 300.0
-    control_timeout: float = 2.0
-    pin_ttl: float | None = None
-    health_interval: float = 5.0
-    health_timeout: float = 2.0
-    eject_after: int = 3
-    readmit_after: int = 2
-    state: str = "memory"
-    state_prefix: str = "kvturn:"
-    max_conversations: int = 100_000
-    retention_ttl: float = 480.0
-    remember_expired: float = 600.0
-    retry_after: float = 1.0
-    drain_timeout: float = 30.0
-    drain_grace: float = 0.0
-    discovery_interval: float = 10.0
-    otel: bool = False
-    max_body_bytes: int = 32 * 1024 * 1024
-    body_timeout: float = 60.0
-    backend_api_key: str | None = field(default=None, repr=False)
-    control_secret: str | None = field(default=None, repr=False)
-    control_secret_file: str | None = None
-    http_client: str = "pooled"
-    capture_attempts: int = 3
-    capture_retry_delay: float = 0.05
-    log_level: str = "info"
-    log_format: str = "text"
-    prefill_policy: str = "kv-aware"
-    prefill_affinity_slack: int = 1
-    decode_affinity_slack: int = 4
-    kv_reuse: bool = True
-    decode_continue_tokens: int = 512
-    decode_continue_budget: int = 1024
-    conditional_disagg: int = 0
-    follow_evictions: bool = True
-    min_read_tokens: int = 1
-    responses_ttl: float = 3600.0
-    max_responses: int = 100_000
-    responses_max_bytes: int = 1 << 30
+    prefill: tuple[str, ...] = field(metadata=setting(
+        "base URL of a prefill vLLM instance (repeatable; a list in the file, separated by "
+        "spaces in the variable)", metavar="URL"))
+    decode: tuple[DecodeSpec, ...] = field(metadata=setting(
+        "base URL of a decode vLLM instance (repeatable). Its connector's control endpoint "
+        "defaults to the same scheme and host on the next port (http://h:8200 -> "
+        "http://h:8201); give another with ,control=URL (in the file also {url = URL, "
+        "control = URL})", metavar="URL[,control=URL]"))
+    host: str = field(default="127.0.0.1", metadata=setting(
+        "address the router listens on", metavar="HOST", check=_any))
+    port: int = field(default=8000, metadata=setting(
+        "port the router listens on", metavar="N", check=_port))
+    state: str = field(default="memory", metadata=setting(
+        "where conversations live: memory (this process) or redis://HOST:PORT/DB (also "
+        "rediss://, unix://), shared by replicas and kept across restarts",
+        metavar="memory|redis://HOST:PORT/DB", check=_state))
+    prefill_timeout: float = field(default=60.0, metadata=setting(
+        "seconds for a whole prefill leg; then it is retried once on another prefill, then the "
+        "decode computes the prompt itself", unit="s", check=_seconds))
+    connect_timeout: float = field(default=5.0, metadata=setting(
+        "seconds to open a connection to any backend", unit="s", check=_seconds))
+    decode_timeout: float = field(default=300.0, metadata=setting(
+        "seconds the decode may stay silent (reply head, between stream chunks, or a whole "
+        "non-streaming reply)", unit="s", check=_seconds))
+    control_timeout: float = field(default=2.0, metadata=setting(
+        "seconds for a control-endpoint call (pin, unpin, describe, keepalive, release); past "
+        "it there is no reuse for that turn, the turn itself goes on", unit="s",
+        check=_seconds))
+    pin_ttl: float | None = field(default=None, metadata=setting(
+        "seconds a pin holds the retention being read; must cover the prefill leg", unit="s",
+        default_doc="prefill-timeout + 10 s", check=_optional_seconds))
+    health_interval: float = field(default=5.0, metadata=setting(
+        "seconds between active health checks of every backend", unit="s", check=_seconds))
+    health_timeout: float = field(default=2.0, metadata=setting(
+        "seconds a health check may take", unit="s", check=_seconds))
+    eject_after: int = field(default=3, metadata=setting(
+        "consecutive failures (checks or legs) that eject a backend", check=_WHOLE_1))
+    readmit_after: int = field(default=2, metadata=setting(
+        "consecutive good health checks that re-admit an ejected backend", check=_WHOLE_1))
+    state_prefix: str = field(default="kvturn:", metadata=setting(
+        "prefix of every Redis key the router writes", check=_any))
+    max_conversations: int = field(default=100_000, metadata=setting(
+        "conversation table cap (least recently used go first)", check=_WHOLE_1))
+    retention_ttl: float = field(default=RETENTION_TTL, metadata=setting(
+        "lease seconds assumed when a decode reports a retention without expires_in (the "
+        "decodes' decoder_kv_blocks_ttl)", unit="s", check=_seconds))
+    remember_expired: float = field(default=600.0, metadata=setting(
+        "seconds a conversation stays in the table after its lease ran out, so that its next "
+        "turn reports 'expired', not 'miss'", unit="s", check=_seconds_or_zero))
+    retry_after: float = field(default=1.0, metadata=setting(
+        "seconds clients are told to wait on transient errors (Retry-After)", unit="s",
+        check=_seconds))
+    drain_timeout: float = field(default=30.0, metadata=setting(
+        "seconds a shutdown waits for in-flight requests and streams", unit="s",
+        check=_seconds))
+    drain_grace: float = field(default=0.0, metadata=setting(
+        "seconds after SIGTERM during which /ready answers 503 and new requests are still "
+        "served, before the shutdown starts (load balancers take the router out of rotation "
+        "meanwhile); 0: shut down at once", unit="s", check=_seconds_or_zero))
+    discovery_interval: float = field(default=10.0, metadata=setting(
+        "seconds between two DNS resolutions of the dns+http:// backends: new addresses join "
+        "their pool, vanished ones are drained", unit="s", check=_seconds))
+    otel: bool = field(default=False, metadata=setting(
+        "export an OpenTelemetry span per backend leg (pin, prefill, decode, capture) over "
+        "OTLP/HTTP, configured by the standard OTEL_* variables (needs pip install "
+        "'kvturn[otel]'); W3C traceparent is passed to the backends either way",
+        check=_switch))
+    max_body_bytes: int = field(default=32 * 1024 * 1024, metadata=setting(
+        "largest request body accepted (413 as soon as more has arrived, declared or "
+        "chunked)", unit="bytes", default_doc="32 MiB", check=_WHOLE_1))
+    body_timeout: float = field(default=60.0, metadata=setting(
+        "seconds a client has to send a whole request body (then 408, and the connection is "
+        "closed)", unit="s", check=_seconds))
+    backend_api_key: str | None = field(default=None, repr=False, metadata=setting(
+        "sent as Authorization: Bearer to every backend (vLLM --api-key)", metavar="KEY",
+        check=_any))
+    control_secret: str | None = field(default=None, repr=False, metadata=setting(
+        "the decodes' control API secret (X-KVTurn-Control-Secret on every control call); "
+        "from the config file or its variable, never a flag (command lines show in ps); the "
+        "variable applies when the config file names no secret", flag=False))
+    control_secret_file: str | None = field(default=None, metadata=setting(
+        "file holding the decodes' control API secret, read at start-up (its variable "
+        "applies when the config file names no secret; give this or control_secret, not "
+        "both)", metavar="PATH"))
+    http_client: str = field(default="pooled", metadata=setting(
+        "backend HTTP transport: pooled (the router's lean keep-alive transport) or httpx "
+        "(httpx2's default; slower, for comparison or odd networks)", choices=HTTP_CLIENTS,
+        check=_one_of(HTTP_CLIENTS)))
+    capture_attempts: int = field(default=3, metadata=setting(
+        "how often the router asks a decode for a just-finished stream's retention before "
+        "taking the answer it has (the decode retains at finish, which can trail the stream's "
+        "last byte by a scheduler step)", check=_WHOLE_1))
+    capture_retry_delay: float = field(default=0.05, metadata=setting(
+        "seconds between those attempts", unit="s", check=_seconds_or_zero))
+    log_level: str = field(default="info", metadata=setting(
+        "log level (one line per request at debug)", choices=LOG_LEVELS,
+        check=_one_of(LOG_LEVELS)))
+    log_format: str = field(default="text", metadata=setting(
+        "log lines: text (key=value) or json", choices=LOG_FORMATS, check=_one_of(LOG_FORMATS)))
+    prefill_policy: str = field(default="kv-aware", metadata=setting(
+        "how a turn's prefill is chosen: kv-aware (the one that computed the conversation's "
+        "last prefill leg unless it is busier than the least loaded by more than "
+        "prefill-affinity-slack; the decode supplies what it lacks), affinity (that prefill "
+        "whenever it is healthy: session affinity), least-loaded, round-robin",
+        choices=PREFILL_POLICIES, check=_one_of(PREFILL_POLICIES)))
+    prefill_affinity_slack: int = field(default=1, metadata=setting(
+        "requests in flight the prefill holding a conversation may have beyond the least "
+        "loaded one before kv-aware placement sends its turn elsewhere", check=_WHOLE_0))
+    decode_affinity_slack: int = field(default=4, metadata=setting(
+        "requests in flight the decode retaining a conversation may have beyond the least "
+        "loaded decode before its turn decodes elsewhere", check=_WHOLE_0))
+    kv_reuse: bool = field(default=True, metadata=setting(
+        "keep conversations' KV on the decodes and reuse it; off (--no-kv-reuse) runs stock "
+        "P/D: no pins, no retention, no decode continuation (conversation ids then only give "
+        "affinity)", check=_switch))
+    decode_continue_tokens: int = field(default=512, metadata=setting(
+        "a turn whose holding decode lacks at most about this many prompt tokens runs on that "
+        "decode alone (no prefill leg, no transfer); 0: never", unit="tokens",
+        check=_WHOLE_0))
+    decode_continue_budget: int = field(default=1024, metadata=setting(
+        "estimated prompt tokens of such turns one decode may compute at once; past it turns "
+        "take the prefill path (protects its other requests' inter-token latency)",
+        unit="tokens", check=_WHOLE_0))
+    conditional_disagg: int = field(default=0, metadata=setting(
+        "with --no-kv-reuse: stock conditional disaggregation (the baseline: llm-d's "
+        "prefix-based-pd-decider, Dynamo's --router-conditional-disagg): a turn whose uncached "
+        "part on the decode that served the conversation is at most about this many tokens "
+        "runs on that decode alone; 0: plain stock P/D", unit="tokens", check=_WHOLE_0))
+    follow_evictions: bool = field(default=True, metadata=setting(
+        "follow each decode's evicted and expired retentions (a long poll on its control "
+        "endpoint) and mark the records naming them lost, so that their next turns take a "
+        "prefill instead of continuing on a decode that holds nothing", check=_switch))
+    min_read_tokens: int = field(default=1, metadata=setting(
+        "pin a retention for a prefill leg only when at least this many of its tokens are "
+        "beyond what that prefill holds", unit="tokens", check=_WHOLE_0))
+    responses_ttl: float = field(default=3600.0, metadata=setting(
+        "seconds a stored /v1/responses response can be continued by previous_response_id",
+        unit="s", check=_seconds))
+    max_responses: int = field(default=100_000, metadata=setting(
+        "stored /v1/responses responses kept (least recently used go first)", check=_WHOLE_1))
+    responses_max_bytes: int = field(default=1 << 30, metadata=setting(
+        "total bytes of stored responses kept (in-memory state only)", unit="bytes",
+        default_doc="1 GiB", check=_WHOLE_1))
 
     def __post_init__(self) -> None:
         if isinstance(self.prefill, str) or isinstance(self.decode, str):
@@ -255,66 +341,18 @@ class RouterConfig:
         decode = tuple(d if isinstance(d, DecodeSpec) else DecodeSpec.parse(d)
                        for d in self.decode)
         if not prefill or not decode:
-            raise RouterConfigError(
-                "the router needs at least one prefill and one decode backend (--prefill URL "
-                "--decode URL, or prefill/decode in the config file)")
+            raise RouterConfigError(NEED_BACKENDS)
         for role, urls in (("prefill", prefill), ("decode", [d.url for d in decode])):
             dupes = sorted({u for u in urls if urls.count(u) > 1})
             if dupes:
                 raise RouterConfigError(f"{role} backend listed twice: {', '.join(dupes)}")
         object.__setattr__(self, "prefill", prefill)
         object.__setattr__(self, "decode", decode)
-        for name in ("prefill_timeout", "connect_timeout", "decode_timeout", "control_timeout",
-                     "health_interval", "health_timeout", "retention_ttl", "retry_after",
-                     "drain_timeout", "body_timeout", "discovery_interval"):
-            _positive(name, getattr(self, name))
-        _positive("responses_ttl", self.responses_ttl)
-        for name in ("max_responses", "responses_max_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RouterConfigError(f"{name} must be a whole number >= 1, got {value!r}")
-        for name in ("remember_expired", "capture_retry_delay", "drain_grace"):
-            _positive(name, getattr(self, name), allow_zero=True)
-        if self.pin_ttl is not None:
-            _positive("pin_ttl", self.pin_ttl)
-        for name in ("eject_after", "readmit_after", "max_conversations", "capture_attempts",
-                     "max_body_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RouterConfigError(f"{name} must be a whole number >= 1, got {value!r}")
-        for name in ("prefill_affinity_slack", "decode_affinity_slack", "decode_continue_tokens",
-                     "decode_continue_budget", "conditional_disagg", "min_read_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise RouterConfigError(f"{name} must be a whole number >= 0, got {value!r}")
-        if self.prefill_policy not in PREFILL_POLICIES:
-            raise RouterConfigError(
-                f"prefill_policy must be one of {', '.join(PREFILL_POLICIES)}, got "
-                f"{self.prefill_policy!r}")
-        for name in ("kv_reuse", "otel", "follow_evictions"):
-            if not isinstance(getattr(self, name), bool):
-                raise RouterConfigError(f"{name} must be true or false, got "
-                                        f"{getattr(self, name)!r}")
+        check_all(self)
         if self.kv_reuse and self.conditional_disagg:
             raise RouterConfigError(
                 "conditional_disagg is the stock baseline and needs kv_reuse off "
                 "(--no-kv-reuse); kvturn's own decode continuation is decode_continue_tokens")
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise RouterConfigError(f"port must be 0-65535, got {self.port!r}")
-        if self.state != "memory" and not self.state.startswith(("redis://", "rediss://",
-                                                                 "unix://")):
-            raise RouterConfigError(
-                f"state must be 'memory' or a Redis URL (redis://host:port/db), got "
-                f"{self.state!r}")
-        if self.http_client not in ("pooled", "httpx"):
-            raise RouterConfigError(
-                f"http_client must be 'pooled' or 'httpx', got {self.http_client!r}")
-        if self.log_level not in LOG_LEVELS:
-            raise RouterConfigError(
-                f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        if self.log_format not in ("text", "json"):
-            raise RouterConfigError(f"log_format must be 'text' or 'json', got "
-                                    f"{self.log_format!r}")
         self._resolve_control_secret()
 
     def _resolve_control_secret(self) -> None:
@@ -360,7 +398,8 @@ class RouterConfig:
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> RouterConfig:
-        values = {k.replace("-", "_"): v for k, v in values.items()}
+        """Settings by name (dashes read as underscores; former names renamed, warning)."""
+        values = rename_aliases(cls, values, where="router settings", error=RouterConfigError)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -370,9 +409,7 @@ class RouterConfig:
         missing = [f.name for f in fields(cls) if f.default is MISSING
                    and f.default_factory is MISSING and f.name not in values]
         if missing:
-            raise RouterConfigError(
-                "the router needs at least one prefill and one decode backend (--prefill URL "
-                "--decode URL, or prefill/decode in the config file)")
+            raise RouterConfigError(NEED_BACKENDS)
         decode = values.get("decode")
         if isinstance(decode, list | tuple):
             values["decode"] = tuple(_decode_entry(d) for d in decode)

@@ -46,8 +46,9 @@ def test_every_flag_has_its_variable() -> None:
     assert config.state == "redis://r:6379/1" and config.backend_api_key == "sk-x"
     assert (config.log_format, config.drain_grace, config.otel, config.host) == (
         "json", 5.0, False, "0.0.0.0")
-    # Every flag the parser has is covered (--config and the control secret file included).
-    covered = {"config", "control_secret_file"} | set(
+    # Every flag the parser has is covered (--config and the control secret file included;
+    # --print-settings-table is an action, not a setting).
+    covered = {"config", "control_secret_file", "print_settings_table"} | set(
         name for name in RouterConfig.__dataclass_fields__)
     assert {f[2:].replace("-", "_") for f in _flags()} <= covered
     assert env_name("prefill_policy") == "KVTURN_PREFILL_POLICY"

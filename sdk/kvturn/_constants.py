@@ -46,11 +46,14 @@ GONE_CODES = (NO_RETENTION_CODE, "expired", "released", "evicted", "replaced", "
 ID_MAX_LENGTH = 256
 GENERATED_ID_PREFIX = "kvt-"
 
-# The connector's default lease (its decoder_kv_blocks_ttl, and the router's retention_ttl).
-DEFAULT_LEASE_TTL = 480.0
+# The default lease: the server's RETENTION_TTL (kvturn_server._defaults: the connector's
+# decoder_kv_blocks_ttl, the router's retention_ttl), copied because the SDK imports nothing of
+# the server; tests/sdk/test_wire_vocabulary.py holds the two equal.
+DEFAULT_RETENTION_TTL = 480.0
+DEFAULT_LEASE_TTL = DEFAULT_RETENTION_TTL  # its former name
 # Renewing every 60 s leaves several chances to get through a slow router before the lease
 # runs out.
-DEFAULT_KEEPALIVE_INTERVAL = DEFAULT_LEASE_TTL / 8
+DEFAULT_KEEPALIVE_INTERVAL = DEFAULT_RETENTION_TTL / 8
 # Keepalive and release are best effort (a missed one only lets a lease expire), so they get a
 # short timeout and no retries of their own: the next heartbeat is the retry.
 CONTROL_TIMEOUT = 10.0

@@ -16,12 +16,14 @@ files, with a :class:`DeprecatedSettingWarning` naming the new one.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 import types
 import typing
 import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import MISSING, Field, dataclass, fields
-from typing import Any
+from typing import Any, TextIO
 
 SETTING = "kvturn.setting"
 """The metadata key of a field's :class:`Setting`."""
@@ -116,7 +118,10 @@ def default_text(f: Field[Any], meta: Setting) -> str | None:
     if isinstance(value, bool):
         text = "on" if value else "off"
     elif isinstance(value, float) and value.is_integer():
-        text = f"{value:.0f}"
+        # 480 s, but a unitless fraction keeps its point: 1.0
+        text = f"{value:.0f}" if meta.unit else repr(value)
+    elif isinstance(value, float):
+        text = f"{value:g}"
     else:
         text = str(value)
     return f"{text} {meta.unit}" if meta.unit else text
@@ -151,7 +156,25 @@ class _Deprecated(argparse.Action):
 
 
 def deprecated(message: str) -> None:
-    warnings.warn(f"kvturn: {message}", DeprecatedSettingWarning, stacklevel=3)
+    warnings.warn(message, DeprecatedSettingWarning, stacklevel=3)
+
+
+@contextlib.contextmanager
+def plain_warnings(prog: str) -> Iterator[None]:
+    """Within: a former setting name is reported as one line, ``<prog>: warning: ...``, as a
+    command line's user wants it (not Python's file:line form)."""
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: TextIO | None = None, line: str | None = None) -> None:
+            if issubclass(category, DeprecatedSettingWarning):
+                sys.stderr.write(f"{prog}: warning: {message}\n")
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
 
 
 def add_alias(parser: argparse.ArgumentParser | Any, old: str, new: str, dest: str,

@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvturn_server._settings import plain_warnings
 from kvturn_server.bench import (
     add_fleet_bench_parser,
     add_reuse_bench_parser,
@@ -328,13 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    args.argv = argv  # `kvturn up --detach` runs itself again in the background
-    try:
-        return int(args.func(args))
-    except StackError as exc:
-        print(f"kvturn: {exc}", file=sys.stderr)
-        return 1
+    with plain_warnings("kvturn"):
+        args = build_parser().parse_args(argv)
+        args.argv = argv  # `kvturn up --detach` runs itself again in the background
+        try:
+            return int(args.func(args))
+        except StackError as exc:
+            print(f"kvturn: {exc}", file=sys.stderr)
+            return 1
 
 
 if __name__ == "__main__":

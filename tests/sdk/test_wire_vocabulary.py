@@ -18,6 +18,7 @@ from kvturn import _constants as sdk
 from kvturn._errors import InvalidConversationIdError
 from kvturn._identity import validate_conversation_id
 from kvturn._turns import TurnInfo
+from kvturn_server._defaults import KEEPALIVES_PER_TTL, RETENTION_TTL
 from kvturn_server.connector._config import ConnectorConfig
 from kvturn_server.connector._control import PREFIX as CONTROL_PREFIX
 from kvturn_server.connector._lease import GoneReason
@@ -96,10 +97,13 @@ def test_path_prefixes() -> None:
 
 
 def test_default_lease_is_the_connectors_and_the_routers() -> None:
-    assert _default(ConnectorConfig, "decoder_kv_blocks_ttl") == sdk.DEFAULT_LEASE_TTL
-    assert _default(RouterConfig, "retention_ttl") == sdk.DEFAULT_LEASE_TTL
+    assert sdk.DEFAULT_RETENTION_TTL == RETENTION_TTL == sdk.DEFAULT_LEASE_TTL
+    assert _default(ConnectorConfig, "decoder_kv_blocks_ttl") == sdk.DEFAULT_RETENTION_TTL
+    assert _default(RouterConfig, "retention_ttl") == sdk.DEFAULT_RETENTION_TTL
+    # the SDK renews as often as the server's benchmarks and simulator assume
+    assert sdk.DEFAULT_KEEPALIVE_INTERVAL == RETENTION_TTL / KEEPALIVES_PER_TTL
     # several renewals fit in one lease, so one lost heartbeat never ends a retention
-    assert sdk.DEFAULT_KEEPALIVE_INTERVAL * 4 <= sdk.DEFAULT_LEASE_TTL
+    assert sdk.DEFAULT_KEEPALIVE_INTERVAL * 4 <= sdk.DEFAULT_RETENTION_TTL
 
 
 async def test_header_names_and_paths_through_the_router() -> None:

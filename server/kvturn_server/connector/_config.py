@@ -5,9 +5,11 @@ from __future__ import annotations
 import ipaddress
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvturn_server._defaults import RETENTION_BUDGET, RETENTION_MAX_HOLD, RETENTION_TTL
+from kvturn_server._settings import markdown_table, setting, settings_of
 from kvturn_server.connector._cost import CostSettings
 
 COST_MODELS = ("auto", "off")
@@ -15,105 +17,6 @@ COST_MODELS = ("auto", "off")
 
 class ConnectorConfigError(ValueError):
     """A ``kv_connector_extra_config`` value kvturn cannot use."""
-
-
-@dataclass(frozen=True)
-class ConnectorConfig:
-    """kvturn's keys in ``kv_connector_extra_config`` (vLLM's own NIXL keys pass through).
-
-    Attributes:
-        kv_read_timeout: seconds a NIXL read of remote blocks may stay in flight before it is
-            abandoned and the request recomputes those blocks instead.
-        nixl_progress_thread: run NIXL's progress thread; unset: on decodes (a prefill reads
-            a decode's retained blocks while the decode's engine idles, and on transports that
-            need the target's progress, such as UCX over TCP, the thread gives it), off on
-            prefills (their engine steps drive progress, as in vLLM).
-        nixl_progress_delay_ms: the longest a progress thread sleeps between UCX events (it
-            wakes when traffic arrives); nixl's Python API would use 0, a busy loop.
-        keep_thread_affinity: undo vLLM's CPU re-pinning of the model thread (CPU platforms).
-        request_amx: ask Linux for AMX tile permission at start-up (x86 hosts with AMX).
-        control_host: address the control endpoint binds (docs/http-api.md, section C).
-            Loopback by default; in a fleet, an address inside the fleet network only, with
-            a control secret (docs/connector.md, "Network exposure").
-        control_port: its port; unset means no control endpoint, and then a decode retains
-            nothing (nobody could pin, describe or release what it kept). With data parallelism
-            each rank adds its index, like vLLM's NIXL side channel.
-        control_secret_file: file holding the control API's shared secret; unset: the
-            ``KVTURN_CONTROL_SECRET_FILE`` or ``KVTURN_CONTROL_SECRET`` environment variable;
-            none of them: no authentication (a warning when the endpoint is not on loopback).
-            The secret itself is never a config value: this config is on vLLM's command line.
-        decoder_kv_blocks_ttl: seconds a decode keeps a finished conversation's KV unless
-            renewed (vLLM's key, with kvturn's lease semantics: renewable, releasable).
-        retention_max_hold: seconds no keepalive can extend a retention past, from its creation.
-        retention_budget: fraction of the decode's KV blocks retentions may hold; 0 turns
-            retention off. Live requests that need blocks evict retentions whatever the budget,
-            so the default (all of it) only ever gives retentions blocks nothing else wants:
-            docs/simulate.md, "Choosing the defaults", measured 0.5 against 1.0.
-        retention_max_pin: cap, in seconds, on a read pin's lifetime.
-        reuse_cost_model: ``"auto"``: a prefill reads a verified range only when the cost model
-            (``_cost.py``) expects the read to be faster than computing it; ``"off"``: vLLM's
-            ``kv_recompute_threshold`` alone decides. The threshold is a floor either way.
-        read_fixed_ms: the cost of one read whatever its size, in ms (setup, the engine steps
-            the request waits, the completion notice); unset: calibrated from this instance's
-            reads.
-        read_gbps: read bandwidth per worker in GB/s (10^9 bytes); unset: calibrated from NIXL's
-            transfer telemetry.
-        compute_tokens_per_s: prompt tokens this instance computes per second at context 0;
-            unset: calibrated from its engine steps.
-        compute_attention_tokens: the context length at which attention costs a token as much
-            as the dense layers; unset: 6 x the model's hidden size.
-    """
-
-    kv_read_timeout: float = 20.0
-    nixl_progress_thread: bool | None = None
-    nixl_progress_delay_ms: float = 10.0
-    keep_thread_affinity: bool = True
-    request_amx: bool = True
-    control_host: str = "127.0.0.1"
-    control_port: int | None = None
-    control_secret_file: str | None = None
-    decoder_kv_blocks_ttl: float = 480.0
-    retention_max_hold: float = 3600.0
-    retention_budget: float = 1.0
-    retention_max_pin: float = 300.0
-    reuse_cost_model: str = "auto"
-    read_fixed_ms: float | None = None
-    read_gbps: float | None = None
-    compute_tokens_per_s: float | None = None
-    compute_attention_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.retention_max_hold < self.decoder_kv_blocks_ttl:
-            raise ConnectorConfigError(
-                f"kv_connector_extra_config.retention_max_hold ({self.retention_max_hold:g} s) "
-                f"must be at least decoder_kv_blocks_ttl ({self.decoder_kv_blocks_ttl:g} s)")
-        _choice("reuse_cost_model", self.reuse_cost_model)
-        if self.reuse_cost_model == "off":
-            pinned = [f.name for f in fields(CostSettings) if getattr(self, f.name) is not None]
-            if pinned:
-                raise ConnectorConfigError(
-                    f"kv_connector_extra_config.{pinned[0]} has no effect with "
-                    f"reuse_cost_model 'off' (the recompute threshold alone decides); remove "
-                    f"it or set reuse_cost_model to 'auto'")
-
-    def progress_thread(self, decode: bool) -> bool:
-        """Whether this instance's NIXL agents run a progress thread (``decode``: its role)."""
-        return decode if self.nixl_progress_thread is None else self.nixl_progress_thread
-
-    @property
-    def cost_settings(self) -> CostSettings:
-        """The cost model's configured parameters (None: calibrated)."""
-        return CostSettings(**{f.name: getattr(self, f.name) for f in fields(CostSettings)})
-
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
-        """Validate kvturn's keys in ``extra``; unknown keys are vLLM's and are left alone."""
-        extra = extra or {}
-        values: dict[str, Any] = {}
-        for field in fields(cls):
-            if field.name in extra:
-                values[field.name] = _PARSERS[field.name](field.name, extra[field.name])
-        return cls(**values)
 
 
 Parser = Callable[[str, Any], Any]
@@ -188,22 +91,122 @@ def _choice(name: str, raw: Any) -> str:
     return str(raw)
 
 
-_PARSERS: dict[str, Parser] = {
-    "kv_read_timeout": _seconds,
-    "nixl_progress_thread": _optional_flag,
-    "nixl_progress_delay_ms": _delay,
-    "keep_thread_affinity": _flag,
-    "request_amx": _flag,
-    "control_host": _host,
-    "control_port": _port,
-    "control_secret_file": _path,
-    "decoder_kv_blocks_ttl": _seconds,
-    "retention_max_hold": _seconds,
-    "retention_budget": _fraction,
-    "retention_max_pin": _seconds,
-    "reuse_cost_model": _choice,
-    "read_fixed_ms": _milliseconds,
-    "read_gbps": _rate,
-    "compute_tokens_per_s": _rate,
-    "compute_attention_tokens": _tokens,
-}
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """kvturn's keys in ``kv_connector_extra_config`` (vLLM's own NIXL keys pass through).
+
+    One field per key, documented in its ``setting(...)``: the validation of
+    :meth:`from_extra`, ``kvturn up``'s help for the keys it sets and the settings table of
+    docs/connector.md are built from these fields (``kvturn_server._settings``). vLLM's own
+    ``kv_recompute_threshold`` (a shorter verified range is recomputed) is read by vLLM's NIXL
+    scheduler, which kvturn's extends.
+    """
+
+    control_port: int | None = field(default=None, metadata=setting(
+        "port of the control endpoint (plus the data-parallel rank, like vLLM's NIXL side "
+        "channel); unset means no control endpoint, and a decode then retains nothing (nobody "
+        "could pin, describe or release what it kept)", check=_port))
+    control_host: str = field(default="127.0.0.1", metadata=setting(
+        "the address the control endpoint binds (IP or localhost; docs/http-api.md, section "
+        "C). In a fleet, an address inside the fleet network only, with a control secret "
+        "(\"Network exposure\"). A decode reports its control URL in "
+        "kv_transfer_params.kvturn.control with this address, or with its "
+        "VLLM_NIXL_SIDE_CHANNEL_HOST when this is a wildcard (0.0.0.0, ::)", check=_host))
+    control_secret_file: str | None = field(default=None, metadata=setting(
+        "file holding the control API's shared secret (else $KVTURN_CONTROL_SECRET_FILE, else "
+        "$KVTURN_CONTROL_SECRET; none: no authentication, and a warning when control_host is "
+        "not loopback). The secret itself is never a key here: this config is on vLLM's "
+        "command line", check=_path))
+    decoder_kv_blocks_ttl: float = field(default=RETENTION_TTL, metadata=setting(
+        "lease of a retention: seconds a decode keeps a finished conversation's KV unless "
+        "renewed by keepalive (vLLM's key, with kvturn's lease semantics: renewable, "
+        "releasable; kvturn up --retention-ttl, the router's retention_ttl)", unit="s",
+        check=_seconds))
+    retention_max_hold: float = field(default=RETENTION_MAX_HOLD, metadata=setting(
+        "no keepalive extends a retention past this many seconds after its creation",
+        unit="s", check=_seconds))
+    retention_budget: float = field(default=RETENTION_BUDGET, metadata=setting(
+        "fraction of the decode's KV blocks retentions may hold; 0 turns retention off. Live "
+        "requests evict retentions whenever they need blocks (least recently used first, "
+        "never a pinned one), so retentions only ever hold blocks nothing else wants; a lower "
+        "budget keeps the rest for vLLM's plain prefix cache. 1.0 since December 2026 (was "
+        "0.5): on the shared Claude Code traces the simulator keeps 97 % of histories at 1.0 "
+        "against 93 % at 0.5 with a few sessions per decode, 64 % against 60 % with twenty "
+        "(docs/simulate.md, \"Choosing the defaults\")", check=_fraction))
+    retention_max_pin: float = field(default=300.0, metadata=setting(
+        "cap on one read pin's life", unit="s", check=_seconds))
+    kv_read_timeout: float = field(default=20.0, metadata=setting(
+        "seconds a NIXL read of remote blocks may stay in flight before it is abandoned and "
+        "the request recomputes those blocks instead", unit="s", check=_seconds))
+    reuse_cost_model: str = field(default="auto", metadata=setting(
+        "auto: a prefill reads a verified range only when the cost model (_cost.py) expects "
+        "the read to be faster than computing it; off: vLLM's kv_recompute_threshold alone "
+        "decides. The threshold is a floor either way", choices=COST_MODELS, check=_choice))
+    read_fixed_ms: float | None = field(default=None, metadata=setting(
+        "the cost of one read whatever its size, in ms (setup, the engine steps the request "
+        "waits, the completion notice; 0 allowed); null: calibrated from this instance's "
+        "reads", default_doc="calibrated", check=_milliseconds))
+    read_gbps: float | None = field(default=None, metadata=setting(
+        "read bandwidth per worker in GB/s (10^9 bytes); null: calibrated from NIXL's "
+        "transfer telemetry", default_doc="calibrated", check=_rate))
+    compute_tokens_per_s: float | None = field(default=None, metadata=setting(
+        "prompt tokens this instance computes per second at context 0; null: calibrated from "
+        "its engine steps", default_doc="calibrated", check=_rate))
+    compute_attention_tokens: int | None = field(default=None, metadata=setting(
+        "the context length at which attention costs a token as much as the dense layers",
+        default_doc="6 x the model's hidden size", check=_tokens))
+    nixl_progress_thread: bool | None = field(default=None, metadata=setting(
+        "run NIXL's progress thread. Unset: on decodes (a prefill reads a decode's retained "
+        "blocks while the decode's engine idles, and on transports that need the target's "
+        "progress, such as UCX over TCP, the thread gives it), off on prefills (their engine "
+        "steps drive progress, as in vLLM)", default_doc="on decodes",
+        check=_optional_flag))
+    nixl_progress_delay_ms: float = field(default=10.0, metadata=setting(
+        "the longest a progress thread sleeps between UCX events, in ms (it wakes when "
+        "traffic arrives); nixl's Python API would use 0, a busy loop", unit="ms",
+        check=_delay))
+    keep_thread_affinity: bool = field(default=True, metadata=setting(
+        "undo vLLM's CPU re-pinning of the model thread (CPU platforms)", default_doc="true",
+        check=_flag))
+    request_amx: bool = field(default=True, metadata=setting(
+        "ask Linux for AMX tile permission at start-up (x86 hosts with AMX)",
+        default_doc="true", check=_flag))
+
+    def __post_init__(self) -> None:
+        if self.retention_max_hold < self.decoder_kv_blocks_ttl:
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config.retention_max_hold ({self.retention_max_hold:g} s) "
+                f"must be at least decoder_kv_blocks_ttl ({self.decoder_kv_blocks_ttl:g} s)")
+        _choice("reuse_cost_model", self.reuse_cost_model)
+        if self.reuse_cost_model == "off":
+            pinned = [f.name for f in fields(CostSettings) if getattr(self, f.name) is not None]
+            if pinned:
+                raise ConnectorConfigError(
+                    f"kv_connector_extra_config.{pinned[0]} has no effect with "
+                    f"reuse_cost_model 'off' (the recompute threshold alone decides); remove "
+                    f"it or set reuse_cost_model to 'auto'")
+
+    def progress_thread(self, decode: bool) -> bool:
+        """Whether this instance's NIXL agents run a progress thread (``decode``: its role)."""
+        return decode if self.nixl_progress_thread is None else self.nixl_progress_thread
+
+    @property
+    def cost_settings(self) -> CostSettings:
+        """The cost model's configured parameters (None: calibrated)."""
+        return CostSettings(**{f.name: getattr(self, f.name) for f in fields(CostSettings)})
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Validate kvturn's keys in ``extra``; unknown keys are vLLM's and are left alone."""
+        extra = extra or {}
+        values: dict[str, Any] = {}
+        for f, meta in settings_of(cls):
+            if f.name in extra:
+                raw = extra[f.name]
+                values[f.name] = raw if meta.check is None else meta.check(f.name, raw)
+        return cls(**values)
+
+
+def settings_table() -> str:
+    """The connector's keys as a Markdown table (docs/connector.md holds a copy)."""
+    return markdown_table(ConnectorConfig, key="key", flags=False)

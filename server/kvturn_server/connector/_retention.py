@@ -45,6 +45,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from kvturn_server._defaults import RETENTION_MAX_HOLD, RETENTION_TTL
 from kvturn_server.connector._expiry import ExpiryQueue
 from kvturn_server.connector._lease import (
     GoneReason,
@@ -76,8 +77,8 @@ class RetentionTable:
         self,
         *,
         budget_blocks: int,
-        ttl: float = 480.0,
-        max_hold: float = 3600.0,
+        ttl: float = RETENTION_TTL,
+        max_hold: float = RETENTION_MAX_HOLD,
         max_pin: float = 300.0,
         remember: int = 4096,
         clock: Callable[[], float] = time.monotonic,

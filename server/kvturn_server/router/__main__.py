@@ -5,12 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvturn_server._settings import plain_warnings
 from kvturn_server.router._app import serve
 from kvturn_server.router._config import RouterConfigError
 from kvturn_server.router._flags import add_router_args, router_config_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
+    with plain_warnings("kvturn router"):
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvturn_server.router",
                                      description="The kvturn router (same flags as "
                                                  "`kvturn router`).")

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from kvturn_server._cli_common import add_output_args, int_range, number_list, plot_path, write_json
+from kvturn_server._defaults import RETENTION_BUDGET, RETENTION_TTL
+from kvturn_server._settings import add_alias
 from kvturn_server.sim._config import (
     HOST_GIB,
     PROFILES,
-    RETENTION_BUDGET,
     FleetSpec,
     SimSettings,
     standard_policies,
@@ -100,15 +101,24 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     g = p.add_argument_group("policies and outputs")
     g.add_argument("--policies", default=",".join(standard_policies()), metavar="NAME,...",
                    help=f"which to compare, of {names} (default: all)")
-    g.add_argument("--budget", type=float, default=RETENTION_BUDGET,
-                   help="retention budget of kvturn-lease and lru-budget, a fraction of each "
-                        "decode's KV (default: %(default)s)")
-    g.add_argument("--host-gib", type=float, default=HOST_GIB,
-                   help="stock-cond-offload's host KV tier on every instance, GiB (vLLM's CPU "
-                        "offloading, read back over PCIe; default: %(default)s)")
-    g.add_argument("--lease-ttl", type=float, default=480.0,
-                   help="kvturn-lease's lease, seconds; clients renew every eighth of it "
-                        "(default: %(default)s)")
+    # The names of the same settings elsewhere: the connector's retention_budget (kvturn up
+    # --retention-budget), the router's and kvturn up's --retention-ttl, kvturn up's
+    # --kv-offload-gib. The former names still work, with a warning.
+    g.add_argument("--retention-budget", type=float, default=RETENTION_BUDGET,
+                   help="retention budget of kvturn-lease, kvturn-host and lru-budget, a "
+                        "fraction of each decode's KV (default: %(default)s; formerly "
+                        "--budget, still read)")
+    add_alias(g, "--budget", "--retention-budget", "retention_budget", float)
+    g.add_argument("--kv-offload-gib", type=float, default=HOST_GIB, metavar="GIB",
+                   help="the host KV tier of stock-cond-offload and kvturn-host on every "
+                        "instance, GiB (vLLM's CPU offloading, read back over PCIe; default: "
+                        "%(default)s; formerly --host-gib, still read)")
+    add_alias(g, "--host-gib", "--kv-offload-gib", "kv_offload_gib", float)
+    g.add_argument("--retention-ttl", type=float, default=RETENTION_TTL, metavar="SECONDS",
+                   help="the lease of kvturn-lease and kvturn-host (the connector's "
+                        "decoder_kv_blocks_ttl); clients renew every eighth of it (default: "
+                        "%(default)s; formerly --lease-ttl, still read)")
+    add_alias(g, "--lease-ttl", "--retention-ttl", "retention_ttl", float)
     g.add_argument("--sweep-budgets", type=_floats, default=(0.1, 0.25, 0.5, 1.0),
                    metavar="B,...", help="budgets of the sweep; empty: no sweep "
                                          "(default: 0.1,0.25,0.5,1)")
@@ -145,8 +155,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                           weights_gib=args.weights_gib,
                           kv_bytes_per_token=args.kv_bytes_per_token,
                           block_size=args.block_size, max_num_seqs=args.max_num_seqs)
-        known = standard_policies(budget=args.budget, ttl_s=args.lease_ttl,
-                                  host_gib=args.host_gib)
+        known = standard_policies(budget=args.retention_budget, ttl_s=args.retention_ttl,
+                                  host_gib=args.kv_offload_gib)
         wanted = [n for n in args.policies.split(",") if n]
         unknown = [n for n in wanted if n not in known]
         if unknown or not wanted:

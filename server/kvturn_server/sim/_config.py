@@ -10,7 +10,13 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvturn_server.connector import ConnectorConfig
+from kvturn_server._defaults import (
+    KEEPALIVES_PER_TTL,
+    RETENTION_BUDGET,
+    RETENTION_MAX_HOLD,
+    RETENTION_TTL,
+    VLLM_DECODER_KV_BLOCKS_TTL,
+)
 from kvturn_server.router import RouterConfig
 from kvturn_server.sim._roofline import (
     H100_SXM,
@@ -23,10 +29,6 @@ from kvturn_server.sim._roofline import (
     prefill_seconds,
     prefill_tokens_per_s,
 )
-
-RETENTION_BUDGET = ConnectorConfig().retention_budget
-"""The connector's default ``retention_budget``: kvturn's policies run at it unless told."""
-
 
 GIB = 1024 ** 3
 UNLIMITED_S = 1e9
@@ -225,8 +227,8 @@ class Policy:
 
     name: str
     retain: bool = True
-    ttl_s: float = 480.0
-    max_hold_s: float = 3600.0
+    ttl_s: float = RETENTION_TTL
+    max_hold_s: float = RETENTION_MAX_HOLD
     keepalive_s: float | None = None
     release: bool = False
     budget: float = RETENTION_BUDGET
@@ -272,19 +274,21 @@ _STOCK_COND = ("llm-d's prefix-based-pd-decider (llm-d-router pkg/epp/framework/
                "held through tool gaps")
 
 
-def standard_policies(*, budget: float = RETENTION_BUDGET, ttl_s: float = 480.0,
+def standard_policies(*, budget: float = RETENTION_BUDGET, ttl_s: float = RETENTION_TTL,
                       host_gib: float = HOST_GIB) -> dict[str, Policy]:
     """The policies every comparison runs (``budget``/``ttl_s``: kvturn's lease; ``host_gib``:
     stock-cond-offload's host tier per instance)."""
     return {p.name: p for p in (
-        Policy("vllm-ttl-480", ttl_s=480.0, max_hold_s=480.0, budget=1.0,
+        Policy("vllm-ttl-480", ttl_s=VLLM_DECODER_KV_BLOCKS_TTL,
+               max_hold_s=VLLM_DECODER_KV_BLOCKS_TTL, budget=1.0,
                peer="vLLM's multi-turn P/D proxy: retained decode blocks with a fixed 480 s "
                     "TTL (decoder_kv_blocks_ttl), not renewable"),
-        Policy("kvturn-lease", ttl_s=ttl_s, max_hold_s=max(3600.0, ttl_s),
-               keepalive_s=ttl_s / 8, release=True, budget=budget,
+        Policy("kvturn-lease", ttl_s=ttl_s, max_hold_s=max(RETENTION_MAX_HOLD, ttl_s),
+               keepalive_s=ttl_s / KEEPALIVES_PER_TTL, release=True, budget=budget,
                peer="kvturn: leases the SDK renews during tool gaps and releases at the end"),
-        Policy("kvturn-host", ttl_s=ttl_s, max_hold_s=max(3600.0, ttl_s),
-               keepalive_s=ttl_s / 8, release=True, budget=budget, host_gib=host_gib,
+        Policy("kvturn-host", ttl_s=ttl_s, max_hold_s=max(RETENTION_MAX_HOLD, ttl_s),
+               keepalive_s=ttl_s / KEEPALIVES_PER_TTL, release=True, budget=budget,
+               host_gib=host_gib,
                peer="kvturn with its host tier (docs/connector.md, \"The host tier\"): "
                     "kvturn-lease, and a decode's evicted retentions kept in host memory (the "
                     "same size as stock-cond-offload's), loaded back for the next turn; "

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvturn_server._defaults import KEEPALIVES_PER_TTL, RETENTION_TTL
 from kvturn_server.bench._profiles import HOST_TIER_MULTIPLE, host_tier, needed, profile_config
 from kvturn_server.bench.agent._loop import PROMPT_DETAILS_ARGS
 from kvturn_server.bench.agent._modes import DEFAULT_MODES, MODES, MODES_BY_NAME
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
 Z90 = 1.2815515655446004  # NormalDist().inv_cdf(0.9)
 Z99 = 2.3263478740408408  # NormalDist().inv_cdf(0.99)
 # The lease and its renewal, as deployed (connector and SDK defaults), before time scaling.
-TRACE_RETENTION_TTL_S = 480.0
-TRACE_KEEPALIVE_PER_TTL = 8  # the SDK renews every 60 s of a 480 s lease
+TRACE_RETENTION_TTL_S = RETENTION_TTL
+TRACE_KEEPALIVE_PER_TTL = KEEPALIVES_PER_TTL  # the SDK renews every 60 s of a 480 s lease
 MIN_RETENTION_TTL_S = 30.0
 # Template framing per message (ChatML: <|im_start|>role\n ... <|im_end|>\n, tool tags).
 FRAMING_TOKENS = 12

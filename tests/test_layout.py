@@ -29,6 +29,7 @@ CROSS_CUTTING = {
     "test_grafana_dashboard.py",
     "test_package_faces.py",
     "test_readme_recipe.py",
+    "test_settings.py",
     "test_vllm_contract.py",
 }
 

@@ -138,6 +138,15 @@ def help_text(f: Field[Any], meta: Setting) -> str:
     return text
 
 
+def field_help(cls: type, name: str) -> str:
+    """``--help``'s line for the setting ``name`` of ``cls``, for a command that sets it on
+    another component's behalf (``kvturn up`` sets connector keys)."""
+    for f, meta in settings_of(cls):
+        if f.name == name:
+            return help_text(f, meta)
+    raise KeyError(f"{cls.__name__} has no setting {name!r}")
+
+
 class _Deprecated(argparse.Action):
     """A former flag: warns, then stores as the new one (its own ``type`` already applied)."""
 
@@ -147,11 +156,12 @@ class _Deprecated(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
-        deprecated(f"{option_string} is deprecated, use {self.new} (the same setting)")
+        new = self.new
         if option_string is not None and option_string.startswith("--no-"):
-            values = False
+            new, values = "--no-" + new.removeprefix("--"), False
         elif self.nargs == 0:
             values = True
+        deprecated(f"{option_string} is deprecated, use {new} (the same setting)")
         setattr(namespace, self.dest, values)
 
 

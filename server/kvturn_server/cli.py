@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvturn_server._settings import plain_warnings
+from kvturn_server._settings import field_help, plain_warnings
 from kvturn_server.bench import (
     add_fleet_bench_parser,
     add_reuse_bench_parser,
@@ -19,6 +19,7 @@ from kvturn_server.bench import (
 )
 from kvturn_server.bench.agent import add_agent_bench_parser
 from kvturn_server.bench.trace import add_trace_bench_parser
+from kvturn_server.connector import ConnectorConfig
 from kvturn_server.local import (
     SIZES,
     STOCK_ROUTER_ARGS,
@@ -34,6 +35,13 @@ from kvturn_server.local import (
 )
 from kvturn_server.router import add_router_args
 from kvturn_server.sim import add_simulate_parser
+
+# The connector keys `kvturn up` sets, by flag: their help and defaults are the connector's
+# own (StackConfig's fields take ConnectorConfig's defaults); the flags use the router's name
+# for the lease (--retention-ttl), the connector keeps vLLM's (decoder_kv_blocks_ttl).
+CONNECTOR_FLAGS = (("--kv-read-timeout", "kv_read_timeout"),
+                   ("--retention-ttl", "decoder_kv_blocks_ttl"),
+                   ("--retention-budget", "retention_budget"))
 
 
 def _add_stack_args(p: argparse.ArgumentParser) -> None:
@@ -57,15 +65,9 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache per vLLM instance in GiB (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="context length (default: %(default)s)")
-    p.add_argument("--kv-read-timeout", type=float, default=d.kv_read_timeout,
-                   help="seconds a NIXL read may take before the decode recomputes instead "
-                        "(default: %(default)s)")
-    p.add_argument("--retention-ttl", type=float, default=d.decoder_kv_blocks_ttl,
-                   help="seconds the decode keeps a conversation's KV after a turn, renewable "
-                        "by keepalive (default: %(default)s)")
-    p.add_argument("--retention-budget", type=float, default=d.retention_budget,
-                   help="fraction of the decode's KV cache retentions may hold; 0 turns reuse "
-                        "off (default: %(default)s)")
+    for flag, key in CONNECTOR_FLAGS:
+        p.add_argument(flag, type=float, default=getattr(d, key),
+                       help=f"the connectors' {key}: " + field_help(ConnectorConfig, key))
     p.add_argument("--startup-timeout", type=float, default=d.startup_timeout,
                    help="seconds to wait for the servers to become healthy (default: %(default)s)")
     p.add_argument("--kv-offload-gib", type=float, default=d.kv_offload_gib, metavar="GIB",

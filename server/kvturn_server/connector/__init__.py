@@ -13,7 +13,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvturn_server.connector._config import ConnectorConfig, ConnectorConfigError
+from kvturn_server.connector._config import (
+    ConnectorConfig,
+    ConnectorConfigError,
+    settings_table,
+)
 from kvturn_server.connector._cost import CostModel, CostSettings
 from kvturn_server.connector._hashing import HASH_SIZE, verified_prefix_blocks
 from kvturn_server.connector._lease import Retention
@@ -48,6 +52,7 @@ __all__ = [
     "TierLink",
     "conversation_key",
     "decide_reuse",
+    "settings_table",
     "tier_link",
     "verified_prefix_blocks",
 ]

@@ -129,10 +129,8 @@ class ConnectorConfig:
         "fraction of the decode's KV blocks retentions may hold; 0 turns retention off. Live "
         "requests evict retentions whenever they need blocks (least recently used first, "
         "never a pinned one), so retentions only ever hold blocks nothing else wants; a lower "
-        "budget keeps the rest for vLLM's plain prefix cache. 1.0 since December 2026 (was "
-        "0.5): on the shared Claude Code traces the simulator keeps 97 % of histories at 1.0 "
-        "against 93 % at 0.5 with a few sessions per decode, 64 % against 60 % with twenty "
-        "(docs/simulate.md, \"Choosing the defaults\")", check=_fraction))
+        "budget keeps the rest for vLLM's plain prefix cache (1.0 against 0.5: "
+        "docs/simulate.md, \"Choosing the defaults\")", check=_fraction))
     retention_max_pin: float = field(default=300.0, metadata=setting(
         "cap on one read pin's life", unit="s", check=_seconds))
     kv_read_timeout: float = field(default=20.0, metadata=setting(

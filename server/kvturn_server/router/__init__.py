@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvturn_server.router._app import RouterApp, create_app, serve
     from kvturn_server.router._config import DecodeSpec, RouterConfig, RouterConfigError
-    from kvturn_server.router._flags import add_router_args, router_config_from_args
+    from kvturn_server.router._flags import (
+        add_router_args,
+        router_config_from_args,
+        settings_table,
+    )
     from kvturn_server.router._history import Transcript
     from kvturn_server.router._legs import coverage
     from kvturn_server.router._pin import gone_reason
@@ -41,6 +45,7 @@ _WHERE = {
     "Router": "_wiring", "RouterApp": "_app", "create_app": "_app", "serve": "_app",
     "DecodeSpec": "_config", "RouterConfig": "_config", "RouterConfigError": "_config",
     "add_router_args": "_flags", "router_config_from_args": "_flags",
+    "settings_table": "_flags",
     "MemoryStore": "_state", "Placement": "_state", "StoreError": "_state",
     "PooledTransport": "_transport",
     "Transcript": "_history", "coverage": "_legs", "gone_reason": "_pin",
@@ -76,6 +81,7 @@ __all__ = [
     "read_gain",
     "router_config_from_args",
     "serve",
+    "settings_table",
 ]
 
 

@@ -1,5 +1,9 @@
 """Router settings: one dataclass, validated when built, from a mapping or a config file.
 
+Each field is one setting, its doc and check in ``setting(...)``: the flags, the ``KVTURN_*``
+variables (``_flags.py``), the config file's keys and the settings table of
+docs/router-operations.md are all built from the fields (``kvturn_server._settings``).
+
 ``kvturn router --config router.toml --decode http://d2:8200`` reads the file first, then lets
 flags and ``KVTURN_*`` variables override it (``_flags.py``). The file (TOML, or JSON when it
 ends in ``.json``) uses the field names below; backends are lists:
@@ -174,10 +178,6 @@ def _state(name: str, value: Any) -> Any:
     return value
 
 
-def _any(name: str, value: Any) -> Any:
-    return value
-
-
 _WHOLE_0, _WHOLE_1 = _whole(0), _whole(1)
 
 
@@ -199,7 +199,7 @@ class RouterConfig:
         "http://h:8201); give another with ,control=URL (in the file also {url = URL, "
         "control = URL})", metavar="URL[,control=URL]"))
     host: str = field(default="127.0.0.1", metadata=setting(
-        "address the router listens on", metavar="HOST", check=_any))
+        "address the router listens on", metavar="HOST"))
     port: int = field(default=8000, metadata=setting(
         "port the router listens on", metavar="N", check=_port))
     state: str = field(default="memory", metadata=setting(
@@ -230,7 +230,7 @@ class RouterConfig:
     readmit_after: int = field(default=2, metadata=setting(
         "consecutive good health checks that re-admit an ejected backend", check=_WHOLE_1))
     state_prefix: str = field(default="kvturn:", metadata=setting(
-        "prefix of every Redis key the router writes", check=_any))
+        "prefix of every Redis key the router writes"))
     max_conversations: int = field(default=100_000, metadata=setting(
         "conversation table cap (least recently used go first)", check=_WHOLE_1))
     retention_ttl: float = field(default=RETENTION_TTL, metadata=setting(
@@ -264,8 +264,7 @@ class RouterConfig:
         "seconds a client has to send a whole request body (then 408, and the connection is "
         "closed)", unit="s", check=_seconds))
     backend_api_key: str | None = field(default=None, repr=False, metadata=setting(
-        "sent as Authorization: Bearer to every backend (vLLM --api-key)", metavar="KEY",
-        check=_any))
+        "sent as Authorization: Bearer to every backend (vLLM --api-key)", metavar="KEY"))
     control_secret: str | None = field(default=None, repr=False, metadata=setting(
         "the decodes' control API secret (X-KVTurn-Control-Secret on every control call); "
         "from the config file or its variable, never a flag (command lines show in ps); the "

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvturn_server._cli_common import add_output_args, plot_path, say_written
+from kvturn_server._defaults import KEEPALIVES_PER_TTL, RETENTION_TTL
 
 if TYPE_CHECKING:
     import kvturn
@@ -31,8 +32,9 @@ def add_agents_args(p: argparse.ArgumentParser, d: AgentBenchSettings | FleetBen
     p.add_argument("--agents", type=int, default=d.agents,
                    help="concurrent agents (default: %(default)s)")
     p.add_argument("--time-scale", type=float, default=d.time_scale,
-                   help="factor on the traces' tool gaps (p50 2 s, p90 24 s) and on the 480 s "
-                        "lease; 0.1 gives gaps of p50 0.2 s (default: %(default)s)")
+                   help="factor on the traces' tool gaps (p50 2 s, p90 24 s) and on the "
+                        f"{RETENTION_TTL:g} s lease; 0.1 gives gaps of p50 0.2 s (default: "
+                        "%(default)s)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help=f"seed of {seeded} (default: %(default)s)")
     p.add_argument("--stagger", type=float, default=d.stagger_s,
@@ -42,8 +44,9 @@ def add_agents_args(p: argparse.ArgumentParser, d: AgentBenchSettings | FleetBen
     p.add_argument("--state-dir", type=Path, default=d.state_dir,
                    help=f"{state} (default: %(default)s)")
     p.add_argument("--retention-ttl", type=float, default=None,
-                   help="the decodes' lease in seconds (default: 480 x --time-scale, at least "
-                        "30); the SDK renews every eighth of it during a tool gap")
+                   help=f"the decodes' lease in seconds (default: {RETENTION_TTL:g} x "
+                        "--time-scale, at least 30); the SDK renews every "
+                        f"1/{KEEPALIVES_PER_TTL} of it during a tool gap")
 
 
 def add_host_tier_arg(p: argparse.ArgumentParser, default: float) -> None:

@@ -122,8 +122,10 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--sweep-budgets", type=_floats, default=(0.1, 0.25, 0.5, 1.0),
                    metavar="B,...", help="budgets of the sweep; empty: no sweep "
                                          "(default: 0.1,0.25,0.5,1)")
-    g.add_argument("--sweep-ttls", type=_floats, default=(60.0, 480.0, 1800.0), metavar="S,...",
-                   help="lease lengths of the sweep (default: 60,480,1800)")
+    ttls = (60.0, RETENTION_TTL, 1800.0)
+    g.add_argument("--sweep-ttls", type=_floats, default=ttls, metavar="S,...",
+                   help="lease lengths of the sweep (default: "
+                        f"{','.join(f'{t:g}' for t in ttls)})")
     g.add_argument("--sweep-conversations", type=int, default=5000,
                    help="the sweep runs the first this many conversations by start time (the "
                         "same arrival rate, a shorter window) to stay quick (default: "

@@ -13,6 +13,7 @@ from kvturn_server._cli_common import (
     comma_choices,
     settings_or_exit,
 )
+from kvturn_server._defaults import KEEPALIVES_PER_TTL, RETENTION_TTL
 from kvturn_server.bench._cli import add_host_tier_arg
 from kvturn_server.bench.trace._plan import MODE_TABLE, MODES, REAL_KV_TOKENS, TraceBenchSettings
 from kvturn_server.bench.trace._run import load_plan, run_trace_bench
@@ -113,12 +114,12 @@ def add_trace_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                         "longest of the shared traces (198k tokens) in the tiny model's 8,192 "
                         "positions with the chat template's framing (default: %(default)s)")
     p.add_argument("--time-scale", type=float, default=s.time_scale,
-                   help="factor on the traces' gaps (after --max-gap) and on the 480 s lease "
-                        "(default: %(default)s)")
+                   help="factor on the traces' gaps (after --max-gap) and on the "
+                        f"{RETENTION_TTL:g} s lease (default: %(default)s)")
     p.add_argument("--max-gap", type=_positive_or_none(float), default=s.max_gap_s,
                    help="cap on a gap in trace seconds, before scaling; 0: none. Above the "
-                        "480 s lease, so the traces' long pauses still outlast it "
-                        "(default: %(default)s)")
+                        f"{RETENTION_TTL:g} s lease, so the traces' long pauses still outlast "
+                        "it (default: %(default)s)")
     p.add_argument("--max-requests", type=_positive_or_none(int), default=s.max_requests,
                    help="replay each conversation's first N requests; 0: all "
                         "(default: %(default)s)")
@@ -151,8 +152,9 @@ def add_trace_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                    help="vLLM's KV buffer per instance in GiB, before the block count caps "
                         "it (default: %(default)s)")
     p.add_argument("--retention-ttl", type=float, default=None,
-                   help="the decodes' lease in seconds (default: 480 x --time-scale); the SDK "
-                        "renews every eighth of it during a gap")
+                   help=f"the decodes' lease in seconds (default: {RETENTION_TTL:g} x "
+                        f"--time-scale); the SDK renews every 1/{KEEPALIVES_PER_TTL} of it "
+                        "during a gap")
     p.add_argument("--router-arg", action="append", default=None, metavar="ARG",
                    help="one more `kvturn router` argument for every mode's router "
                         "(repeatable), e.g. --router-arg=--log-level=debug")

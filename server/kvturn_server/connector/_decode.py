@@ -56,8 +56,10 @@ class DecodeSide:
         self.legs = legs
         self._progress_thread = progress_thread
         self._local_hits: dict[str, int] = {}
-        # Waiting requests asked about and not yet scheduled (see before_match).
-        self._asked: set[str] = set()
+        # Waiting requests asked about and not yet scheduled, with every block each needs
+        # (see before_match), and those of them whose KV load finished (see step_scheduled).
+        self._asked: dict[str, int] = {}
+        self._loaded: set[str] = set()
         self._gauges: tuple[int, ...] = (0, 0, 0, 0)
         self._housekeeper: Housekeeper | None = None
         self.host: HostTier | None = None
@@ -103,14 +105,15 @@ class DecodeSide:
                 # While the pool could not hold the whole request, one more retention goes
                 # per step until it fits, instead of the request waiting for a lease to expire.
                 self.keeper.relieve()
-            self._asked.add(request.request_id)
+            self._asked[request.request_id] = whole
             self.keeper.make_room(needed)
 
     def finished(self, request: Any, block_ids: Any,
                  out: dict[str, Any] | None) -> dict[str, Any] | None:
         """vLLM's answer for a finished request; a conversation turn's says if it is retained."""
         params = request.kv_transfer_params
-        self._asked.discard(request.request_id)
+        self._asked.pop(request.request_id, None)
+        self._loaded.discard(request.request_id)
         local_hit = self._local_hits.pop(request.request_id, None)
         load = self.host.take_loaded(request.request_id) if self.host is not None else None
         if isinstance(params, dict) and params.get("do_remote_decode"):
@@ -143,12 +146,31 @@ class DecodeSide:
 
     def step_scheduled(self, scheduler_output: Any) -> None:
         for new in getattr(scheduler_output, "scheduled_new_reqs", ()):
-            self._asked.discard(new.req_id)
+            self._asked.pop(new.req_id, None)
+            self._loaded.discard(new.req_id)
         if self.keeper is not None:
+            self._relieve_loaded(self.keeper)
             self.keeper.service()
 
     def step_reported(self, connector_output: Any) -> None:
+        for request_id in getattr(connector_output, "finished_recving", None) or ():
+            if request_id in self._asked:
+                self._loaded.add(request_id)
         self.legs.step_reported(connector_output)
+
+    def _relieve_loaded(self, keeper: RetentionKeeper) -> None:
+        """One more retention goes when a request whose KV load finished was not scheduled.
+
+        Once its load (from a prefill or the host tier) finished, vLLM schedules a request
+        ahead of every other waiting one, without asking the connector again, and stops
+        admitting anything while it cannot get the blocks of its prompt's remainder. Nothing
+        running frees blocks then, so without this the decode would wait for a lease to
+        expire (seen in bench agent with a host tier: Running 0, "1 completed waiting").
+        """
+        if self._loaded and keeper.free_blocks() < max(self._asked[r] for r in self._loaded) \
+                and keeper.relieve():
+            log.info("kvturn: %s finished loading its KV and waits for blocks: a retention "
+                     "made way", ", ".join(sorted(self._loaded)))
 
     def take_stats(self) -> KVTurnStats | None:
         """kvturn's stats since the last call: the keeper's events, gauges when they moved."""

@@ -1120,12 +1120,28 @@ def test_the_bootstrap_interval_brackets_the_ratio_and_is_reproducible() -> None
     rng = random.Random(1)
     a = [rng.uniform(200, 400) for _ in range(60)]
     b = [rng.uniform(50, 100) for _ in range(60)]
-    low, high = bootstrap_ratio(a, b, 0.9)
+    low, high = bootstrap_ratio([a], [b], 0.9)
     assert low is not None and high is not None
     point = percentile(a, 0.9) / percentile(b, 0.9)  # type: ignore[operator]
     assert low <= point <= high and low > 2.5 and high < 6.0
-    assert bootstrap_ratio(a, b, 0.9) == (low, high)
-    assert bootstrap_ratio([], b, 0.5) == (None, None)
+    assert bootstrap_ratio([a], [b], 0.9) == (low, high)
+    assert bootstrap_ratio([[]], [b], 0.5) == (None, None)
+    with pytest.raises(ValueError, match="2 repeats against 1"):
+        bootstrap_ratio([a, a], [b], 0.5)
+
+
+def test_the_interval_counts_the_spread_between_repeats() -> None:
+    """Two identical setups whose repeats differ (one run's timing slower than another's): the
+    turns of each repeat alone would give a narrow interval; resampling the repeats first
+    widens it to hold the difference between them."""
+    rng = random.Random(2)
+    a = [[rng.uniform(90, 110) * scale for _ in range(48)] for scale in (1.0, 1.5, 0.8)]
+    b = [[rng.uniform(90, 110) * scale for _ in range(48)] for scale in (1.4, 0.9, 1.0)]
+    turns_only = bootstrap_ratio([[x for r in a for x in r]], [[x for r in b for x in r]], 0.5)
+    clustered = bootstrap_ratio(a, b, 0.5)
+    assert None not in turns_only and None not in clustered
+    width = [high - low for low, high in (turns_only, clustered)]  # type: ignore[operator]
+    assert width[1] > 2 * width[0]
 
 
 def test_pooled_ratios_pool_every_repeat_and_split_first_turns() -> None:

@@ -350,6 +350,40 @@ def test_a_request_still_waiting_after_an_ask_takes_one_more_retention_per_step(
     assert keeper.stats()["retentions"] == 2
 
 
+def test_a_request_whose_load_finished_and_was_not_scheduled_takes_a_retention_per_step(
+        pool: FakeBlockPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM schedules a request whose KV load finished ahead of all others without asking the
+    connector again, and admits nothing while it cannot get its remaining blocks: a retention
+    goes each step it was left out while the pool could not hold it whole (seen as stalls of a
+    lease TTL in bench agent with a host tier: Running 0, "KV fetch: 1 completed waiting")."""
+    sched = decode_scheduler(pool, retention_budget=1.0)
+    monkeypatch.setattr(NixlPullConnectorScheduler, "get_num_new_matched_tokens",
+                        lambda self, request, num_computed: (24, True))
+    monkeypatch.setattr(NixlPullConnectorScheduler, "build_connector_meta",
+                        lambda self, scheduler_output: "meta")
+    monkeypatch.setattr(NixlPullConnectorScheduler, "update_connector_output",
+                        lambda self, connector_output: None)
+    for i in range(3):
+        finish(sched, pool, n_blocks=9, computed=36, request_id=f"r{i}",
+               params=decode_leg(f"t/k{i}"))
+    keeper = side(sched).keeper
+    assert keeper is not None and pool.get_num_free_blocks() == 5
+    loading = FakeRequest("w", tokens(30), 0, None)  # 8 blocks, and 1 to grow into
+    sched.get_num_new_matched_tokens(loading, 0)
+    assert keeper.stats()["retentions"] == 2  # made room for the whole request
+    pool.allocate(6)  # the load's blocks, and another admission's (free: 14 - 6 - 6 = 2)
+    nothing = SimpleNamespace(scheduled_new_reqs=[])
+    sched.build_connector_meta(nothing)  # still loading: it may not be scheduled yet
+    assert keeper.stats()["retentions"] == 2
+    sched.update_connector_output(SimpleNamespace(finished_recving={"w", "other"},
+                                                  finished_sending=None))
+    sched.build_connector_meta(nothing)  # loaded and left out: short of blocks
+    assert keeper.stats()["retentions"] == 1
+    sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="w")]))
+    sched.build_connector_meta(nothing)
+    assert keeper.stats()["retentions"] == 1  # scheduled: nothing more goes
+
+
 def test_vllm_asks_before_preempting_and_a_retention_goes_instead(
         sched: KVTurnPullScheduler, pool: FakeBlockPool) -> None:
     assert sched.has_pending_block_frees() is False

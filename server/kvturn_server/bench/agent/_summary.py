@@ -274,7 +274,8 @@ def verdict(per_repeat: Sequence[dict[str, Any]], tag: str = LEGACY) -> dict[str
 
 POOLED_NOTE = (
     "every repeat's turns of a mode pooled (repeats x agents x turns a mode), the {base}/on "
-    "ratio of each quantile with a 95 % percentile-bootstrap interval (2,000 rounds, seeded); "
+    "ratio of each quantile with a 95 % percentile-bootstrap interval (2,000 rounds, seeded; "
+    "repeats resampled, then the turns of each: the spread between repeats counts); "
     "turn1 = first turns: a new conversation has nothing to reuse, so they are the same work "
     "in every mode and differ only by what else the host runs meanwhile")
 POOLED_SCOPES: dict[str, Callable[[TurnRecord], bool]] = {
@@ -292,16 +293,22 @@ def pooled_comparison(runs: Sequence[ModeRun], base: str = "off",
                       tag: str = LEGACY, mine: str = KVTURN_MODE) -> dict[str, Any] | None:
     """The ``base``/``mine`` TTFT ratios over every repeat's turns pooled (``POOLED_NOTE``;
     ``mine`` keyed ``on``)."""
-    ttft = {side: {scope: pooled_ttft(runs, mode, keep) for scope, keep in POOLED_SCOPES.items()}
+    repeats = sorted({run.repeat for run in runs if run.mode in (base, mine)})
+    ttft = {side: {scope: [pooled_ttft([r for r in runs if r.repeat == repeat], mode, keep)
+                           for repeat in repeats]
+                   for scope, keep in POOLED_SCOPES.items()}
             for side, mode in ((tag, base), ("on", mine))}
-    if not ttft[tag]["all"] or not ttft["on"]["all"]:
+    if not any(ttft[tag]["all"]) or not any(ttft["on"]["all"]):
         return None
     out: dict[str, Any] = {"note": POOLED_NOTE.format(base=base),
-                           "turns": {side: len(ttft[side]["all"]) for side in (tag, "on")}}
+                           "turns": {side: sum(map(len, ttft[side]["all"]))
+                                     for side in (tag, "on")}}
     for scope in POOLED_SCOPES:
         for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
-            b, on = ttft[tag][scope], ttft["on"][scope]
-            low, high = bootstrap_ratio(b, on, q)
+            b_by_repeat, on_by_repeat = ttft[tag][scope], ttft["on"][scope]
+            b = [x for values in b_by_repeat for x in values]
+            on = [x for values in on_by_repeat for x in values]
+            low, high = bootstrap_ratio(b_by_repeat, on_by_repeat, q)
             out[f"ttft_ms_{scope}_{name}_{tag}_over_on"] = {
                 "ratio": ratio(percentile(b, q), percentile(on, q)), "low": low,
                 "high": high}

@@ -6,7 +6,7 @@ ran (pooled), and the results document. Statistics only from ``bench/_stats.py``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -64,7 +64,8 @@ COMPARED = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "ttft_later_p50_ms",
             "computed_tokens", "turns_per_s")
 POOLED_NOTE = (
     "every repeat's turns of a mode pooled; ratio = the stock mode's / the kvturn mode's (above "
-    "1: kvturn is faster), with a 95 % percentile-bootstrap interval (2,000 rounds, seeded); "
+    "1: kvturn is faster), with a 95 % percentile-bootstrap interval (2,000 rounds, seeded; "
+    "repeats resampled, then the turns of each: the spread between repeats counts); "
     "pooled: against the strongest stock mode, by_stock_mode: against each")
 # What ``by_stock_mode`` states against every stock mode, pooled: with intervals (the issues'
 # targets are on later turns), and without.
@@ -106,16 +107,30 @@ def _ttfts(runs: Sequence[ModeRun], mode: str, later: bool) -> list[float]:
             if r.ok and r.ttft_ms is not None and (r.turn > 1 or not later)]
 
 
-def _samples(runs: Sequence[ModeRun], modes: Sequence[str]) -> dict[str, dict[str, list[float]]]:
-    """Per scope (TTFT of all turns, of later turns, ITL gaps), every repeat pooled, per mode."""
-    return {"ttft_all": {m: _ttfts(runs, m, False) for m in modes},
-            "ttft_later": {m: _ttfts(runs, m, True) for m in modes},
-            "itl": {m: [g for run in runs if run.mode == m for g in run.itl_ms] for m in modes}}
+def _samples(runs: Sequence[ModeRun],
+             modes: Sequence[str]) -> dict[str, dict[str, list[list[float]]]]:
+    """Per scope (TTFT of all turns, of later turns, ITL gaps) and mode, each repeat's values
+    (every mode the same repeats, in order: the intervals resample repeats, then values)."""
+    repeats = sorted({run.repeat for run in runs})
+
+    def by_repeat(mode: str, values: Callable[[ModeRun], list[float]]) -> list[list[float]]:
+        return [[v for run in runs if run.mode == mode and run.repeat == repeat
+                 for v in values(run)] for repeat in repeats]
+
+    return {"ttft_all": {m: by_repeat(m, lambda run: _ttfts([run], run.mode, False))
+                         for m in modes},
+            "ttft_later": {m: by_repeat(m, lambda run: _ttfts([run], run.mode, True))
+                           for m in modes},
+            "itl": {m: by_repeat(m, lambda run: list(run.itl_ms)) for m in modes}}
 
 
-def _interval(samples: dict[str, list[float]], base: str, mode: str,
+def _flat(by_repeat: Sequence[Sequence[float]]) -> list[float]:
+    return [v for values in by_repeat for v in values]
+
+
+def _interval(samples: dict[str, list[list[float]]], base: str, mode: str,
               q: float) -> dict[str, Any] | None:
-    theirs, mine = percentile(samples[base], q), percentile(samples[mode], q)
+    theirs, mine = percentile(_flat(samples[base]), q), percentile(_flat(samples[mode]), q)
     if theirs is None or mine is None:
         return None
     low, high = bootstrap_ratio(samples[base], samples[mode], q)
@@ -145,8 +160,8 @@ def every_stock(runs: Sequence[ModeRun], mode: str, stock: Sequence[str]) -> dic
         entry: dict[str, Any] = {
             key: _interval(samples[scope], base, mode, q)
             for key, scope, q in EVERY_STOCK_INTERVALS}
-        entry.update({key: ratio(percentile(samples[scope][base], q),
-                                 percentile(samples[scope][mode], q))
+        entry.update({key: ratio(percentile(_flat(samples[scope][base]), q),
+                                 percentile(_flat(samples[scope][mode]), q))
                       for key, scope, q in EVERY_STOCK_RATIOS})
         out[base] = entry
     return out

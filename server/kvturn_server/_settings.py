@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 import types
 import typing
@@ -95,9 +96,14 @@ def env_name(prefix: str, name: str) -> str:
     return prefix + name.upper()
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def value_type(cls: type, name: str) -> Any:
     """The field's type without ``None`` (``float | None`` -> ``float``)."""
-    hint = typing.get_type_hints(cls)[name]
+    hint = _hints(cls)[name]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         rest = [a for a in typing.get_args(hint) if a is not type(None)]
         hint = rest[0] if len(rest) == 1 else str
@@ -217,6 +223,8 @@ def add_setting_args(parser: argparse.ArgumentParser | Any, cls: type) -> None:
         else:
             kwargs.update(type=kind, metavar=meta.metavar or _metavar(f.name, kind, meta))
         parser.add_argument(option, **kwargs)
+        if meta.aliases and is_list(kind):
+            raise TypeError(f"{f.name}: a list setting cannot have former names (yet)")
         for alias in meta.aliases:
             add_alias(parser, flag_name(alias), option, f.name,
                       None if kind is bool or is_list(kind) else kind, switch=kind is bool)

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvturn.wire import ReuseReason
 from kvturn_server.connector._calibration import Calibration
 from kvturn_server.connector._config import ConnectorConfig
 from kvturn_server.connector._cost import CostModel, ReadCost
@@ -33,7 +34,7 @@ from kvturn_server.connector._params import (
     not_retained,
     parse_retained,
 )
-from kvturn_server.connector._reuse import ReuseReason, decide_reuse
+from kvturn_server.connector._reuse import decide_reuse
 from kvturn_server.connector._stats import COST_GAUGES, KVTurnStats
 
 log = logging.getLogger("kvturn.connector")

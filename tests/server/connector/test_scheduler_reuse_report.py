@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
+from kvturn.wire import ReuseReason
 from kvturn_server.connector._calibration import Calibration
 from kvturn_server.connector._config import ConnectorConfig
 from kvturn_server.connector._cost import COMPUTE_WARMUP, READ_WARMUP, CostModel, CostSettings
@@ -33,7 +34,6 @@ from kvturn_server.connector._prefill import (
     _chunks,
     make_calibration,
 )
-from kvturn_server.connector._reuse import ReuseReason
 from kvturn_server.connector._scheduler import KVTurnPullScheduler
 from kvturn_server.connector._stats import KVTurnStats
 

@@ -18,7 +18,6 @@ conversation, so that each turn can reuse the KV the decode retained from the pr
 from importlib.metadata import PackageNotFoundError, version
 
 from kvturn._client import AsyncOpenAI, OpenAI
-from kvturn._constants import REUSE_OUTCOMES
 from kvturn._conversation import AsyncConversation, Conversation
 from kvturn._errors import (
     ConversationClosedError,
@@ -29,6 +28,7 @@ from kvturn._errors import (
 from kvturn._keepalive import Heartbeat
 from kvturn._retry import RetryPolicy
 from kvturn._turns import ConversationStats, Lease, TurnInfo
+from kvturn.wire import REUSE_OUTCOMES
 
 try:
     __version__ = version("kvturn")

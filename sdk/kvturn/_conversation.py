@@ -19,13 +19,14 @@ import httpx2
 import openai
 
 from kvturn._client import AsyncOpenAI, OpenAI
-from kvturn._constants import CONTROL_TIMEOUT, NO_RETENTION_CODE
+from kvturn._constants import CONTROL_TIMEOUT
 from kvturn._endpoints import conversation_url
 from kvturn._errors import ConversationNotFoundError
 from kvturn._identity import validate_fork_name
 from kvturn._keepalive import AsyncHeartbeat, Heartbeat
 from kvturn._state import ConversationState
 from kvturn._turns import ConversationStats, Lease, TurnInfo
+from kvturn.wire import KEEPALIVE, GoneReason
 
 if TYPE_CHECKING:
     from kvturn._base_client import KVTurnClientBase as _Client
@@ -43,7 +44,7 @@ _CONTROL_OPTIONS: Any = {"max_retries": 0, "timeout": CONTROL_TIMEOUT}
 
 def _not_found(state: ConversationState, error: openai.NotFoundError) -> ConversationNotFoundError:
     body = error.body if isinstance(error.body, dict) else {}
-    code = body.get("code", NO_RETENTION_CODE)
+    code = body.get("code", GoneReason.NO_RETENTION)
     return ConversationNotFoundError(
         f"the router holds no live retention for conversation {state.id!r} ({code}); "
         "the next turn recomputes its prompt", response=error.response, body=error.body)
@@ -132,7 +133,7 @@ class _ScopedBase(_Client):
         return self.copy(_extra_kwargs={"_kvturn_conversation": state})
 
     def _keepalive_url(self) -> str:
-        return conversation_url(self._kvturn_root, self.id, "keepalive")
+        return conversation_url(self._kvturn_root, self.id, KEEPALIVE)
 
     def _held_heartbeat(self, kind: type[_H], renew: Callable[[], Any],
                         tool: str | None) -> _H | None:

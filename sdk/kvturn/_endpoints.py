@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from urllib.parse import quote
-
 import httpx2
 
-from kvturn._constants import CONVERSATIONS_PATH
+from kvturn.wire import conversation_path
 
 
 def router_root(base_url: httpx2.URL) -> str:
@@ -27,5 +25,4 @@ def conversation_url(root: str, conversation_id: str, action: str | None = None)
     """``{root}/kvturn/v1/conversations/{id}[/{action}]`` with the id percent-encoded: ids may
     contain ``/``, ``:``, ``#``, ``%``, ``?``, ... and every one of them must stay in the
     path segment."""
-    url = f"{root.rstrip('/')}/{CONVERSATIONS_PATH}{quote(conversation_id, safe='')}"
-    return f"{url}/{action}" if action else url
+    return root.rstrip("/") + conversation_path(conversation_id, action)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import secrets
 
-from kvturn._constants import GENERATED_ID_PREFIX, ID_MAX_LENGTH
+from kvturn._constants import GENERATED_ID_PREFIX
 from kvturn._errors import InvalidConversationIdError
+from kvturn.wire import ID_MAX_LENGTH
 
 # A fork's name is kept short so that parent id + "/" + name always fits the router's limit once
 # a long parent id is replaced by its digest (see child_id).

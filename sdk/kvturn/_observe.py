@@ -16,9 +16,9 @@ import httpx2
 from openai import AsyncStream, Stream
 
 from kvturn._compat import LegacyAPIResponse
-from kvturn._constants import PENDING
 from kvturn._state import ConversationState, TurnPlan
 from kvturn._streams import StreamFollower
+from kvturn.wire import PENDING
 
 
 def observe_turn(state: ConversationState, plan: TurnPlan, response: httpx2.Response,

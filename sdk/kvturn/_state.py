@@ -10,17 +10,11 @@ import httpx2
 from openai import NotGiven
 
 from kvturn._compat import FinalRequestOptions
-from kvturn._constants import (
-    BODY_CONVERSATION_ID,
-    CHAT_PATH,
-    COMPLETIONS_PATH,
-    HEADER_CONVERSATION_ID,
-    HEADER_NO_REUSE,
-    RESPONSES_PATH,
-)
+from kvturn._constants import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH
 from kvturn._errors import ConversationClosedError, InvalidConversationIdError
 from kvturn._identity import child_id
 from kvturn._turns import ConversationStats, StatsCounter, TurnInfo, TurnReport
+from kvturn.wire import BODY_CONVERSATION_ID, HEADER_CONVERSATION_ID, HEADER_NO_REUSE
 
 _H = TypeVar("_H")
 

@@ -11,7 +11,8 @@ from typing import Any, Literal, NamedTuple
 
 import httpx2
 
-from kvturn._constants import (
+from kvturn._constants import UNREPORTED
+from kvturn.wire import (
     HEADER_BLOCK_SIZE,
     HEADER_CONVERSATION_ECHO,
     HEADER_REQUEST_ID,
@@ -19,7 +20,6 @@ from kvturn._constants import (
     HEADER_REUSED_TOKENS,
     PENDING,
     REUSED_OUTCOMES,
-    UNREPORTED,
 )
 
 

@@ -1,9 +1,10 @@
 """The shared secret of the connectors' control API (docs/http-api.md, section C).
 
 One secret per fleet: every connector's control endpoint requires it, every router sends it, in
-the ``X-KVTurn-Control-Secret`` header (not ``Authorization``: that one carries vLLM's
-``--api-key``, which the router sends to every backend). It comes from a file or from the
-environment, never from a command line, which any local user can read in ``ps``.
+the ``X-KVTurn-Control-Secret`` header (``kvturn.wire.HEADER_CONTROL_SECRET``; not
+``Authorization``: that one carries vLLM's ``--api-key``, which the router sends to every
+backend). It comes from a file or from the environment, never from a command line, which any
+local user can read in ``ps``.
 
 Both sides use this module: the connector (in vLLM's engine process) and the router import
 nothing of each other.
@@ -16,7 +17,6 @@ import ipaddress
 from collections.abc import Mapping
 from pathlib import Path
 
-HEADER = "X-KVTurn-Control-Secret"
 ENV = "KVTURN_CONTROL_SECRET"
 ENV_FILE = "KVTURN_CONTROL_SECRET_FILE"
 # Long enough that nobody guesses it, short enough for a header line.

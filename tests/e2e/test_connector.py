@@ -392,7 +392,7 @@ def test_a_decode_that_stops_mid_read_costs_one_deadline_and_changes_nothing(
     second = first + out + _tokens(15, 40)
     reference = _plain(stack, second, GENERATE)
     timeouts = metric(cfg.prefill_url, "kvturn:read_timeouts_total")
-    fallbacks = metric(cfg.prefill_url, "kvturn:fallbacks_total", reason="read-failed")
+    fallbacks = metric(cfg.prefill_url, "kvturn:fallbacks_total", reason="read_failed")
     pinned, _ = conv._pin()
     assert pinned is not None
     worker = descendant(stack.pid("decode"), "VLLM::Worker")
@@ -413,7 +413,7 @@ def test_a_decode_that_stops_mid_read_costs_one_deadline_and_changes_nothing(
     assert_same_choice(decoded["choices"][0], reference)
     wait_until(lambda: metric(cfg.prefill_url, "kvturn:read_timeouts_total") > timeouts, 10,
                "the read-timeout metric")
-    assert metric(cfg.prefill_url, "kvturn:fallbacks_total", reason="read-failed") > fallbacks
+    assert metric(cfg.prefill_url, "kvturn:fallbacks_total", reason="read_failed") > fallbacks
     # The decode is back: the next turn reuses again.
     third = second + decoded["choices"][0]["token_ids"] + _tokens(16, 40)
     with Delta(cfg.prefill_url) as p3:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvturn.wire import retention_path
 from kvturn_server.local import (
     DirectConversation,
     PromptSources,
@@ -15,7 +16,6 @@ from kvturn_server.local import (
     StackConfig,
     control,
     post_json,
-    retention_path,
     scrape,
     sources,
     total,

@@ -11,6 +11,8 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kvturn.wire import HEALTH_PATH, PIN, pin_path
+
 try:
     import orjson as _orjson
 except ImportError:  # pragma: no cover - orjson is in the [router] extra
@@ -135,15 +137,15 @@ def _fake_backends_app(roles: dict[int, str], stream_chunks: int) -> Any:
         path = scope["path"]
         reply: bytes
         if role == "control":
-            if path == "/health":
+            if path == HEALTH_PATH:
                 reply = replies["health"]
-            elif path.endswith("/pin"):
+            elif path.endswith("/" + PIN):
                 reply = replies["pin"]
-            elif path.startswith("/kvturn/v1/pins/"):
+            elif path.startswith(pin_path("")):
                 reply = replies["unpin"]
             else:
                 reply = replies["retention"]
-        elif path == "/health":
+        elif path == HEALTH_PATH:
             reply = b""
         elif role == "prefill":
             reply = replies["prefill"]

@@ -11,6 +11,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, Protocol, TypeVar
 
+from kvturn.wire import STATS_PATH
+
 
 def loadavg() -> tuple[float, ...]:
     try:
@@ -25,7 +27,7 @@ def retained_bytes(control_url: str) -> int | None:
     from kvturn_server.local import control
 
     try:
-        status, stats = control(control_url, "GET", "/kvturn/v1/stats", timeout=5.0)
+        status, stats = control(control_url, "GET", STATS_PATH, timeout=5.0)
     except (OSError, ValueError):
         return None
     retention = stats.get("retention") if status == 200 else None

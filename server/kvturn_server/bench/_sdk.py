@@ -54,6 +54,7 @@ from openai._base_client import AsyncAPIClient, BaseClient, SyncAPIClient
 import kvturn
 from kvturn._base_client import KVTurnClientBase
 from kvturn._streams import StreamFollower
+from kvturn.wire import HEADER_REQUEST_ID, HEADER_REUSE, HEADER_REUSED_TOKENS, ReuseReason
 from kvturn_server.bench._stats import quantile
 
 TARGET_US = 50.0
@@ -62,8 +63,8 @@ TURNS = 5
 MODEL = "kvturn-bench"
 _BASE_URL = "http://router.bench/v1"
 _REPLY_TEXT = "Sure, here is a short answer to that."
-_HEADERS = {"content-type": "application/json", "x-request-id": "bench",
-            "X-KVTurn-Reuse": "hit", "X-KVTurn-Reused-Tokens": "4096"}
+_HEADERS = {"content-type": "application/json", HEADER_REQUEST_ID: "bench",
+            HEADER_REUSE: ReuseReason.HIT.value, HEADER_REUSED_TOKENS: "4096"}
 
 
 @dataclass(frozen=True)

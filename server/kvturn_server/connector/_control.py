@@ -22,12 +22,33 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
-from kvturn_server._control_secret import HEADER, is_loopback, secret_matches
+from kvturn.wire import (
+    API_PREFIX,
+    HEADER_CONTROL_SECRET,
+    HEALTH_PATH,
+    KEEPALIVE,
+    LOST,
+    LOST_AFTER,
+    LOST_WAIT,
+    PIN,
+    PINS,
+    RETENTIONS,
+    STATS,
+    ControlErrorCode,
+    ControlHealth,
+    ErrorBody,
+    GoneReason,
+    LostBody,
+    RetentionReleased,
+    UnpinBody,
+)
+from kvturn_server._control_secret import is_loopback, secret_matches
 from kvturn_server.connector._keeper import Gone, RetentionKeeper
 
 log = logging.getLogger("kvturn.connector")
 
-PREFIX = "/kvturn/v1"
+_API = API_PREFIX.strip("/").split("/")
+_HEALTH = HEALTH_PATH.strip("/").split("/")
 MAX_BODY = 64 * 1024
 MAX_LOST_WAIT = 30.0
 """The longest a ``GET .../lost`` waits for an entry (each waiting request holds a thread)."""
@@ -104,7 +125,7 @@ class ControlServer:
             self._refused_logged_at = now
             count = self.refused
         log.warning("kvturn control request %s refused: missing or wrong %s (%d refused so "
-                    "far)", what, HEADER, count)
+                    "far)", what, HEADER_CONTROL_SECRET, count)
 
     def authorized(self, given: str | None) -> bool:
         """Whether a request carrying ``given`` in the secret header may be served."""
@@ -118,12 +139,12 @@ class ControlServer:
 
     def handle(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         parts = [unquote(p) for p in path.split("?", 1)[0].strip("/").split("/")]
-        if method == "GET" and parts == ["health"]:
-            return 200, {"engine_id": self.engine_id, "role": self.role}
-        if parts[:2] != ["kvturn", "v1"]:
+        if method == "GET" and parts == _HEALTH:
+            return 200, ControlHealth(engine_id=self.engine_id, role=self.role)
+        if parts[:len(_API)] != _API:
             return _not_found(f"no route {method} {path}")
-        route = parts[2:]
-        if method == "GET" and route == ["stats"]:
+        route = parts[len(_API):]
+        if method == "GET" and route == [STATS]:
             stats: dict[str, Any] = {"engine_id": self.engine_id, "role": self.role,
                                      **self.extra_stats()}
             if self.keeper is not None and self.keeper.bound:
@@ -132,28 +153,28 @@ class ControlServer:
         keeper = self.keeper
         if keeper is None or not keeper.bound:
             return 404, _error("this instance retains no KV (a prefill, or retention is off)",
-                               "not_found", "no_retention")
-        if len(route) == 2 and route[0] == "retentions" and method in ("GET", "DELETE"):
+                               "not_found", GoneReason.NO_RETENTION)
+        if len(route) == 2 and route[0] == RETENTIONS and method in ("GET", "DELETE"):
             key = route[1]
             if method == "GET":
                 return _answer(keeper.describe(key))
             released = keeper.release(key)
             if isinstance(released, Gone):
                 return _answer(released)
-            return 200, {"key": key, "released": True}
-        if len(route) == 3 and route[0] == "retentions" and method == "POST":
+            return 200, RetentionReleased(key=key, released=True)
+        if len(route) == 3 and route[0] == RETENTIONS and method == "POST":
             key, action = route[1], route[2]
-            if action == "keepalive":
+            if action == KEEPALIVE:
                 return _answer(keeper.keepalive(key))
-            if action == "pin":
+            if action == PIN:
                 ttl = body.get("ttl", 30)
                 if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
                     return 400, _error(f"ttl must be a positive number of seconds, got {ttl!r}",
-                                       "invalid_request_error", "bad_ttl")
+                                       "invalid_request_error", ControlErrorCode.BAD_TTL)
                 return _answer(keeper.pin(key, float(ttl)))
-        if len(route) == 2 and route[0] == "pins" and method == "DELETE":
-            return 200, {"pin_id": route[1], "unpinned": keeper.unpin(route[1])}
-        if method == "GET" and route == ["lost"]:
+        if len(route) == 2 and route[0] == PINS and method == "DELETE":
+            return 200, UnpinBody(pin_id=route[1], unpinned=keeper.unpin(route[1]))
+        if method == "GET" and route == [LOST]:
             return self._lost(keeper, path)
         return _not_found(f"no route {method} {path}")
 
@@ -163,19 +184,20 @@ class ControlServer:
         for one (``_lost.py``)."""
         query = parse_qs(path.split("?", 1)[1]) if "?" in path else {}
         try:
-            after = int(query.get("after", ["0"])[0])
-            wait = float(query.get("wait", ["0"])[0])
+            after = int(query.get(LOST_AFTER, ["0"])[0])
+            wait = float(query.get(LOST_WAIT, ["0"])[0])
         except ValueError:
-            return 400, _error("after must be a whole number and wait a number of seconds",
-                               "invalid_request_error", "bad_query")
+            return 400, _error(f"{LOST_AFTER} must be a whole number and {LOST_WAIT} a number "
+                               "of seconds", "invalid_request_error", ControlErrorCode.BAD_QUERY)
         if not 0 <= wait <= MAX_LOST_WAIT or after < 0:
-            return 400, _error(f"need after >= 0 and 0 <= wait <= {MAX_LOST_WAIT:g}",
-                               "invalid_request_error", "bad_query")
+            return 400, _error(f"need {LOST_AFTER} >= 0 and 0 <= {LOST_WAIT} <= "
+                               f"{MAX_LOST_WAIT:g}", "invalid_request_error",
+                               ControlErrorCode.BAD_QUERY)
         found = keeper.lost.since(after, wait)
-        return 200, {"engine_id": self.engine_id, "seq": found.seq,
-                     "truncated": found.truncated,
-                     "lost": [{"key": key, "reason": reason, "read_id": read_id}
-                              for key, reason, read_id in found.lost]}
+        return 200, LostBody(engine_id=self.engine_id, seq=found.seq,
+                             truncated=found.truncated,
+                             lost=[{"key": key, "reason": reason, "read_id": read_id}
+                                   for key, reason, read_id in found.lost])
 
 
 def dial_url(host: str, port: int, advertise: str | None = None) -> str:
@@ -199,12 +221,12 @@ def exposure_warning(host: str, secret: str | None, url: str) -> str | None:
             "and on the routers (docs/connector.md, \"Network exposure\")")
 
 
-def _error(message: str, type_: str, code: str) -> dict[str, Any]:
+def _error(message: str, type_: str, code: str) -> ErrorBody:
     return {"error": {"message": message, "type": type_, "code": code}}
 
 
 def _not_found(message: str) -> tuple[int, Any]:
-    return 404, _error(message, "not_found", "no_route")
+    return 404, _error(message, "not_found", ControlErrorCode.NO_ROUTE)
 
 
 def _answer(result: dict[str, Any] | Gone) -> tuple[int, Any]:
@@ -228,7 +250,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch("DELETE")
 
     def _dispatch(self, method: str) -> None:
-        authorized = self.control.authorized(self.headers.get(HEADER))
+        authorized = self.control.authorized(self.headers.get(HEADER_CONTROL_SECRET))
         try:
             body = self._read_body()
         except ValueError as exc:
@@ -236,8 +258,8 @@ class _Handler(BaseHTTPRequestHandler):
             if not authorized:
                 self._unauthorized(close=True)
             else:
-                self._send(400, _error(str(exc), "invalid_request_error", "bad_body"),
-                           close=True)
+                self._send(400, _error(str(exc), "invalid_request_error",
+                                       ControlErrorCode.BAD_BODY), close=True)
             return
         if not authorized:
             self._unauthorized()
@@ -247,15 +269,15 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # one bad request must not take the endpoint down
             log.exception("control request %s %s failed", method, self.path)
             status, payload = 500, _error(f"{type(exc).__name__}: {exc}", "server_error",
-                                          "internal")
+                                          ControlErrorCode.INTERNAL)
         self._send(status, payload)
 
     def _unauthorized(self, *, close: bool = False) -> None:
         self.control.note_refused(f"{self.command} {self.path.split('?', 1)[0][:200]} from "
                                   f"{self.client_address[0]}")
         self._send(401, _error(f"this control endpoint requires the fleet's shared secret in "
-                               f"the {HEADER} header", "authentication_error",
-                               "unauthorized"), close=close)
+                               f"the {HEADER_CONTROL_SECRET} header", "authentication_error",
+                               ControlErrorCode.UNAUTHORIZED), close=close)
 
     def _read_body(self) -> dict[str, Any]:
         if self.headers.get("Transfer-Encoding"):

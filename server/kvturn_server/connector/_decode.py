@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvturn.wire import ReuseReason
 from kvturn_server.connector._config import ConnectorConfig
 from kvturn_server.connector._engine import EngineWaker, Housekeeper
 from kvturn_server.connector._extra_keys import block_extras
@@ -31,7 +32,6 @@ from kvturn_server.connector._params import (
     not_retained,
 )
 from kvturn_server.connector._prefill import PrefillSide
-from kvturn_server.connector._reuse import ReuseReason
 from kvturn_server.connector._stats import KVTurnStats
 from kvturn_server.connector._tiers import HostLoad, HostTier, tier_link
 

@@ -33,8 +33,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvturn.wire import GoneReason, Where
 from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
-from kvturn_server.connector._lease import GoneReason, Retention
+from kvturn_server.connector._lease import Retention
 from kvturn_server.connector._lost import LostLog
 from kvturn_server.connector._params import READ_PREFIX, ReadCoordinates, read_params
 from kvturn_server.connector._retention import RetentionTable
@@ -374,8 +375,8 @@ class RetentionKeeper:
             if lost:
                 self._wake()  # its host blocks (if any are left in flight) go too
                 return Gone(retention.key, GoneReason.EVICTED)
-        view.update(where=("both" if host_tokens else "device") if retention.on_device
-                    else "host", host_tokens=host_tokens)
+        view.update(where=(Where.BOTH if host_tokens else Where.DEVICE) if retention.on_device
+                    else Where.HOST, host_tokens=host_tokens)
         return view
 
     def _view(self, retention: Retention, deadline: float) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The values a decode's retention table hands out and keeps: a retention (one conversation's
-lease on its KV blocks), a pin on one, why a key has none, the table's counters, and the check
-of a new retention's arguments.
+lease on its KV blocks), a pin on one, the table's counters, and the check of a new
+retention's arguments. Why a key has none is ``kvturn.wire.GoneReason``, the control API's word.
 
 Apart from the table (``_retention.py``, every rule about when a retention is kept, pinned or
 evicted) because the control API, the connector's scheduler side, the lost log and the
@@ -10,7 +10,6 @@ simulator read these values without driving the table.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
 from kvturn_server.connector._hashing import HASH_SIZE
 
@@ -66,16 +65,6 @@ class Retention:
 
     def is_live(self, now: float) -> bool:
         return now < self.expires_at
-
-
-class GoneReason(StrEnum):
-    """Why a key has no live retention (the control API's ``code``)."""
-
-    NO_RETENTION = "no_retention"
-    EXPIRED = "expired"
-    RELEASED = "released"
-    EVICTED = "evicted"
-    REPLACED = "replaced"
 
 
 @dataclass(frozen=True, slots=True)

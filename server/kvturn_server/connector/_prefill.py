@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvturn.wire import ReuseReason
 from kvturn_server.connector._calibration import Calibration
 from kvturn_server.connector._config import ConnectorConfig
 from kvturn_server.connector._cost import CostModel, ReadCost
@@ -33,7 +34,7 @@ from kvturn_server.connector._params import (
     not_retained,
     parse_retained,
 )
-from kvturn_server.connector._reuse import ReuseReason, decide_reuse
+from kvturn_server.connector._reuse import decide_reuse
 from kvturn_server.connector._stats import COST_GAUGES, KVTurnStats
 
 log = logging.getLogger("kvturn.connector")
@@ -41,9 +42,12 @@ log = logging.getLogger("kvturn.connector")
 # Outcomes where a retention was offered and the prefill computed instead.
 _FALLBACKS = frozenset({ReuseReason.EXPIRED, ReuseReason.STALE, ReuseReason.UNVERIFIED,
                         ReuseReason.BELOW_THRESHOLD})
-CHEAPER_TO_COMPUTE = "cheaper-to-compute"
+CHEAPER_TO_COMPUTE = "cheaper_to_compute"
 """The fallback reason (metrics only) of a range the cost model declined; on the wire it is
 ``below-threshold``, whose threshold is then the break-even length."""
+READ_FAILED = "read_failed"
+"""The fallback reason (metrics only) of a read that failed or timed out; on the wire it is
+``stale`` with ``read_failed: true``."""
 COST_GAUGE_INTERVAL = 1.0
 """Seconds between samples of the cost model's gauges (they change with every step)."""
 
@@ -254,7 +258,7 @@ class PrefillSide:
         self._stats.record("kvturn_reuse", report["reason"])
         self._stats.record("kvturn_reused_tokens", report["reused_tokens"])
         if record.read_failed:
-            self._stats.record("kvturn_fallbacks", "read-failed")
+            self._stats.record("kvturn_fallbacks", READ_FAILED)
         elif record.cheaper_to_compute:
             self._stats.record("kvturn_fallbacks", CHEAPER_TO_COMPUTE)
         elif record.reason in _FALLBACKS:

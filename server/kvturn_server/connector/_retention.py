@@ -45,15 +45,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from kvturn.wire import GoneReason
 from kvturn_server._defaults import RETENTION_MAX_HOLD, RETENTION_TTL
 from kvturn_server.connector._expiry import ExpiryQueue
-from kvturn_server.connector._lease import (
-    GoneReason,
-    Pin,
-    Retention,
-    RetentionStats,
-    check_retain,
-)
+from kvturn_server.connector._lease import Pin, Retention, RetentionStats, check_retain
 from kvturn_server.connector._tiers import LeaseView, Standing
 
 

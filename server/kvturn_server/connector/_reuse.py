@@ -9,54 +9,42 @@ Coverage is counted in *full* blocks of the prompt. A trailing partial block is 
 has no hash and its KV is incomplete), so it never stops a prompt from being a "hit". When a hit
 covers every prompt token, vLLM itself recomputes the final prompt token after the load to get the
 logits it samples from, so a hit never leaves the prefill with nothing to compute.
+
+The outcome is a ``ReuseReason`` (``kvturn.wire``), the value ``X-KVTurn-Reuse`` reports.
+
+Checked in this order, the first that applies wins:
+
+- ``disabled``: reuse is turned off for this deployment or request (also: the request asks
+  for prompt logprobs, for which vLLM reads no cached KV).
+- ``miss``: nothing to reuse: no retention was passed, or the prompt has no full block.
+- ``expired``: the retention's lease ran out before this request arrived.
+- ``stale``: the retention belongs to a decode engine this prefill does not know (restarted,
+  replaced, or never registered), so its block ids mean nothing.
+- ``unverified``: the retention exists but its first block differs from the prompt's: the
+  history diverged at block 0 (another system prompt, template or tokenizer, or another
+  adapter, salt, image or model: the hashes cover them, ``_extra_keys.py``). The scheduler
+  also reports it, without asking here, for params or inputs it cannot verify at all.
+- ``below-threshold``: a verified remote range exists but is shorter than the recompute
+  threshold, or the cost model expects computing it to be faster than reading it (then
+  :attr:`ReuseDecision.cost` says why): the effective threshold is the larger of the two.
+- ``hit``: every full block of the prompt is covered by the local prefix-cache hit plus the
+  verified remote range.
+- ``partial``: some but not all full blocks are covered (edited or stripped history, or new
+  suffix tokens beyond the retention).
+
+``hit`` and ``partial`` describe coverage, not bytes moved: when the local cache already
+covers every verified block there is nothing to read (``num_tokens == 0``) and the reason is
+still ``hit`` or ``partial``. :attr:`ReuseDecision.reused` says whether a read happens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
+from kvturn.wire import ReuseReason
 from kvturn_server.connector._cost import ReadCost
 from kvturn_server.connector._hashing import HASH_SIZE, verified_prefix_blocks
-
-
-class ReuseReason(StrEnum):
-    """Outcome of a reuse decision; the value is what ``X-KVTurn-Reuse`` reports.
-
-    Checked in this order, the first that applies wins:
-
-    - ``disabled``: reuse is turned off for this deployment or request (also: the request asks
-      for prompt logprobs, for which vLLM reads no cached KV).
-    - ``miss``: nothing to reuse: no retention was passed, or the prompt has no full block.
-    - ``expired``: the retention's lease ran out before this request arrived.
-    - ``stale``: the retention belongs to a decode engine this prefill does not know (restarted,
-      replaced, or never registered), so its block ids mean nothing.
-    - ``unverified``: the retention exists but its first block differs from the prompt's: the
-      history diverged at block 0 (another system prompt, template or tokenizer, or another
-      adapter, salt, image or model: the hashes cover them, ``_extra_keys.py``). The scheduler
-      also reports it, without asking here, for params or inputs it cannot verify at all.
-    - ``below-threshold``: a verified remote range exists but is shorter than the recompute
-      threshold, or the cost model expects computing it to be faster than reading it (then
-      :attr:`ReuseDecision.cost` says why): the effective threshold is the larger of the two.
-    - ``hit``: every full block of the prompt is covered by the local prefix-cache hit plus the
-      verified remote range.
-    - ``partial``: some but not all full blocks are covered (edited or stripped history, or new
-      suffix tokens beyond the retention).
-
-    ``hit`` and ``partial`` describe coverage, not bytes moved: when the local cache already
-    covers every verified block there is nothing to read (``num_tokens == 0``) and the reason is
-    still ``hit`` or ``partial``. :attr:`ReuseDecision.reused` says whether a read happens.
-    """
-
-    HIT = "hit"
-    PARTIAL = "partial"
-    MISS = "miss"
-    BELOW_THRESHOLD = "below-threshold"
-    EXPIRED = "expired"
-    STALE = "stale"
-    UNVERIFIED = "unverified"
-    DISABLED = "disabled"
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,10 @@ Keys (all lists, one item per observation; aggregation concatenates):
 - ``kvturn_reuse``: the reuse outcome of each finished prefill (``X-KVTurn-Reuse`` values).
 - ``kvturn_reused_tokens``: prompt tokens read from a decode per finished prefill.
 - ``kvturn_fallbacks``: why a prefill recomputed what a retention offered (``expired``,
-  ``stale``, ``unverified``, ``below-threshold``, ``cheaper-to-compute``, ``read-failed``).
+  ``stale``, ``unverified``, ``below-threshold``, ``cheaper_to_compute``, ``read_failed``).
+
+Label values are snake_case, as every kvturn metric's (``kvturn.wire.metric_label``): a reuse
+value with a hyphen is counted under its underscore form (``below_threshold``).
 - ``kvturn_cost_read_fixed_seconds`` / ``kvturn_cost_read_bytes_per_second`` /
   ``kvturn_cost_compute_tokens_per_second``: the prefill's cost-model parameters in use, gauge
   samples (at most one a second while the engine steps).
@@ -37,6 +40,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
     NixlKVConnectorStats,
     NixlPromMetrics,
 )
+
+from kvturn.wire import metric_label
 
 COST_GAUGES = ("kvturn_cost_read_fixed_seconds", "kvturn_cost_read_bytes_per_second",
                "kvturn_cost_compute_tokens_per_second")
@@ -142,9 +147,9 @@ class KVTurnPromMetrics(NixlPromMetrics):  # type: ignore[misc]
         for event in data.get("kvturn_retention_events", ()):
             self._events.labels(*labels, event).inc()
         for reason in data.get("kvturn_reuse", ()):
-            self._reuse.labels(*labels, reason).inc()
+            self._reuse.labels(*labels, metric_label(reason)).inc()
         for reason in data.get("kvturn_fallbacks", ()):
-            self._fallbacks.labels(*labels, reason).inc()
+            self._fallbacks.labels(*labels, metric_label(reason)).inc()
         if tokens := sum(data.get("kvturn_reused_tokens", ())):
             self._reused_tokens.labels(*labels).inc(tokens)
         if n := len(data.get("kvturn_read_timeouts", ())):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvturn_server.local._adapter import build_lora_adapter
 from kvturn_server.local._corpus import WORDS
 from kvturn_server.local._demo_report import STOCK_ROUTER_ARGS
-from kvturn_server.local._direct import DirectConversation, control, retention_path
+from kvturn_server.local._direct import DirectConversation, control
 from kvturn_server.local._fleet import DECODE, PREFILL, Fleet, FleetConfig, Instance, Router
 from kvturn_server.local._http import post_json
 from kvturn_server.local._launch import kv_transfer_config
@@ -78,7 +78,6 @@ __all__ = [
     "post_json",
     "prompt_sources",
     "read_running",
-    "retention_path",
     "run_demo",
     "scrape",
     "sources",

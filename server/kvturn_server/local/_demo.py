@@ -54,7 +54,6 @@ from kvturn_server.local._progress import ProgressLine
 from kvturn_server.local._stack import Stack, StackConfig, read_running
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "langgraph_agent.py"
-CONVERSATION_HEADER = "X-Conversation-ID"
 
 
 def load_agent() -> ModuleType:

@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any
-from urllib.parse import quote
 
 import httpx2
+
+from kvturn.wire import HEADER_CONVERSATION_ID, HEADER_REUSE, conversation_path
 
 Start = Callable[[], None]
 End = Callable[[str | None, str | None], None]
@@ -77,7 +78,7 @@ def run_messages_agent(agent: ModuleType, root_url: str, model: str, turns: int,
              for name, description, _ in agent.TOOLS]
     results = {name: result for name, _, result in agent.TOOLS}
     messages: list[dict[str, Any]] = [{"role": "user", "content": agent.QUESTION}]
-    headers = {"X-Conversation-ID": conversation} if conversation else {}
+    headers = {HEADER_CONVERSATION_ID: conversation} if conversation else {}
     with httpx2.Client(timeout=timeout, transport=transport) as http:
         try:
             for turn in range(turns):
@@ -95,7 +96,7 @@ def run_messages_agent(agent: ModuleType, root_url: str, model: str, turns: int,
                                            f"{response.text}")
                     content = read_stream(response.iter_lines(), first_token)
                 uses = [block for block in content if block["type"] == "tool_use"]
-                end(uses[0]["name"] if uses else None, response.headers.get("x-kvturn-reuse"))
+                end(uses[0]["name"] if uses else None, response.headers.get(HEADER_REUSE))
                 messages.append({"role": "assistant", "content": content})
                 if not uses:
                     return
@@ -105,5 +106,4 @@ def run_messages_agent(agent: ModuleType, root_url: str, model: str, turns: int,
                      "content": results.get(use["name"], "unknown tool")} for use in uses]})
         finally:
             if conversation and release:
-                http.delete(f"{root_url}/kvturn/v1/conversations/{quote(conversation, safe='')}",
-                            headers=headers)
+                http.delete(root_url + conversation_path(conversation), headers=headers)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
+from kvturn.wire import Route
 from kvturn_server._plot import pyplot, save
 from kvturn_server.local._metrics import PromptSources
 from kvturn_server.router import RouterConfig
@@ -80,7 +81,7 @@ class TurnReport:
     def route(self) -> str:
         """``decode`` when the decode served the turn alone (the prefill saw nothing)."""
         seen = self.prefill.computed + self.prefill.local_cache + self.prefill.transferred
-        return "prefill" if seen > 0 else "decode"
+        return Route.PREFILL if seen > 0 else Route.DECODE
 
     @property
     def computed(self) -> float:

@@ -11,12 +11,12 @@ import json
 import os
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvturn_server._control_secret import HEADER, resolve_secret
+from kvturn.wire import HEADER_CONTROL_SECRET, KEEPALIVE, PIN, pin_path, retention_path
+from kvturn_server._control_secret import resolve_secret
 from kvturn_server.local._http import post_json
 
 NULL_PARAMS: dict[str, Any] = {
@@ -33,18 +33,13 @@ def control(url: str, method: str, path: str, body: dict[str, Any] | None = None
     headers = {"content-type": "application/json"}
     secret = resolve_secret(os.environ) if secret is None else secret
     if secret:
-        headers[HEADER] = secret
+        headers[HEADER_CONTROL_SECRET] = secret
     req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
-
-
-def retention_path(key: str, action: str = "") -> str:
-    path = "/kvturn/v1/retentions/" + urllib.parse.quote(key, safe="")
-    return f"{path}/{action}" if action else path
 
 
 @dataclass
@@ -117,8 +112,7 @@ class DirectConversation:
             lap("prefill")
         finally:
             if pinned is not None:
-                control(self.decode_control_url, "DELETE",
-                        "/kvturn/v1/pins/" + urllib.parse.quote(pinned["pin_id"], safe=""))
+                control(self.decode_control_url, "DELETE", pin_path(pinned["pin_id"]))
                 lap("unpin")
         leg = dict(prefilled.get("kv_transfer_params") or {})
         leg["kvturn"] = {"conversation": self.key}
@@ -130,7 +124,7 @@ class DirectConversation:
 
     def _pin(self) -> tuple[dict[str, Any] | None, str | None]:
         status, answer = control(self.decode_control_url, "POST",
-                                 retention_path(self.key, "pin"), {"ttl": self.pin_ttl})
+                                 retention_path(self.key, PIN), {"ttl": self.pin_ttl})
         if status == 200:
             return answer, None
         return None, str(answer.get("error", {}).get("code", status))
@@ -139,7 +133,7 @@ class DirectConversation:
         return control(self.decode_control_url, "GET", retention_path(self.key))
 
     def keepalive(self) -> tuple[int, dict[str, Any]]:
-        return control(self.decode_control_url, "POST", retention_path(self.key, "keepalive"))
+        return control(self.decode_control_url, "POST", retention_path(self.key, KEEPALIVE))
 
     def release(self) -> tuple[int, dict[str, Any]]:
         return control(self.decode_control_url, "DELETE", retention_path(self.key))

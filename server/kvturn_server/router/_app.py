@@ -28,6 +28,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from kvturn.wire import CONVERSATIONS_PREFIX
 from kvturn_server.router import _json
 from kvturn_server.router._config import RouterConfig, RouterConfigError
 from kvturn_server.router._conversations import conversation_endpoint
@@ -152,7 +153,7 @@ def create_app(config: RouterConfig, transport: httpx2.AsyncBaseTransport | None
             Route("/health", bound(health), methods=["GET"]),
             Route("/ready", bound(ready), methods=["GET"]),
             Route("/metrics", bound(metrics), methods=["GET"]),
-            Route("/kvturn/v1/conversations/{rest:path}", bound(conversation_endpoint),
+            Route(CONVERSATIONS_PREFIX + "{rest:path}", bound(conversation_endpoint),
                   methods=["POST", "DELETE"]),
         ],
         lifespan=lifespan,

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
-from kvturn_server._control_secret import HEADER
+from kvturn.wire import (
+    HEADER_CONTROL_SECRET,
+    HEALTH_PATH,
+    KEEPALIVE,
+    LOST_PATH,
+    PIN,
+    GoneReason,
+    gone_reason,
+    lost_path,
+    pin_path,
+    retention_path,
+)
 from kvturn_server.router._backend import BackendClient, BackendError, Reply
-
-PREFIX = "/kvturn/v1"
 
 
 class ControlError(Exception):
@@ -43,10 +51,11 @@ class Retention:
 
 @dataclass(frozen=True, slots=True)
 class Gone:
-    """``404 Gone``: ``code`` is ``no_retention``, ``expired``, ``released``, ``evicted`` or
-    ``replaced`` (or whatever a newer connector says)."""
+    """``404 Gone``: why the decode has no retention under the key. A code this router does
+    not know (a newer connector's) is read as ``no_retention``: it goes on to clients and
+    into metric labels, where only known words may (``message`` keeps the decode's text)."""
 
-    code: str
+    code: GoneReason
     message: str
 
 
@@ -54,11 +63,12 @@ class Gone:
 class Lost:
     """A decode's answer to ``GET .../lost``: the retentions it dropped on its own (evicted,
     expired) after the caller's cursor, as ``(key, reason, read id)``; ``seq`` is the next
-    cursor; ``truncated`` says some were missed (or the cursor was another engine's)."""
+    cursor; ``truncated`` says some were missed (or the cursor was another engine's). A reason
+    this router does not know is read as ``evicted``: the retention is gone either way."""
 
     engine_id: str | None
     seq: int
-    lost: tuple[tuple[str, str, str], ...]
+    lost: tuple[tuple[str, GoneReason, str], ...]
     truncated: bool
 
 
@@ -67,12 +77,12 @@ class ControlClient:
                  secret: str | None = None) -> None:
         self.client = client
         self.timeout = timeout
-        self.headers = {HEADER: secret} if secret else None
+        self.headers = {HEADER_CONTROL_SECRET: secret} if secret else None
 
     async def pin(self, control_url: str, key: str, ttl: float) -> Retention | Gone:
         """Hold the retention's blocks for ``ttl`` seconds; its params are safe to read until
         then (or until unpinned)."""
-        reply = await self._call("POST", f"{control_url}{PREFIX}/retentions/{_q(key)}/pin",
+        reply = await self._call("POST", control_url + retention_path(key, PIN),
                                  b'{"ttl":%s}' % repr(float(ttl)).encode())
         result = _retention_or_gone(reply)
         if isinstance(result, Retention) and not result.pin_id:
@@ -80,22 +90,21 @@ class ControlClient:
         return result
 
     async def unpin(self, control_url: str, pin_id: str) -> bool:
-        reply = await self._call("DELETE", f"{control_url}{PREFIX}/pins/{_q(pin_id)}")
+        reply = await self._call("DELETE", control_url + pin_path(pin_id))
         data = _json_object(reply) if reply.status == 200 else None
         return bool(data and data.get("unpinned"))
 
     async def describe(self, control_url: str, key: str) -> Retention | Gone:
-        reply = await self._call("GET", f"{control_url}{PREFIX}/retentions/{_q(key)}")
+        reply = await self._call("GET", control_url + retention_path(key))
         return _retention_or_gone(reply)
 
     async def keepalive(self, control_url: str, key: str) -> Retention | Gone:
-        reply = await self._call(
-            "POST", f"{control_url}{PREFIX}/retentions/{_q(key)}/keepalive", b"{}")
+        reply = await self._call("POST", control_url + retention_path(key, KEEPALIVE), b"{}")
         return _retention_or_gone(reply)
 
     async def release(self, control_url: str, key: str) -> bool | Gone:
         """True when released, Gone when there was nothing to release."""
-        reply = await self._call("DELETE", f"{control_url}{PREFIX}/retentions/{_q(key)}")
+        reply = await self._call("DELETE", control_url + retention_path(key))
         if reply.status == 404:
             return _gone(reply)
         if reply.status != 200:
@@ -107,12 +116,12 @@ class ControlClient:
         ``wait`` seconds for one (the call's timeout is the control timeout beyond that)."""
         try:
             reply = await self.client.call(
-                "GET", f"{control_url}{PREFIX}/lost?after={int(after)}&wait={wait:g}",
+                "GET", control_url + lost_path(after, wait),
                 timeout=wait + self.timeout, headers=self.headers)
         except BackendError as exc:
             raise ControlError(exc.kind, str(exc)) from exc
         if reply.status == 401:
-            raise ControlError("unauthorized", f"GET {control_url}{PREFIX}/lost: the control "
+            raise ControlError("unauthorized", f"GET {control_url}{LOST_PATH}: the control "
                                                f"endpoint refused this router's secret")
         data = _json_object(reply) if reply.status == 200 else None
         entries = data.get("lost") if data is not None else None
@@ -121,7 +130,7 @@ class ControlClient:
                 or isinstance(seq, bool):
             raise ControlError("bad_reply", f"{control_url}: lost answered {reply.status}")
         engine_id = data.get("engine_id")
-        lost = tuple((e["key"], str(e.get("reason", "")), e["read_id"]) for e in entries
+        lost = tuple((e["key"], _lost_reason(e.get("reason")), e["read_id"]) for e in entries
                      if isinstance(e, dict) and isinstance(e.get("key"), str)
                      and isinstance(e.get("read_id"), str))
         return Lost(str(engine_id) if engine_id is not None else None, seq, lost,
@@ -129,7 +138,7 @@ class ControlClient:
 
     async def health(self, control_url: str, *, timeout: float) -> Reply:
         """``GET /health`` (the engine id), for the health checker."""
-        return await self.client.call("GET", control_url + "/health", timeout=timeout,
+        return await self.client.call("GET", control_url + HEALTH_PATH, timeout=timeout,
                                       headers=self.headers)
 
     async def _call(self, method: str, url: str, body: bytes | None = None) -> Reply:
@@ -140,12 +149,14 @@ class ControlClient:
             raise ControlError(exc.kind, str(exc)) from exc
         if reply.status == 401:
             raise ControlError("unauthorized", f"{method} {url}: the control endpoint refused "
-                                               f"this router's secret ({HEADER})")
+                                               f"this router's secret ({HEADER_CONTROL_SECRET})")
         return reply
 
 
-def _q(part: str) -> str:
-    return quote(part, safe="")
+def _lost_reason(reason: object) -> GoneReason:
+    """A lost entry's reason: ``evicted`` or ``expired``; anything else counts as evicted."""
+    found = gone_reason(reason)
+    return found if found is GoneReason.EXPIRED else GoneReason.EVICTED
 
 
 def _json_object(reply: Reply) -> dict[str, Any] | None:
@@ -160,11 +171,9 @@ def _gone(reply: Reply) -> Gone:
     data = _json_object(reply) or {}
     error = data.get("error")
     if isinstance(error, dict):
-        code = error.get("code")
         message = error.get("message")
-        return Gone(code if isinstance(code, str) else "no_retention",
-                    message if isinstance(message, str) else "")
-    return Gone("no_retention", "")
+        return Gone(gone_reason(error.get("code")), message if isinstance(message, str) else "")
+    return Gone(GoneReason.NO_RETENTION, "")
 
 
 def _retention_or_gone(reply: Reply) -> Retention | Gone:

@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvturn.wire import (
+    BODY_CONVERSATION_ID,
+    CONVERSATIONS_PREFIX,
+    HEADER_REQUEST_ID,
+    KEEPALIVE,
+    GoneReason,
+    KeepaliveBody,
+    ReleaseBody,
+    ReuseReason,
+)
 from kvturn_server.router import _json
 from kvturn_server.router._control import ControlError, Gone
 from kvturn_server.router._errors import ApiError
@@ -29,36 +39,35 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvturn.router")
 
-PREFIX = "/kvturn/v1/conversations/"
-KEEPALIVE = "/keepalive"
+_KEEPALIVE = "/" + KEEPALIVE
 
 
-def _ok(data: dict[str, Any], request_id: str) -> Response:
+def _ok(data: KeepaliveBody | ReleaseBody, request_id: str) -> Response:
     return Response(_json.dumps(data), status_code=200, media_type="application/json",
-                    headers={"x-request-id": request_id})
+                    headers={HEADER_REQUEST_ID: request_id})
 
 
 async def conversation_endpoint(router: Router, request: Request) -> Response:
-    request_id = request_id_of(request.headers.get("x-request-id"))
+    request_id = request_id_of(request.headers.get(HEADER_REQUEST_ID))
     raw = request.scope.get("raw_path") or request.scope["path"].encode()
     path = raw.split(b"?", 1)[0].decode("latin-1")
-    rest = path[len(PREFIX):]
+    rest = path[len(CONVERSATIONS_PREFIX):]
     method = request.method
     endpoint = "keepalive" if method == "POST" else "release"
     try:
         if method == "POST":
-            if not rest.endswith(KEEPALIVE):
+            if not rest.endswith(_KEEPALIVE):
                 raise ApiError(404, f"no route POST {path}", type_="not_found_error",
                                code="no_route")
-            rest = rest[:-len(KEEPALIVE)]
-        conversation_id = validate_id(unquote(rest), "conversation_id")
+            rest = rest[:-len(_KEEPALIVE)]
+        conversation_id = validate_id(unquote(rest), BODY_CONVERSATION_ID)
         key = conversation_key(conversation_id, credential_of(request.headers))
         handler = _keepalive if method == "POST" else _release
         response = await handler(router, conversation_id, key, request_id)
     except ApiError as exc:
         router.metrics.request(endpoint, "invalid" if exc.status == 400 else
                                "backend_error" if exc.status >= 500 else "client_error")
-        return exc.response({"x-request-id": request_id})
+        return exc.response({HEADER_REQUEST_ID: request_id})
     router.metrics.request(endpoint, "ok")
     return response
 
@@ -68,9 +77,10 @@ def _unavailable(router: Router, what: str) -> ApiError:
                     retry_after=router.config.retry_after)
 
 
-def _no_retention(code: str, why: str) -> ApiError:
+def _no_retention(code: GoneReason | ReuseReason, why: str) -> ApiError:
+    """The keepalive's ``404``: ``code`` is a known Gone reason, or ``stale``."""
     return ApiError(404, f"no live retention for this conversation: {why}",
-                    type_="not_found_error", param="conversation_id", code=code)
+                    type_="not_found_error", param=BODY_CONVERSATION_ID, code=code)
 
 
 async def _placement(router: Router, key: str) -> Placement | None:
@@ -94,7 +104,7 @@ async def _forget(router: Router, key: str, placement: Placement, why: str | Non
 # lost (its blocks were freed: the next turn takes a prefill rather than continue on it, and
 # later keepalives are answered without calling the decode). Released and replaced
 # retentions, restarts and unknown decodes are forgotten.
-_UNRETAINED = frozenset({"expired", "evicted", "no_retention"})
+_UNRETAINED = frozenset({GoneReason.EXPIRED, GoneReason.EVICTED, GoneReason.NO_RETENTION})
 
 
 async def _unretained(router: Router, key: str, placement: Placement, why: str) -> None:
@@ -109,15 +119,15 @@ async def _keepalive(router: Router, conversation_id: str, key: str,
                      request_id: str) -> Response:
     placement = await _placement(router, key)
     if placement is None or not placement.retained:
-        raise _no_retention("no_retention", "the router knows none")
+        raise _no_retention(GoneReason.NO_RETENTION, "the router knows none")
     decode = router.decodes.by_url(placement.decode)
     if decode is None or decode.control_url is None:
         await _forget(router, key, placement, "unknown_decode")
-        raise _no_retention("stale", "its decode is no longer configured")
+        raise _no_retention(ReuseReason.STALE, "its decode is no longer configured")
     if decode.engine_id is not None and placement.engine_id is not None \
             and decode.engine_id != placement.engine_id:
         await _forget(router, key, placement, "engine_changed")
-        raise _no_retention("stale", "its decode restarted")
+        raise _no_retention(ReuseReason.STALE, "its decode restarted")
     if not decode.control_trusted:
         # Its engine core may still answer (it outlives a killed API server), but nothing it
         # keeps can serve a turn: no lease is renewed on the word of a server that is gone.
@@ -139,7 +149,7 @@ async def _keepalive(router: Router, conversation_id: str, key: str,
     if placement.engine_id is not None and result.engine_id is not None \
             and result.engine_id != placement.engine_id:
         await _forget(router, key, placement, "engine_changed")
-        raise _no_retention("stale", "its decode restarted")
+        raise _no_retention(ReuseReason.STALE, "its decode restarted")
     renewed = replace(placement, engine_id=result.engine_id or placement.engine_id,
                       num_tokens=result.num_tokens or placement.num_tokens,
                       expires_at=router.clock() + result.expires_in)
@@ -147,9 +157,10 @@ async def _keepalive(router: Router, conversation_id: str, key: str,
         await router.store.put(key, renewed)
     except StoreError:
         router.metrics.state_errors.inc()
-    return _ok({"conversation_id": conversation_id, "retained": True,
-                "expires_in": result.expires_in, "hold_remaining": result.hold_remaining,
-                "num_tokens": result.num_tokens}, request_id)
+    return _ok(KeepaliveBody(conversation_id=conversation_id, retained=True,
+                             expires_in=result.expires_in,
+                             hold_remaining=result.hold_remaining,
+                             num_tokens=result.num_tokens), request_id)
 
 
 async def _release(router: Router, conversation_id: str, key: str,
@@ -168,5 +179,5 @@ async def _release(router: Router, conversation_id: str, key: str,
                                            "answer; retry to release it") from exc
             released = result is True
         await _forget(router, key, placement, None)
-    return _ok({"conversation_id": conversation_id, "released": released}, request_id)
+    return _ok(ReleaseBody(conversation_id=conversation_id, released=released), request_id)
 

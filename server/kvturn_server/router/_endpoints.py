@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvturn.wire import HEADER_NO_REUSE, HEADER_REQUEST_ID
 from kvturn_server.router import _json
 from kvturn_server.router._apis import API_BY_PATH, CHAT, anthropic_errors
 from kvturn_server.router._backend import BackendError
@@ -49,7 +50,7 @@ async def completion(router: Router, request: Request) -> Response:
     api = API_BY_PATH.get(path) or (CHAT if path.endswith("/chat/completions")
                                     else API_BY_PATH["/v1/completions"])
     headers = request.headers
-    request_id = request_id_of(headers.get("x-request-id"))
+    request_id = request_id_of(headers.get(HEADER_REQUEST_ID))
     try:
         body = await read_json_body(request, router.config.max_body_bytes,
                                     router.config.body_timeout)
@@ -58,12 +59,12 @@ async def completion(router: Router, request: Request) -> Response:
         api.validate(body)
     except ApiError as exc:
         router.metrics.request(api.name, "invalid")
-        extra = {"x-request-id": request_id}
+        extra = {HEADER_REQUEST_ID: request_id}
         if isinstance(exc, BodyError) and exc.close:
             extra["connection"] = "close"  # the rest of the body is not worth reading
         return exc.response(extra)
     turn = Turn(router.services, request_id=request_id, path=path, body=client_body(body),
-                identity=identity, no_reuse="x-kvturn-no-reuse" in headers, started=started,
+                identity=identity, no_reuse=HEADER_NO_REUSE in headers, started=started,
                 api=api)
     traced(turn, headers)
     return await turn.run()

@@ -19,16 +19,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvturn.wire import (
+    BODY_CONVERSATION_ID,
+    BODY_SESSION_ID,
+    HEADER_CONVERSATION_ID,
+    HEADER_SESSION_ID,
+    ID_MAX_LENGTH,
+)
 from kvturn_server.router._errors import ApiError
 
-MAX_ID_LENGTH = 256
-_VALID_ID = re.compile(r"[\x21-\x7e]{1,256}")
+_VALID_ID = re.compile(rf"[\x21-\x7e]{{1,{ID_MAX_LENGTH}}}")
 ANONYMOUS_TENANT = "-"
 
 # (where, name) in resolution order: body fields by their JSON name, headers lower-cased.
-_SOURCES = (("body", "conversation_id"), ("header", "x-conversation-id"),
-            ("header", "x-session-id"), ("body", "session_id"))
-_PARAM_NAMES = {"x-conversation-id": "X-Conversation-ID", "x-session-id": "X-Session-ID"}
+_SOURCES = (("body", BODY_CONVERSATION_ID), ("header", HEADER_CONVERSATION_ID.lower()),
+            ("header", HEADER_SESSION_ID.lower()), ("body", BODY_SESSION_ID))
+_PARAM_NAMES = {HEADER_CONVERSATION_ID.lower(): HEADER_CONVERSATION_ID,
+                HEADER_SESSION_ID.lower(): HEADER_SESSION_ID}
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,12 +84,12 @@ def validate_id(value: Any, param: str) -> str:
     if _VALID_ID.fullmatch(value) is None:
         if not value:
             why = "it is empty"
-        elif len(value) > MAX_ID_LENGTH:
+        elif len(value) > ID_MAX_LENGTH:
             why = f"it has {len(value)} characters"
         else:
             bad = next(c for c in value if not "\x21" <= c <= "\x7e")
             why = f"it contains {bad!r} at position {value.index(bad)}"
-        raise ApiError(400, f"{param} must be 1-{MAX_ID_LENGTH} printable ASCII characters "
+        raise ApiError(400, f"{param} must be 1-{ID_MAX_LENGTH} printable ASCII characters "
                             f"(no spaces or control characters); {why}", param=param,
                        code="invalid_conversation_id")
     return value

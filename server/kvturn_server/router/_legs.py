@@ -9,13 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-KVTURN_FIELD = "kvturn"
+from kvturn.wire import REUSE_REASONS
 
-# X-KVTurn-Reuse values (docs/http-api.md, section A). A report carries one of these; PENDING
-# is only ever the router's own (a turn the decode continues, before its usage is known).
-REUSE_REASONS = frozenset({"hit", "partial", "miss", "expired", "stale", "below-threshold",
-                           "unverified", "disabled"})
-PENDING = "pending"
+KVTURN_FIELD = "kvturn"
 
 # The prefill leg when there is no retention to read: compute the prompt, keep its blocks for
 # the decode to read (do_remote_decode) and answer with their coordinates.

@@ -1,5 +1,9 @@
 """The router's Prometheus metrics (``GET /metrics``), one registry per router.
 
+Every label value is snake_case (``kvturn.wire.metric_label``): a wire value with a hyphen
+(``X-KVTurn-Reuse: below-threshold``, ``X-KVTurn-Prefill-Choice: round-robin``) is counted
+under its underscore form (``below_threshold``, ``round_robin``).
+
 - ``kvturn_router_requests_total{endpoint, outcome}``: requests by outcome: ``ok``, ``invalid``
   (the router's 400), ``client_error`` (a backend's 4xx), ``backend_error`` (5xx to the
   client), ``stream_error`` (a stream broken off), ``client_gone``.
@@ -10,7 +14,8 @@
 - ``kvturn_router_reused_tokens_total``: prompt tokens read from decodes' retentions (or, on
   turns a decode continued itself, supplied by its own prefix cache, as its usage says).
 - ``kvturn_router_routes_total{route, choice}``: turns by ``X-KVTurn-Route`` (``decode``,
-  ``prefill``, ``fallback``) and, for ``prefill``, ``X-KVTurn-Prefill-Choice``.
+  ``prefill``, ``fallback``) and, for ``prefill``, ``X-KVTurn-Prefill-Choice`` (``holder``,
+  ``affinity``, ``load``, ``round_robin``; empty for the other routes).
 - ``kvturn_router_not_continued_total{why}``: turns of a conversation held by a decode that
   took the prefill path instead, by why (``too_long``, ``busy``, ``edited``, ``no_history``,
   ``expired``, ``lost``, ``stale``, ``unhealthy``, ``decode_failed``, ``off``).
@@ -48,6 +53,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvturn.wire import metric_label
 from kvturn_server.router._pool import Pool
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -133,12 +139,12 @@ class RouterMetrics:
         self._child(self._requests, endpoint, outcome).inc()
 
     def reuse(self, outcome: str, reused_tokens: int) -> None:
-        self._child(self._reuse, outcome).inc()
+        self._child(self._reuse, metric_label(outcome)).inc()
         if reused_tokens:
             self.reused_tokens.inc(reused_tokens)
 
     def route(self, route: str, choice: str | None) -> None:
-        self._child(self._routes, route, choice or "").inc()
+        self._child(self._routes, route, metric_label(choice or "")).inc()
 
     def not_continued(self, why: str) -> None:
         self._child(self._not_continued, why).inc()

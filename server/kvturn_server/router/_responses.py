@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from kvturn.wire import HEADER_NO_REUSE, HEADER_REQUEST_ID
 from kvturn_server.router import _json
 from kvturn_server.router._apis import RESPONSES
 from kvturn_server.router._body import BodyError, read_json_body
@@ -265,19 +266,19 @@ async def responses_endpoint(router: Router, request: Request) -> Response:
     """``POST /v1/responses`` (streaming and not)."""
     started = time.perf_counter()
     headers = request.headers
-    request_id = request_id_of(headers.get("x-request-id"))
+    request_id = request_id_of(headers.get(HEADER_REQUEST_ID))
     try:
         body = await read_json_body(request, router.config.max_body_bytes,
                                     router.config.body_timeout)
         leg, identity, state = await _prepare(router, body, headers)
     except ApiError as exc:
         router.metrics.request(RESPONSES.name, "invalid")
-        extra = {"x-request-id": request_id}
+        extra = {HEADER_REQUEST_ID: request_id}
         if isinstance(exc, BodyError) and exc.close:
             extra["connection"] = "close"
         return exc.response(extra)
     turn = Turn(router.services, request_id=request_id, path=request.scope["path"], body=leg,
-                identity=identity, no_reuse="x-kvturn-no-reuse" in headers, started=started,
+                identity=identity, no_reuse=HEADER_NO_REUSE in headers, started=started,
                 api=RESPONSES, hook=state)
     traced(turn, headers)
     response = await turn.run()

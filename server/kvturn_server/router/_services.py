@@ -15,7 +15,18 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvturn_server.router._legs import PENDING, continued_reuse
+from kvturn.wire import (
+    HEADER_BLOCK_SIZE,
+    HEADER_CONVERSATION_ECHO,
+    HEADER_PREFILL_CHOICE,
+    HEADER_REQUEST_ID,
+    HEADER_REUSE,
+    HEADER_REUSED_TOKENS,
+    HEADER_ROUTE,
+    PENDING,
+    Route,
+)
+from kvturn_server.router._legs import continued_reuse
 from kvturn_server.router._log import event
 from kvturn_server.router._state import StoreError
 
@@ -142,7 +153,7 @@ class TurnReport:
         self.started = started
         self.reason = "miss"
         self.reused_tokens = 0
-        self.route = "prefill"
+        self.route: str = Route.PREFILL
         self.prefill_choice: str | None = None
         self.prefill: Backend | None = None
         self.decode: Backend | None = None
@@ -156,7 +167,7 @@ class TurnReport:
 
     def continued(self, *, expected_tokens: int, block_size: int) -> None:
         """The decode continues the turn alone: its reuse is pending until its usage says."""
-        self.route = "decode"
+        self.route = Route.DECODE
         self.reason = PENDING
         self.reused_tokens = 0
         self.expected_tokens = expected_tokens
@@ -167,7 +178,7 @@ class TurnReport:
         connector's own count in a non-streamed reply): what its cache really supplied. A
         turn more than a block short of the record found its retention (partly) gone:
         evicted, or expired and its blocks reused."""
-        if self.route != "decode" or self.reason != PENDING:
+        if self.route != Route.DECODE or self.reason != PENDING:
             return
         found = continued_reuse(self.usage, connector, self.block_size)
         if found is None:
@@ -182,15 +193,14 @@ class TurnReport:
         self._relaying = True
 
     def headers(self) -> dict[str, str]:
-        headers = {"x-request-id": self.ctx.request_id, "X-KVTurn-Reuse": self.reason,
-                   "X-KVTurn-Reused-Tokens": str(self.reused_tokens),
-                   "X-KVTurn-Route": self.route}
-        if self.route == "prefill" and self.prefill_choice is not None:
-            headers["X-KVTurn-Prefill-Choice"] = self.prefill_choice
+        headers = {HEADER_REQUEST_ID: self.ctx.request_id, HEADER_REUSE: self.reason,
+                   HEADER_REUSED_TOKENS: str(self.reused_tokens), HEADER_ROUTE: self.route}
+        if self.route == Route.PREFILL and self.prefill_choice is not None:
+            headers[HEADER_PREFILL_CHOICE] = self.prefill_choice
         if self.reason == PENDING and self.block_size > 0:
-            headers["X-KVTurn-Block-Size"] = str(self.block_size)
+            headers[HEADER_BLOCK_SIZE] = str(self.block_size)
         if self.conversation_id is not None:
-            headers["X-KVTurn-Conversation"] = self.conversation_id
+            headers[HEADER_CONVERSATION_ECHO] = self.conversation_id
         return headers
 
     def count(self, *, at_end: bool = False) -> None:
@@ -201,7 +211,7 @@ class TurnReport:
         self._counted = True
         metrics = self.ctx.services.metrics
         metrics.reuse(self.reason, self.reused_tokens)
-        metrics.route(self.route, self.prefill_choice if self.route == "prefill" else "")
+        metrics.route(self.route, self.prefill_choice if self.route == Route.PREFILL else "")
 
     def log_done(self, status: int, outcome: str) -> None:
         if log.isEnabledFor(logging.DEBUG):
@@ -210,8 +220,8 @@ class TurnReport:
                   conversation=ctx.key, endpoint=self.endpoint, stream=self.stream,
                   status=status, outcome=outcome, reuse=self.reason,
                   reused_tokens=self.reused_tokens, route=self.route,
-                  expected_tokens=self.expected_tokens if self.route == "decode" else None,
-                  prefill_choice=self.prefill_choice if self.route == "prefill" else None,
+                  expected_tokens=self.expected_tokens if self.route == Route.DECODE else None,
+                  prefill_choice=self.prefill_choice if self.route == Route.PREFILL else None,
                   prefill=self.prefill.url if self.prefill else None,
                   decode=self.decode.url if self.decode else None,
                   **_usage_fields(self.usage),

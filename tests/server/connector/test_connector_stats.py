@@ -158,13 +158,14 @@ def test_observe_counts_kvturn_samples(metrics: KVTurnPromMetrics,
     stats = KVTurnStats()
     for event in ("created", "created", "pinned", "evicted"):
         stats.record("kvturn_retention_events", event)
-    for reason in ("hit", "partial", "stale"):
+    for reason in ("hit", "partial", "stale", "below-threshold"):
         stats.record("kvturn_reuse", reason)
     for tokens in (64, 16, 0):
         stats.record("kvturn_reused_tokens", tokens)
-    stats.record("kvturn_fallbacks", "read-failed")
+    stats.record("kvturn_fallbacks", "read_failed")
     stats.record("kvturn_fallbacks", "unverified")
-    stats.record("kvturn_fallbacks", "cheaper-to-compute")
+    stats.record("kvturn_fallbacks", "cheaper_to_compute")
+    stats.record("kvturn_fallbacks", "below-threshold")
     stats.record("kvturn_read_timeouts", 1)
     for _ in range(3):
         stats.record("kvturn_reads_served", 1)
@@ -177,10 +178,14 @@ def test_observe_counts_kvturn_samples(metrics: KVTurnPromMetrics,
     assert value(registry, "kvturn:retention_events_total", event="released") is None
     assert value(registry, "kvturn:reuse_outcomes_total", reason="hit") == 2
     assert value(registry, "kvturn:reuse_outcomes_total", reason="stale") == 2
+    # Label values are snake_case: the wire's below-threshold is counted as below_threshold.
+    assert value(registry, "kvturn:reuse_outcomes_total", reason="below_threshold") == 2
+    assert value(registry, "kvturn:reuse_outcomes_total", reason="below-threshold") is None
     assert value(registry, "kvturn:reused_tokens_total") == 160
-    assert value(registry, "kvturn:fallbacks_total", reason="read-failed") == 2
+    assert value(registry, "kvturn:fallbacks_total", reason="read_failed") == 2
     assert value(registry, "kvturn:fallbacks_total", reason="unverified") == 2
-    assert value(registry, "kvturn:fallbacks_total", reason="cheaper-to-compute") == 2
+    assert value(registry, "kvturn:fallbacks_total", reason="cheaper_to_compute") == 2
+    assert value(registry, "kvturn:fallbacks_total", reason="below_threshold") == 2
     assert value(registry, "kvturn:read_timeouts_total") == 2
     assert value(registry, "kvturn:reads_served_total") == 6
 

@@ -17,10 +17,10 @@ from urllib.parse import quote
 
 import pytest
 
+from kvturn.wire import HEADER_CONTROL_SECRET
 from kvturn_server._control_secret import (
     ENV,
     ENV_FILE,
-    HEADER,
     ControlSecretError,
     is_loopback,
     resolve_secret,
@@ -42,7 +42,7 @@ def call(server: ControlServer, method: str, path: str, body: Any = None,
     conn = http.client.HTTPConnection(host, port, timeout=10)
     headers = {"Content-Type": "application/json"}
     if secret is not None:
-        headers[HEADER] = secret
+        headers[HEADER_CONTROL_SECRET] = secret
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
     try:
         conn.request(method, path, body=data, headers=headers)

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from kvturn.wire import GoneReason
 from kvturn_server.connector._hashing import block_hashes
 from kvturn_server.connector._keeper import Gone, RetentionKeeper
-from kvturn_server.connector._lease import GoneReason
 from kvturn_server.connector._params import read_params
 from tests.fakes.keeper import (
     BS,

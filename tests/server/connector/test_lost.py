@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from kvturn.wire import GoneReason
 from kvturn_server.connector._control import ControlServer
-from kvturn_server.connector._lease import GoneReason
 from kvturn_server.connector._lost import LostLog
 from kvturn_server.connector._params import READ_PREFIX
 from kvturn_server.connector._retention import RetentionTable

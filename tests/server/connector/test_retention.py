@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
+from kvturn.wire import GoneReason
 from kvturn_server.connector._hashing import block_hashes
-from kvturn_server.connector._lease import GoneReason, Retention
+from kvturn_server.connector._lease import Retention
 from kvturn_server.connector._retention import RetentionTable
 from kvturn_server.connector._tiers import LeaseView, Standing
 

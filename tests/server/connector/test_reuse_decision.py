@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
+from kvturn.wire import ReuseReason
 from kvturn_server.connector._cost import CostSource, ReadCost
 from kvturn_server.connector._hashing import block_hashes
-from kvturn_server.connector._reuse import ReuseDecision, ReuseReason, decide_reuse
+from kvturn_server.connector._reuse import ReuseDecision, decide_reuse
 
 BS = 4
 # Block ids on the decode are arbitrary; offsetting them keeps prompt indices and block ids apart.
@@ -268,7 +269,7 @@ def test_a_declined_partial_range_is_below_threshold_too() -> None:
 
 def test_reasons_are_the_header_values() -> None:
     assert [r.value for r in ReuseReason] == [
-        "hit", "partial", "miss", "below-threshold", "expired", "stale", "unverified",
+        "hit", "partial", "miss", "expired", "stale", "below-threshold", "unverified",
         "disabled"]
     assert str(ReuseReason.BELOW_THRESHOLD) == "below-threshold"
     assert ReuseReason("stale") is ReuseReason.STALE

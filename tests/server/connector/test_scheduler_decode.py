@@ -22,13 +22,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 )
 from vllm.v1.request import RequestStatus
 
+from kvturn.wire import ReuseReason
 from kvturn_server.connector._config import ConnectorConfig
 from kvturn_server.connector._decode import DecodeSide, make_keeper
 from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
 from kvturn_server.connector._keeper import RetentionKeeper
 from kvturn_server.connector._params import FORMAT, KVTURN_FIELD, READ_PREFIX, read_params
 from kvturn_server.connector._prefill import PrefillSide, ReadRules, ReuseRecord
-from kvturn_server.connector._reuse import ReuseReason
 from kvturn_server.connector._scheduler import KVTurnPullScheduler
 from kvturn_server.connector._tiers import HostCounters, HostLoad, tier_link
 from tests.fakes.keeper import BS, FakeBlockPool, FakeHostTier, coordinates, tokens

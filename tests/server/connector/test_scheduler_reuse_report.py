@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
+from kvturn.wire import ReuseReason
 from kvturn_server.connector._calibration import Calibration
 from kvturn_server.connector._config import ConnectorConfig
 from kvturn_server.connector._cost import COMPUTE_WARMUP, READ_WARMUP, CostModel, CostSettings
@@ -33,7 +34,6 @@ from kvturn_server.connector._prefill import (
     _chunks,
     make_calibration,
 )
-from kvturn_server.connector._reuse import ReuseReason
 from kvturn_server.connector._scheduler import KVTurnPullScheduler
 from kvturn_server.connector._stats import KVTurnStats
 
@@ -191,7 +191,7 @@ def test_a_failed_read_turns_the_report_into_stale_with_nothing_reused() -> None
     side(sched).record_outcome(record)
     assert side(sched)._stats.data["kvturn_reuse"] == ["stale"]
     assert side(sched)._stats.data["kvturn_reused_tokens"] == [0]
-    assert side(sched)._stats.data["kvturn_fallbacks"] == ["read-failed"]
+    assert side(sched)._stats.data["kvturn_fallbacks"] == ["read_failed"]
 
 
 def test_a_failed_read_of_a_request_that_read_nothing_from_a_decode_changes_nothing() -> None:
@@ -236,7 +236,7 @@ def test_record_outcome_counts_a_fallback_only_when_a_retention_was_not_used(
 def test_a_failed_read_is_the_fallback_whatever_the_decision_was() -> None:
     sched = scheduler()
     side(sched).record_outcome(ReuseRecord(ReuseReason.PARTIAL, 8, 0, read_failed=True))
-    assert side(sched)._stats.data["kvturn_fallbacks"] == ["read-failed"]
+    assert side(sched)._stats.data["kvturn_fallbacks"] == ["read_failed"]
     assert side(sched)._stats.data["kvturn_reuse"] == ["stale"]
 
 
@@ -277,7 +277,7 @@ def test_request_finished_after_a_failed_read_reports_stale(
     assert out is not None
     assert out[KVTURN_FIELD]["reuse"] == {"reason": "stale", "reused_tokens": 0,
                                           "local_tokens": 4, "read_failed": True}
-    assert side(sched)._stats.data["kvturn_fallbacks"] == ["read-failed"]
+    assert side(sched)._stats.data["kvturn_fallbacks"] == ["read_failed"]
 
 
 def test_request_finished_without_vllm_params_still_counts_the_outcome(
@@ -361,7 +361,7 @@ def test_a_range_cheaper_to_compute_is_reported_below_threshold_with_its_costs()
     assert side(sched).calibration is not None and side(sched).calibration._reads == {}
     side(sched).record_outcome(record)
     assert side(sched)._stats.data["kvturn_reuse"] == ["below-threshold"]
-    assert side(sched)._stats.data["kvturn_fallbacks"] == ["cheaper-to-compute"]
+    assert side(sched)._stats.data["kvturn_fallbacks"] == ["cheaper_to_compute"]
 
 
 @pytest.mark.parametrize(("fixed_ms", "loaded"), [(20.0, (0, False)), (2.0, (12, True))])

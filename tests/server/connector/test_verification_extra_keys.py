@@ -19,13 +19,13 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
+from kvturn.wire import ReuseReason
 from kvturn_server.connector._config import ConnectorConfig
 from kvturn_server.connector._decode import DecodeSide, make_keeper
 from kvturn_server.connector._extra_keys import UncoverableInput, block_extras, engine_seed
 from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
 from kvturn_server.connector._params import KVTURN_FIELD
 from kvturn_server.connector._prefill import PrefillSide, ReadRules, ReuseRecord
-from kvturn_server.connector._reuse import ReuseReason
 from tests.fakes.keeper import BS, FakeBlockPool, tokens
 from tests.server.connector.test_scheduler_decode import KEY, decode_leg, decode_scheduler
 

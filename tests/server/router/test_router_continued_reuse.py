@@ -331,3 +331,22 @@ async def _polled_twice(decode: Any) -> bool:
 async def test_no_follower_without_reuse_or_when_turned_off(make_harness: MakeHarness) -> None:
     assert (await make_harness(follow_evictions=False)).router.lost is None
     assert (await make_harness(kv_reuse=False)).router.lost is None
+
+
+async def test_a_lost_reason_the_router_does_not_know_counts_as_evicted(
+        make_harness: MakeHarness) -> None:
+    # A decode's raw word goes into no record and no metric label (kvturn.wire.GoneReason).
+    h = await _following(make_harness)
+    decode = h.cluster.decodes[0]
+    await _until(lambda: _polled(decode), "the follower's first poll")
+    decode.lose(KEY, reason="melted")
+
+    async def marked() -> bool:
+        record = await h.router.store.get(KEY)
+        return record is not None and record.lost is not None
+
+    await _until(marked, "the record marked lost")
+    record = await h.router.store.get(KEY)
+    assert record is not None and record.lost == "evicted"
+    assert metric(h, "kvturn_router_lost_entries_total", outcome="evicted") == 1
+    await h.router.lost.stop()  # type: ignore[union-attr]

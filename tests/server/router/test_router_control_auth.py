@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvturn_server._control_secret import ENV, ENV_FILE, HEADER
+from kvturn.wire import HEADER_CONTROL_SECRET
+from kvturn_server._control_secret import ENV, ENV_FILE
 from kvturn_server.router import RouterConfig, RouterConfigError, add_router_args
 from kvturn_server.router._flags import router_config_from_args
 from tests.fakes.backends import Cluster
@@ -38,9 +39,9 @@ async def test_every_control_call_carries_the_secret(make_harness: MakeHarness) 
     control = [e for e in cluster.log if e.backend == "decode0.control"]
     kinds = {e.path.rsplit("/", 1)[-1] for e in control}
     assert {"health", "pin", "keepalive"} <= kinds and len(control) >= 6
-    assert all(e.headers.get(HEADER.lower()) == SECRET for e in control)
+    assert all(e.headers.get(HEADER_CONTROL_SECRET.lower()) == SECRET for e in control)
     # Never sent to a completion leg: it is for the control API only.
-    assert not any(HEADER.lower() in e.headers for e in cluster.log
+    assert not any(HEADER_CONTROL_SECRET.lower() in e.headers for e in cluster.log
                    if not e.backend.endswith(".control"))
 
 

@@ -131,3 +131,22 @@ async def test_unknown_conversation_routes_are_404(make_harness: MakeHarness) ->
     h = await make_harness()
     resp = await h.client.post("/kvturn/v1/conversations/c/renew")
     assert resp.status_code == 404
+
+
+async def test_a_gone_code_the_router_does_not_know_goes_no_further(
+        make_harness: MakeHarness) -> None:
+    # A decode's raw word never reaches the client's error code or a metric label: an unknown
+    # one (a newer connector's, or garbage) is read as no_retention.
+    h = await make_harness()
+    await h.chat("c")
+    decode = h.cluster.decodes[0]
+    decode.retentions.pop("-/c")
+    decode.gone["-/c"] = "shredded by=\"x\""
+    resp = await h.client.post(_path("c", "/keepalive"))
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "no_retention"
+    registry = h.router.metrics.registry
+    assert registry.get_sample_value("kvturn_router_stale_handles_total",
+                                     {"reason": "no_retention"}) == 1
+    reasons = {s.labels.get("reason") for m in registry.collect() for s in m.samples
+               if s.name == "kvturn_router_stale_handles_total"}
+    assert reasons == {"no_retention"}

@@ -4,6 +4,7 @@ variables, variables over the config file; bad values fail as their flags do."""
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,7 +96,9 @@ def test_the_control_secret_variables_still_work(tmp_path: Path) -> None:
 
 
 def test_the_cli_reports_a_bad_variable_in_one_line() -> None:
-    env = {"PYTHONPATH": str(ROOT / "server"), "KVTURN_PREFILL": "http://p:1",
+    # The router imports the SDK's wire words (kvturn.wire): this tree's, not an installed copy.
+    env = {"PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("server", "sdk")),
+           "KVTURN_PREFILL": "http://p:1",
            "KVTURN_DECODE": "http://d:2", "KVTURN_EJECT_AFTER": "three"}
     done = subprocess.run([sys.executable, "-m", "kvturn_server.router"], env=env,
                           capture_output=True, text=True, timeout=60)

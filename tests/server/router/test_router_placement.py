@@ -433,6 +433,10 @@ async def test_a_range_the_prefill_declined_to_read_is_not_pinned_for_again(
     third = await h.chat("c", messages=turn2(REPLY, TOOL))
     assert third.headers["X-KVTurn-Reuse"] == "below-threshold"
     assert len(cluster.calls("decode0.control", "POST")) == pins  # no second pin
+    # Metric label values are snake_case (kvturn.wire.metric_label).
+    assert metric(h, "kvturn_router_reuse_total", outcome="below_threshold") == 2
+    assert h.router.metrics.registry.get_sample_value(
+        "kvturn_router_reuse_total", {"outcome": "below-threshold"}) is None
     # A read the prefill took lowers the floor again.
     prefill = h.router.prefills.members[0]
     learn_read_floor(prefill, declined=0, reused=16, now=prefill.read_floor_at)
@@ -452,3 +456,10 @@ async def test_the_debug_line_of_a_turn_names_its_route_and_each_leg_s_time(
     assert first["route"] == "prefill" and second["route"] == "decode"
     assert first["prefill_ms"] >= 0 and first["decode_ms"] >= 0
     assert "prefill_ms" not in second and second["decode_ms"] >= 0
+
+
+async def test_a_round_robin_choice_is_counted_in_snake_case(make_harness: MakeHarness) -> None:
+    h = await make_harness(Cluster(), prefill_policy="round-robin")
+    resp = await h.chat("c", messages=[U1])
+    assert resp.headers["X-KVTurn-Prefill-Choice"] == "round-robin"
+    assert metric(h, "kvturn_router_routes_total", route="prefill", choice="round_robin") == 1

@@ -24,6 +24,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from kvturn.wire import (
+    HEADER_BLOCK_SIZE,
+    HEADER_CONVERSATION_ID,
+    HEADER_PREFILL_CHOICE,
+    HEADER_REUSE,
+    HEADER_REUSED_TOKENS,
+    HEADER_ROUTE,
+    PENDING,
+)
 from kvturn_server.bench._stats import MIB, fmt, percentile
 from kvturn_server.bench.agent._records import AgentOutcome
 
@@ -36,9 +45,6 @@ if TYPE_CHECKING:
 
 PLAIN, IDS, KVTURN = "plain", "ids", "kvturn"
 CLIENT_KINDS = (PLAIN, IDS, KVTURN)
-HEADER_CONVERSATION_ID = "X-Conversation-ID"
-# X-KVTurn-Reuse of a stream the decode continued alone: its usage says what was reused.
-PENDING = "pending"
 # What the benchmarks start vLLM with so that each streamed reply's usage says how many prompt
 # tokens the serving instance's cache supplied (prompt_tokens_details.cached_tokens).
 PROMPT_DETAILS_ARGS = ("--enable-prompt-tokens-details",)
@@ -106,10 +112,10 @@ async def stream_turn(target: Any, model: str, messages: list[Message], max_toke
         model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_headers=headers, extra_body=extra_body)
     got = stream.response.headers
-    record.reuse = got.get("x-kvturn-reuse")
-    record.reused_tokens = header_int(got.get("x-kvturn-reused-tokens"))
-    record.route = got.get("x-kvturn-route")
-    record.prefill_choice = got.get("x-kvturn-prefill-choice")
+    record.reuse = got.get(HEADER_REUSE)
+    record.reused_tokens = header_int(got.get(HEADER_REUSED_TOKENS))
+    record.route = got.get(HEADER_ROUTE)
+    record.prefill_choice = got.get(HEADER_PREFILL_CHOICE)
     first_finish: float | None = None
     parts: list[str] = []
     async for chunk in stream:
@@ -130,6 +136,7 @@ async def stream_turn(target: Any, model: str, messages: list[Message], max_toke
                     first_finish = clock()
     ended = clock()
     cached = record.cached_tokens
+    # X-KVTurn-Reuse of a stream the decode continued alone: its usage says what was reused.
     if record.reuse == PENDING and cached is not None and record.prompt_tokens is not None:
         # A turn the decode continued alone: its headers preceded the decode's work; what its
         # cache supplied is the usage's cached tokens, settled as the router and SDK do.
@@ -137,7 +144,7 @@ async def stream_turn(target: Any, model: str, messages: list[Message], max_toke
 
         settled = kvturn.TurnInfo(
             "", "chat", PENDING, 0, None, None, None, 1, True,
-            header_int(got.get("x-kvturn-block-size")) or None,
+            header_int(got.get(HEADER_BLOCK_SIZE)) or None,
         ).settled(record.prompt_tokens, cached)
         record.reuse, record.reused_tokens = settled.reuse, settled.reused_tokens
     # A reply without text (the model's first token ends it) has its first token at the end.

@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvturn.wire import Route
 from kvturn_server.bench._stats import (
     MIB,
     at_path,
@@ -119,7 +120,7 @@ def decode_turns(records: Sequence[TurnRecord], block_size: int) -> dict[str, in
     ok = [r for r in records if r.ok]
     prompts = {(r.agent, r.turn): r.prompt_tokens for r in ok}
     later = [r for r in ok if r.turn > 1]
-    continued = [r for r in later if r.route == "decode"]
+    continued = [r for r in later if r.route == Route.DECODE]
     reported = [r for r in continued
                 if r.cached_tokens is not None and r.prompt_tokens is not None]
     found = missed = 0

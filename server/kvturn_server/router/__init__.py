@@ -5,11 +5,12 @@ Names are imported on first use, so that ``kvturn``'s argument parser can take
 ``add_router_args`` without loading the HTTP stack.
 
 Besides the server, the face exports the turn planner (``_plan.py``: ``plan_route``,
-``plan_pin``, ``pin_gone``, ``settle_prefill``, ``settle_continued``, ``recorded_prefill``,
-``moved_from`` and their typed inputs and decisions), the backend choices (``choose_prefill``,
-``choose_decode``, ``learn_read_floor``, ``served_tokens``) and the state they read (``Pool``,
-``Backend``, ``Placement``, ``Transcript``, ``DecodeUsage``, ``ReuseReport``): the simulator
-(``kvturn_server.sim``) decides its turns with them, as the router's ``Turn`` does.
+``plan_pin``, ``refuse_pin``, ``pin_gone``, ``settle_prefill``, ``settle_continued``,
+``recorded_prefill``, ``moved_from``, ``lost_record`` and their typed inputs and decisions),
+the backend choices (``choose_prefill``, ``choose_decode``, ``learn_read_floor``,
+``served_tokens``) and the state they read (``Pool``, ``Backend``, ``Placement``,
+``Transcript``, ``DecodeUsage``, ``ReuseReport``): the simulator (``kvturn_server.sim``) decides
+its turns with them, as the router's ``Turn`` does.
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ if TYPE_CHECKING:
         TurnPolicy,
         Where,
         gone_reason,
+        lost_record,
         moved_from,
         pin_gone,
         plan_pin,
         plan_route,
         recorded_prefill,
+        refuse_pin,
         settle_continued,
         settle_prefill,
     )
@@ -68,8 +71,9 @@ _WHERE = {
     "learn_read_floor": "_placement", "read_floor": "_placement", "read_gain": "_placement",
     "served_tokens": "_placement",
     **dict.fromkeys(("NO_PIN", "PinPlan", "Refusal", "RoutePlan", "Settled", "TurnPolicy",
-                     "Where", "gone_reason", "moved_from", "pin_gone", "plan_pin",
-                     "plan_route", "recorded_prefill", "settle_continued", "settle_prefill"),
+                     "Where", "gone_reason", "lost_record", "moved_from", "pin_gone", "plan_pin",
+                     "plan_route", "recorded_prefill", "refuse_pin", "settle_continued",
+                     "settle_prefill"),
                     "_plan"),
     "Backend": "_pool", "Pool": "_pool",
 }
@@ -105,6 +109,7 @@ __all__ = [
     "create_app",
     "gone_reason",
     "learn_read_floor",
+    "lost_record",
     "moved_from",
     "pin_gone",
     "plan_pin",
@@ -112,6 +117,7 @@ __all__ = [
     "read_floor",
     "read_gain",
     "recorded_prefill",
+    "refuse_pin",
     "router_config_from_args",
     "serve",
     "served_tokens",

@@ -22,7 +22,8 @@ In a turn's order:
 4. :func:`settle_prefill` / :func:`settle_continued`: the reuse value the turn reports
    (``X-KVTurn-Reuse``), from the prefill's report or the decode's usage.
 5. :func:`recorded_prefill` and :func:`moved_from`: what the turn's record says of the prefill,
-   and which old retention the router releases once the record is written.
+   and which old retention the router releases once the record is written;
+   :func:`lost_record`: the record after a keepalive found the retention gone.
 
 Which backend serves a leg is ``_placement.py``'s (``choose_prefill``, ``choose_decode``), and
 the estimates behind the route (``continuation``, ``conditional_decode``, ``read_gain``) too.
@@ -31,7 +32,7 @@ the estimates behind the route (``continuation``, ``conditional_decode``, ``read
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvturn_server.router._history import Transcript
@@ -337,4 +338,19 @@ def moved_from(old: Placement | None, decode: str) -> str | None:
     ``decode`` is written: the one the conversation moved from; None when it did not move."""
     if old is not None and old.decode != decode:
         return old.decode
+    return None
+
+
+# Gone codes after which the record keeps the decode and the prefill for affinity, marked lost
+# (its blocks were freed: the next turn takes a prefill rather than continue on it, and later
+# keepalives are answered without calling the decode). Released and replaced retentions are
+# forgotten.
+_KEPT_LOST = frozenset({"expired", "evicted", "no_retention"})
+
+
+def lost_record(placement: Placement, code: str) -> Placement | None:
+    """The record of a conversation whose decode answered a keepalive that its retention is
+    gone for ``code``: kept, marked lost, or None: forgotten."""
+    if code in _KEPT_LOST:
+        return replace(placement, retained=False, lost=code)
     return None

@@ -296,6 +296,7 @@ class Simulation:
             declined = decision.cost.tokens if decision.cheaper_to_compute and decision.cost \
                 else 0
             report = ReuseReport(decision.reason.value, read_tokens, local, declined)
+        turn.prefill_report = report
         settled = routing.settle_prefill(
             report, read_offered=pin is not None, pin_skipped=plan.skipped,
             prompt_tokens=turn.prompt, block_size=placement.block_size if placement else 0)
@@ -368,12 +369,13 @@ class Simulation:
         if turn.route == "decode":
             computed = max(1, turn.prompt - hit)
             turn.computed, turn.reused = computed, turn.prompt - computed
+            turn.usage = DecodeUsage(turn.prompt, turn.conv.replies[turn.index],
+                                     cached_tokens=turn.prompt - computed)
             if turn.where is Where.CONTINUE:
                 # What the decode's usage reports: its cache's coverage of the prompt, the
                 # retention's or the plain prefix cache's (the router's TurnReport.settle).
                 found = routing.settle_continued(
-                    DecodeUsage(turn.prompt, turn.conv.replies[turn.index],
-                                cached_tokens=turn.prompt - computed), None,
+                    turn.usage, None,
                     turn.placement.block_size if turn.placement is not None else 0)
                 if found is not None:
                     turn.reason = found.reason

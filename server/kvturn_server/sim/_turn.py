@@ -18,6 +18,7 @@ from kvturn_server.router import (
     Backend,
     DecodeUsage,
     Placement,
+    ReuseReport,
     Transcript,
     Where,
     recorded_prefill,
@@ -61,6 +62,10 @@ class Turn:
     route: str = "prefill"
     reason: str = "miss"
     pinned: bool = False
+    prefill_report: ReuseReport | None = None
+    """What its prefill's connector reported (``kvturn.reuse``); None: no prefill leg."""
+    usage: DecodeUsage | None = None
+    """What its decode's usage said, of a turn the decode ran alone; None: not known."""
     computed: int = 0
     reused: int = 0
     local_hit: int = 0

@@ -15,8 +15,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvturn_server.router._legs import PENDING, continued_reuse
+from kvturn_server.router._legs import PENDING
 from kvturn_server.router._log import event
+from kvturn_server.router._plan import settle_continued
 from kvturn_server.router._state import StoreError
 
 if TYPE_CHECKING:
@@ -169,7 +170,7 @@ class TurnReport:
         evicted, or expired and its blocks reused."""
         if self.route != "decode" or self.reason != PENDING:
             return
-        found = continued_reuse(self.usage, connector, self.block_size)
+        found = settle_continued(self.usage, connector, self.block_size)
         if found is None:
             return
         self.reason, self.reused_tokens = found.reason, found.reused_tokens

@@ -94,6 +94,11 @@ class FakeBackend:
         self.chunks: list[bytes] = list(DEFAULT_SSE)
         self.gate: asyncio.Event | None = None  # streams pause after their first chunk
         self.usage_prompt_tokens = 64  # decodes: usage.prompt_tokens of a leg's reply
+        self.completion_tokens = 2  # decodes: usage.completion_tokens of a leg's reply
+        # Decodes: the tokens a retention holds (None: 100 per turn retained) and its block
+        # size; its readable block ids are its full blocks (two when the tokens are not set).
+        self.retention_tokens: int | None = None
+        self.block_size = 16
         self.cached_tokens = 48  # decodes: cached tokens of a continued turn it holds
         self.prompt_details = True  # decodes: usage says its cached tokens
         self.retain = True  # decodes: retain finished conversation turns
@@ -168,11 +173,14 @@ class FakeBackend:
 
     def _retention_for(self, key: str) -> FakeRetention:
         n = next(self._turns)
+        blocks = 2 if self.retention_tokens is None else self.retention_tokens // self.block_size
         return FakeRetention(key, self.engine_id, {
-            "remote_engine_id": self.engine_id, "remote_block_ids": [[10 * n, 10 * n + 1]],
+            "remote_engine_id": self.engine_id,
+            "remote_block_ids": [[10 * n + i for i in range(blocks)]],
             "remote_host": "10.0.0.2", "remote_port": 5700, "remote_request_id": f"d-{n}",
-            "kvturn": {"format": 1, "block_size": 16, "block_hashes": ["aa", "bb"]}},
-            num_tokens=100 * n)
+            "kvturn": {"format": 1, "block_size": self.block_size,
+                       "block_hashes": ["aa", "bb"]}},
+            num_tokens=100 * n if self.retention_tokens is None else self.retention_tokens)
 
     def _finish(self, body: dict[str, Any]) -> FakeRetention | None:
         params = body.get("kv_transfer_params") or {}
@@ -201,8 +209,9 @@ class FakeBackend:
             cached = prompt  # loaded from the prefill
         else:
             cached = self.cached_tokens if key in self.retentions else 0
-        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": 2,
-                                 "total_tokens": prompt + 2}
+        usage: dict[str, Any] = {"prompt_tokens": prompt,
+                                 "completion_tokens": self.completion_tokens,
+                                 "total_tokens": prompt + self.completion_tokens}
         if self.prompt_details:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage

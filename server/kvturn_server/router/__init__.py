@@ -4,11 +4,13 @@ instances, with multi-turn KV reuse (docs/http-api.md).
 Names are imported on first use, so that ``kvturn``'s argument parser can take
 ``add_router_args`` without loading the HTTP stack.
 
-Besides the server, the face exports the router's pure decisions (where a turn runs:
-``choose_prefill``, ``choose_decode``, ``continuation``, ``conditional_decode``, the read gain and
-floor; how it is reported: ``coverage``, ``gone_reason``) and the state they read (``Pool``,
-``Backend``, ``Placement``, ``Transcript``): the simulator (``kvturn_server.sim``) runs them as
-they are.
+Besides the server, the face exports the turn planner (``_plan.py``: ``plan_route``,
+``plan_pin``, ``refuse_pin``, ``pin_gone``, ``settle_prefill``, ``settle_continued``,
+``recorded_prefill``, ``moved_from``, ``lost_record`` and their typed inputs and decisions),
+the backend choices (``choose_prefill``, ``choose_decode``, ``learn_read_floor``,
+``served_tokens``) and the state they read (``Pool``, ``Backend``, ``Placement``,
+``Transcript``, ``DecodeUsage``, ``ReuseReport``): the simulator (``kvturn_server.sim``) decides
+its turns with them, as the router's ``Turn`` does.
 """
 
 from __future__ import annotations
@@ -25,8 +27,7 @@ if TYPE_CHECKING:
         settings_table,
     )
     from kvturn_server.router._history import Transcript
-    from kvturn_server.router._legs import coverage
-    from kvturn_server.router._pin import gone_reason
+    from kvturn_server.router._legs import DecodeUsage, ReuseReport, coverage
     from kvturn_server.router._placement import (
         choose_decode,
         choose_prefill,
@@ -35,6 +36,26 @@ if TYPE_CHECKING:
         learn_read_floor,
         read_floor,
         read_gain,
+        served_tokens,
+    )
+    from kvturn_server.router._plan import (
+        NO_PIN,
+        PinPlan,
+        Refusal,
+        RoutePlan,
+        Settled,
+        TurnPath,
+        TurnPolicy,
+        gone_reuse,
+        lost_record,
+        moved_from,
+        pin_gone,
+        plan_pin,
+        plan_route,
+        recorded_prefill,
+        refuse_pin,
+        settle_continued,
+        settle_prefill,
     )
     from kvturn_server.router._pool import Backend, Pool
     from kvturn_server.router._state import MemoryStore, Placement, StoreError
@@ -48,26 +69,42 @@ _WHERE = {
     "settings_table": "_flags",
     "MemoryStore": "_state", "Placement": "_state", "StoreError": "_state",
     "PooledTransport": "_transport",
-    "Transcript": "_history", "coverage": "_legs", "gone_reason": "_pin",
+    "Transcript": "_history", "coverage": "_legs", "DecodeUsage": "_legs",
+    "ReuseReport": "_legs",
     "choose_decode": "_placement", "choose_prefill": "_placement",
     "conditional_decode": "_placement", "continuation": "_placement",
     "learn_read_floor": "_placement", "read_floor": "_placement", "read_gain": "_placement",
+    "served_tokens": "_placement",
+    **dict.fromkeys(("NO_PIN", "PinPlan", "Refusal", "RoutePlan", "Settled", "TurnPolicy",
+                     "TurnPath", "gone_reuse", "lost_record", "moved_from", "pin_gone", "plan_pin",
+                     "plan_route", "recorded_prefill", "refuse_pin", "settle_continued",
+                     "settle_prefill"),
+                    "_plan"),
     "Backend": "_pool", "Pool": "_pool",
 }
 
 __all__ = [
+    "NO_PIN",
     "Backend",
     "DecodeSpec",
+    "DecodeUsage",
     "MemoryStore",
+    "PinPlan",
     "Placement",
     "Pool",
     "PooledTransport",
+    "Refusal",
+    "ReuseReport",
+    "RoutePlan",
     "Router",
     "RouterApp",
     "RouterConfig",
     "RouterConfigError",
+    "Settled",
     "StoreError",
     "Transcript",
+    "TurnPath",
+    "TurnPolicy",
     "add_router_args",
     "choose_decode",
     "choose_prefill",
@@ -75,13 +112,23 @@ __all__ = [
     "continuation",
     "coverage",
     "create_app",
-    "gone_reason",
+    "gone_reuse",
     "learn_read_floor",
+    "lost_record",
+    "moved_from",
+    "pin_gone",
+    "plan_pin",
+    "plan_route",
     "read_floor",
     "read_gain",
+    "recorded_prefill",
+    "refuse_pin",
     "router_config_from_args",
     "serve",
+    "served_tokens",
     "settings_table",
+    "settle_continued",
+    "settle_prefill",
 ]
 
 

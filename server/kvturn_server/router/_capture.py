@@ -25,6 +25,7 @@ from kvturn_server.router._legs import (
 )
 from kvturn_server.router._log import event
 from kvturn_server.router._placement import served_tokens
+from kvturn_server.router._plan import moved_from, recorded_prefill
 from kvturn_server.router._pool import Backend
 from kvturn_server.router._services import TurnContext
 from kvturn_server.router._state import SUPERSEDED, Placement, StoreError
@@ -175,14 +176,8 @@ class Capture:
                        read_id: str | None = None) -> Placement:
         """This turn's record: where it is retained, and which prefill holds its prompt (the
         one that computed this turn's prefill leg, else the one recorded before)."""
-        old = self.old
-        if self.prefill is not None:
-            prefill: str | None = self.prefill.url
-            prefill_tokens = self.prefill_tokens
-        elif old is not None:
-            prefill, prefill_tokens = old.prefill, old.prefill_tokens
-        else:
-            prefill, prefill_tokens = None, 0
+        prefill, prefill_tokens = recorded_prefill(
+            self.old, None if self.prefill is None else self.prefill.url, self.prefill_tokens)
         now = self.ctx.services.clock()
         return Placement(decode=backend.url, engine_id=engine_id, num_tokens=num_tokens,
                          expires_at=now + expires_in, turn=self.ctx.request_id,
@@ -223,9 +218,9 @@ class Capture:
         services.metrics.capture("recorded")
         if evicted:
             services.metrics.evictions.inc(evicted)
-        old = self.old
-        if old is not None and old.decode != backend.url:
-            self._release_on(old.decode)
+        moved = moved_from(self.old, backend.url)
+        if moved is not None:
+            self._release_on(moved)
 
     def _superseded(self, backend: Backend) -> None:
         """A concurrent turn of this conversation (on this router or another) recorded a

@@ -30,6 +30,7 @@ from kvturn_server.router._control import ControlError, Gone
 from kvturn_server.router._errors import ApiError
 from kvturn_server.router._identity import conversation_key, credential_of, validate_id
 from kvturn_server.router._log import event
+from kvturn_server.router._plan import lost_record
 from kvturn_server.router._services import control_call_failed
 from kvturn_server.router._state import Placement, StoreError
 from kvturn_server.router._turn import request_id_of
@@ -100,17 +101,10 @@ async def _forget(router: Router, key: str, placement: Placement, why: str | Non
         router.metrics.state_errors.inc()
 
 
-# Gone codes after which the record keeps the decode and the prefill for affinity, marked
-# lost (its blocks were freed: the next turn takes a prefill rather than continue on it, and
-# later keepalives are answered without calling the decode). Released and replaced
-# retentions, restarts and unknown decodes are forgotten.
-_UNRETAINED = frozenset({GoneReason.EXPIRED, GoneReason.EVICTED, GoneReason.NO_RETENTION})
-
-
 async def _unretained(router: Router, key: str, placement: Placement, why: str) -> None:
     router.metrics.stale(why)
     try:
-        await router.store.put(key, replace(placement, retained=False, lost=why))
+        await router.store.put(key, placement)
     except StoreError:
         router.metrics.state_errors.inc()
 
@@ -141,8 +135,9 @@ async def _keepalive(router: Router, conversation_id: str, key: str,
         raise _unavailable(router, "the decode holding this conversation did not answer") \
             from exc
     if isinstance(result, Gone):
-        if result.code in _UNRETAINED:
-            await _unretained(router, key, placement, result.code)
+        kept = lost_record(placement, result.code)
+        if kept is not None:
+            await _unretained(router, key, kept, result.code)
         else:
             await _forget(router, key, placement, result.code)
         raise _no_retention(result.code, result.code.replace("_", " "))

@@ -13,26 +13,13 @@ import time
 
 from kvturn_server.router._control import ControlError, Gone, Retention
 from kvturn_server.router._log import event
+from kvturn_server.router._plan import pin_gone, refuse_pin
 from kvturn_server.router._pool import Backend
 from kvturn_server.router._services import TurnContext
 from kvturn_server.router._state import Placement, StoreError
 from kvturn_server.router._tracing import TurnTrace
 
 log = logging.getLogger("kvturn.router")
-
-# Gone codes -> X-KVTurn-Reuse. "expired": the lease ran out. "stale": the handle pointed at
-# blocks the decode no longer has (evicted, or forgotten: a restart). "miss": the retention was
-# deliberately ended (released, or replaced by a newer turn this router did not record).
-_GONE_REASON = {"expired": "expired", "released": "miss", "replaced": "miss"}
-
-
-def gone_reason(code: str) -> str:
-    """The X-KVTurn-Reuse value of a retention gone for ``code``."""
-    return _GONE_REASON.get(code, "stale")
-
-
-# Gone codes counted as such among the stale handles (others count as "gone").
-_GONE_COUNTED = frozenset({"expired", "released", "evicted", "replaced", "no_retention"})
 
 
 class Pins:
@@ -65,14 +52,15 @@ class Pins:
                    trace: TurnTrace) -> Retention | str:
         """Pin the placement's retention on ``holder``; on any failure the reuse reason."""
         ctx, key = self.ctx, self.ctx.conversation
-        if not holder.control_trusted or holder.control_url is None:
-            event(log, logging.DEBUG, "pin_skipped", request_id=ctx.request_id,
-                  conversation=key, decode=holder.url, why=holder.distrust_reason())
-            return "stale"
-        if holder.engine_id is not None and placement.engine_id is not None \
-                and holder.engine_id != placement.engine_id:
-            self.drop(placement, "engine_changed")
-            return "stale"
+        refused = refuse_pin(placement, holder)
+        if refused is not None:
+            if refused.drop is not None:
+                self.drop(placement, refused.drop)
+            else:
+                event(log, logging.DEBUG, "pin_skipped", request_id=ctx.request_id,
+                      conversation=key, decode=holder.url, why=holder.distrust_reason())
+            return refused.reason
+        assert holder.control_url is not None
         services = ctx.services
         t0 = time.perf_counter()
         span = trace.leg("pin", holder.url)
@@ -88,8 +76,10 @@ class Pins:
         ctx.leg("pin", time.perf_counter() - t0)
         holder.control_ok = True
         if isinstance(result, Gone):
-            self.drop(placement, result.code if result.code in _GONE_COUNTED else "gone")
-            return gone_reason(result.code)
+            gone = pin_gone(result.code)
+            if gone.drop is not None:
+                self.drop(placement, gone.drop)
+            return gone.reason
         if result.engine_id is not None:
             holder.control_engine_id = result.engine_id
         if placement.engine_id is not None and result.engine_id is not None \

@@ -26,8 +26,8 @@ from kvturn.wire import (
     PENDING,
     Route,
 )
-from kvturn_server.router._legs import continued_reuse
 from kvturn_server.router._log import event
+from kvturn_server.router._plan import settle_continued
 from kvturn_server.router._state import StoreError
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ class TurnReport:
         evicted, or expired and its blocks reused."""
         if self.route != Route.DECODE or self.reason != PENDING:
             return
-        found = continued_reuse(self.usage, connector, self.block_size)
+        found = settle_continued(self.usage, connector, self.block_size)
         if found is None:
             return
         self.reason, self.reused_tokens = found.reason, found.reused_tokens

@@ -1,6 +1,8 @@
 """One turn: pin -> prefill leg -> unpin -> decode leg -> capture (docs/http-api.md, B).
 
-This is where the decision to reuse is made and where every fault degrades:
+This executes a turn: its decisions (where it runs, pin or not, which fallback, what it
+reports) are ``_plan.py``'s pure functions, which the simulator runs too; here are the calls,
+and how every fault degrades:
 
 - **Pin** the conversation's retention on the decode that holds it (``_pin.py``); any
   failure means "nothing to reuse this turn" (reported in ``X-KVTurn-Reuse``).
@@ -35,16 +37,20 @@ from kvturn_server.router._control import Retention
 from kvturn_server.router._decode_step import DecodeStep, ReplyHook, not_ok
 from kvturn_server.router._history import Transcript
 from kvturn_server.router._identity import Identity
-from kvturn_server.router._legs import decode_body, local_coverage, reuse_report
+from kvturn_server.router._legs import decode_body, reuse_report
 from kvturn_server.router._log import event
-from kvturn_server.router._pin import Pins, gone_reason
-from kvturn_server.router._placement import (
-    choose_prefill,
-    conditional_decode,
-    continuation,
-    learn_read_floor,
-    read_floor,
-    read_gain,
+from kvturn_server.router._pin import Pins
+from kvturn_server.router._placement import choose_prefill, learn_read_floor
+from kvturn_server.router._plan import (
+    NOT_CONTINUED_FAILED,
+    RoutePlan,
+    TurnPath,
+    TurnPolicy,
+    gave_up_reason,
+    plan_pin,
+    plan_retry,
+    plan_route,
+    settle_prefill,
 )
 from kvturn_server.router._pool import Backend
 from kvturn_server.router._services import TurnContext, TurnReport, TurnServices
@@ -58,8 +64,8 @@ class Turn:
     """The state of one completion request while it runs."""
 
     __slots__ = ("api", "attempts", "begun", "body", "continued", "ctx", "holder", "hook",
-                 "identity", "key", "no_reuse", "path", "pin", "pin_skipped", "pins",
-                 "placement", "prefill_tokens", "report", "request_id", "retention_sent",
+                 "identity", "key", "path", "pin", "pin_skipped", "pins", "placement",
+                 "policy", "prefill_tokens", "report", "request_id", "retention_sent",
                  "strip_usage", "svc", "trace", "transcript")
 
     def __init__(self, services: TurnServices, *, request_id: str, path: str,
@@ -75,7 +81,8 @@ class Turn:
         self.key = identity.key if identity is not None else None
         self.ctx = TurnContext(services, request_id=request_id, key=self.key)
         self.pins = Pins(self.ctx)
-        self.no_reuse = no_reuse
+        # The settings that decide this turn (``_plan.py``): the client may opt out of reuse.
+        self.policy = TurnPolicy.of(services.config, no_reuse=no_reuse)
         # The store's version of this turn's record: when the turn began, on the router's
         # clock. Of two concurrent turns of one conversation the later one carries the longer
         # history; a capture that retried or a slow describe must not outrank it.
@@ -106,26 +113,24 @@ class Turn:
     async def run(self) -> Response:
         svc = self.svc
         report = self.report
-        reuse = svc.config.kv_reuse and not self.no_reuse
         if self.key is not None:
-            if svc.config.kv_reuse or svc.config.conditional_disagg:
+            if self.policy.reads_transcript:
                 self.transcript = self.api.transcript(self.body)
             await self._locate()
-        if not reuse:
-            report.reason = "disabled"
-            if svc.config.conditional_disagg and self.placement is not None \
-                    and self.holder is not None:
-                continued = await self._continue_stock()
-                if continued is not None:
-                    return continued
-        elif self.placement is not None and self.holder is not None:
-            continued = await self._continue_on_decode()
-            if continued is not None:
-                return continued
+        route = plan_route(self.policy, placement=self.placement, holder=self.holder,
+                           transcript=self.transcript, now=svc.clock())
+        if route.reason is not None:
+            report.reason = route.reason
+        if route.not_continued:
+            svc.metrics.not_continued(route.not_continued)
+        if route.where is not TurnPath.PREFILL:
+            alone = await self._decode_alone(route)
+            if alone is not None:
+                return alone
         first, report.prefill_choice = choose_prefill(
             svc.prefills, svc.config.prefill_policy, self.placement,
             slack=svc.config.prefill_affinity_slack)
-        if reuse and first is not None and self._worth_pinning(first):
+        if self._plan_pin(first):
             await self._take_pin()
         params = await self._prefill(first)
         if isinstance(params, Response):
@@ -134,61 +139,38 @@ class Turn:
         data = self._decode_data(params, self.key if self._retains else None)
         return await self._decode_step().run(data)
 
-    # Where the turn runs (``_placement.py``).
+    # Where the turn runs and whether it pins (``_plan.py``).
 
-    async def _continue_on_decode(self) -> Response | None:
-        """Serve the turn on the decode that holds the conversation, with no prefill leg,
-        when the part it lacks is short; None when the turn takes the prefill path (also
-        when that decode failed before its first byte)."""
+    async def _decode_alone(self, route: RoutePlan) -> Response | None:
+        """Serve the turn on the decode that served the conversation, with no prefill leg
+        (``route.where``: kvturn's continuation, or stock conditional disaggregation, which
+        retains, pins and captures nothing); None when that decode failed before its first
+        byte and the turn takes the prefill path instead."""
         svc, report = self.svc, self.report
         placement, holder = self.placement, self.holder
         assert placement is not None and holder is not None
-        cfg = svc.config
-        estimate, why = continuation(
-            placement=placement, holder=holder, transcript=self.transcript, now=svc.clock(),
-            max_tokens=cfg.decode_continue_tokens, budget=cfg.decode_continue_budget)
-        if why:
-            svc.metrics.not_continued(why)
-            return None
-        # What it reuses is what its cache still holds: its usage says (TurnReport.settle).
-        report.continued(expected_tokens=placement.cached_tokens,
-                         block_size=placement.block_size)
-        self.continued = estimate
-        holder.continuing += estimate
-        data = self._decode_data(None, self.key)
+        key = None
+        if route.where is TurnPath.CONTINUE:
+            # What it reuses is what its cache still holds: its usage says (TurnReport.settle).
+            report.continued(expected_tokens=placement.cached_tokens,
+                             block_size=placement.block_size)
+            self.continued = route.estimate
+            holder.continuing += route.estimate
+            key = self.key
+        else:
+            report.route = route.where.route
+        data = self._decode_data(None, key)
         try:
             result = await self._decode_step().attempt(holder, data)
         finally:
             self._end_continuation()
         if isinstance(result, Failed):
             # Nothing reached the client: the prefill path may still serve it.
-            report.route = "prefill"
-            report.reason = "miss"
-            report.reused_tokens = 0
-            svc.metrics.not_continued("decode_failed")
-            return None
-        report.count()
-        return result
-
-    async def _continue_stock(self) -> Response | None:
-        """Stock conditional disaggregation (``conditional_disagg``, kv_reuse off): the turn
-        runs on the decode that served the conversation when the part its prefix cache is
-        estimated to lack is short; nothing is retained, pinned or captured. None when the
-        turn takes the prefill path (also when that decode failed before its first byte)."""
-        svc, report = self.svc, self.report
-        assert self.placement is not None and self.holder is not None
-        _, why = conditional_decode(placement=self.placement, holder=self.holder,
-                                    transcript=self.transcript,
-                                    max_tokens=svc.config.conditional_disagg)
-        if why:
-            svc.metrics.not_continued(why)
-            return None
-        report.route = "decode"
-        data = self._decode_data(None, None)
-        result = await self._decode_step().attempt(self.holder, data)
-        if isinstance(result, Failed):
-            report.route = "prefill"
-            svc.metrics.not_continued("decode_failed")
+            report.route = TurnPath.PREFILL.route
+            if route.fallback_reason is not None:
+                report.reason = route.fallback_reason
+                report.reused_tokens = 0
+            svc.metrics.not_continued(NOT_CONTINUED_FAILED)
             return None
         report.count()
         return result
@@ -199,26 +181,15 @@ class Turn:
             self.holder.continuing = max(0, self.holder.continuing - self.continued)
             self.continued = 0
 
-    def _worth_pinning(self, prefill: Backend) -> bool:
-        """A pin costs a round trip to the decode before the prefill leg: take it only when
-        the retention holds at least ``min_read_tokens`` beyond what ``prefill`` holds."""
-        placement = self.placement
-        if placement is None or self.holder is None:
-            return False
-        if not placement.retained:
-            # The decode serves the conversation but retains nothing to read; one it said it
-            # dropped reports why, as a pin that found it gone would (``_pin.py``).
-            if placement.lost is not None:
-                self.report.reason = gone_reason(placement.lost)
-            return False
-        gain = read_gain(placement, prefill)
-        floor = read_floor(prefill, time.monotonic())
-        if gain >= max(1, self.svc.config.min_read_tokens) and gain > floor:
-            self.pin_skipped = False
-            return True
-        self.pin_skipped = gain == 0
-        self.report.reason = "below-threshold"
-        return False
+    def _plan_pin(self, prefill: Backend | None) -> bool:
+        """Whether ``prefill`` gets the retention pinned for it; the reason the turn reports
+        when not."""
+        plan = plan_pin(self.policy, placement=self.placement, holder=self.holder,
+                        prefill=prefill, now=time.monotonic())
+        self.pin_skipped = plan.skipped
+        if plan.reason is not None:
+            self.report.reason = plan.reason
+        return plan.pin
 
     # Step 1: where the conversation is, and a pin on its retention.
 
@@ -252,13 +223,12 @@ class Turn:
         if not isinstance(result, Failed):
             self.pins.unpin(self.holder, pin)
             return self._prefill_answer(first, result, pin)
-        second, choice = choose_prefill(svc.prefills, svc.config.prefill_policy, self.placement,
-                                        slack=svc.config.prefill_affinity_slack, exclude=first)
-        if second is None and result.kind == "connect":
-            second = first  # it never got the request: the same one may take it now
-        timed_out = result.kind == "timeout"
+        other, choice = choose_prefill(svc.prefills, svc.config.prefill_policy, self.placement,
+                                       slack=svc.config.prefill_affinity_slack, exclude=first)
+        retry = plan_retry(result.kind, first, other, pinned=pin is not None)
+        second = retry.on
         if second is None:
-            if not timed_out:
+            if not retry.keep_pin:
                 self.pins.unpin(self.holder, pin)
             self._prefill_gave_up(pin, f"the only prefill failed ({result.kind})")
             return None
@@ -267,9 +237,9 @@ class Turn:
         # A timed-out first prefill may still be reading under its pin: leave that pin to
         # expire and pin again (never pass on params this turn did not just pin). A first
         # prefill that held the conversation took no pin; this one may lack what the decode has.
-        repin = timed_out and pin is not None
+        repin = retry.repin
         if not repin and pin is None and report.reason == "below-threshold" \
-                and self._worth_pinning(second):
+                and self._plan_pin(second):
             report.reason = "miss"
             repin = True
         if repin:
@@ -300,8 +270,9 @@ class Turn:
         event(log, logging.WARNING, "prefill_skipped", request_id=self.request_id,
               conversation=self.key, why=why, fallback="the decode computes the prompt")
         self.report.route = "fallback"
-        if pin is not None:
-            self.report.reason = "stale"
+        reason = gave_up_reason(pin is not None)
+        if reason is not None:
+            self.report.reason = reason
 
     async def _prefill_on(self, backend: Backend,
                           data: bytes) -> dict[str, Any] | Response | Failed:
@@ -326,28 +297,27 @@ class Turn:
         return params
 
     def _settle_reuse(self, params: dict[str, Any] | None) -> None:
-        """X-KVTurn-Reuse: the prefill's own report when it was given a retention to read,
-        else the router's reason (miss / disabled / expired / stale)."""
+        """X-KVTurn-Reuse after the prefill leg (``settle_prefill``); the prefill's read floor
+        learns from its report."""
+        if params is None:
+            return
+        placement = self.placement
+        settled = settle_prefill(reuse_report(params), read_offered=self.retention_sent,
+                                 pin_skipped=self.pin_skipped,
+                                 prompt_tokens=self.prefill_tokens,
+                                 block_size=placement.block_size if placement else 0)
+        if settled is None:
+            return
         report = self.report
-        if params is not None and self.retention_sent:
-            found = reuse_report(params)
-            if found is not None:
-                report.reason = found.reason
-                report.reused_tokens = found.reused_tokens
-                if report.prefill is not None:
-                    learn_read_floor(report.prefill, declined=found.declined_tokens,
-                                     reused=found.reused_tokens, now=time.monotonic())
-            else:
-                report.reason = "miss"
-        elif params is not None and self.pin_skipped:
-            placement = self.placement
-            report.reason = local_coverage(reuse_report(params), self.prefill_tokens,
-                                           placement.block_size if placement else 0)
+        report.reason, report.reused_tokens = settled.reason, settled.reused_tokens
+        if settled.learn is not None and report.prefill is not None:
+            learn_read_floor(report.prefill, declined=settled.learn.declined_tokens,
+                             reused=settled.learn.reused_tokens, now=time.monotonic())
 
     @property
     def _retains(self) -> bool:
         """Whether the decode is asked to retain this turn (and the router captures it)."""
-        return self.key is not None and self.svc.config.kv_reuse
+        return self.key is not None and self.policy.retain
 
     # Step 4, the decode leg (``_decode_step.py``), and step 5, its capture (``_capture.py``).
 

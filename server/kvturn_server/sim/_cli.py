@@ -36,8 +36,8 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="A discrete-event simulation of N prefills and M decodes serving agent "
                     "conversations (drawn from production tool-gap quantiles, or read from "
                     "--trace). The decodes run the connector's own retention table, the "
-                    "prefills its verified-reuse and cost decision, the router its placement "
-                    "code; the stock baselines run the stock router's decision. Compares "
+                    "prefills its verified-reuse and cost decision, the router its turn planner "
+                    "(route, pin, reuse value), the stock baselines' included. Compares "
                     "policies on the same conversations (" + names
                     + "), sweeps kvturn's lease over --sweep-budgets x --sweep-ttls, prints "
                     "Markdown tables and writes JSON and a PNG. See docs/simulate.md.")

@@ -1,29 +1,20 @@
 """The discrete-event simulation: agents, the router, prefills and decodes on one clock.
 
-The decisions are kvturn's own code, imported: the router's placement
-(:mod:`kvturn_server.router._placement`, :mod:`~kvturn_server.router._history`), the
+Every decision is kvturn's own code, imported through the package faces: the router's turn
+planner (``router/_plan.py``: :func:`plan_route`, :func:`plan_pin`, :func:`pin_gone`,
+:func:`settle_prefill`, :func:`settle_continued`, :func:`moved_from`, the same calls its
+``Turn`` makes) and backend choices (:func:`choose_prefill`, :func:`choose_decode`); the
 prefill's verified reuse and read-or-compute choice (:func:`decide_reuse` with the connector's
-:class:`CostModel`), and the decode's retention table (:class:`RetentionTable`, with the
-simulator's clock). The stock baselines run the router's own stock decision
-(:func:`conditional_decode`, :func:`served_tokens`). This file only moves time: it
-decides nothing those modules decide.
+:class:`CostModel`); the decode's retention table (:class:`RetentionTable`, on the simulator's
+clock). This file moves time and stands in for the calls: a pin is the table's pin, a prefill
+leg's reuse report is what ``decide_reuse`` decided.
 
-A turn, as the router runs it (``router/_turn.py``):
-
-1. The router looks up the conversation's record (none without a conversation id, or once the
-   router forgot it). Under kvturn, if the decode holding it can continue the turn
-   (:func:`continuation`), the decode computes the part it lacks itself; under stock
-   conditional disaggregation the same when :func:`conditional_decode` says so, whatever the
-   decode's prefix cache still holds.
-2. Otherwise a prefill is chosen (:func:`choose_prefill`); the retention is pinned when it
-   holds more than that prefill does (:func:`read_gain`, :func:`read_floor`). The prefill
-   takes its own prefix-cache hit, reads the verified range the cost model prefers to read,
-   computes the rest (FIFO behind the prefill's other work), then unpins.
-3. A decode is chosen (:func:`choose_decode`); it allocates the request's blocks (evicting
-   retentions rather than starving), pulls the prompt's KV it lacks, and decodes the reply.
-4. The finished turn is retained (or left in the decode's prefix cache, by policy), the
-   placement recorded, an older retention on another decode released; the agent's tool gap
-   follows, with keepalives and a final release as the policy's clients send them.
+A turn runs the router's steps (``router/_turn.py``): the record looked up, the route planned
+(the decode alone, or a prefill chosen and the retention pinned for it or not), the prefill's
+hit, read and compute (FIFO behind its other work), a decode chosen, its blocks allocated
+(evicting retentions rather than starving) and the missing KV pulled, the reply decoded, the
+turn retained (or left in the decode's prefix cache) and recorded, an older retention on
+another decode released; then the agent's tool gap, with its clients' keepalives and release.
 """
 
 from __future__ import annotations
@@ -33,12 +24,19 @@ import itertools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any, TextIO
 
 from kvturn_server import router as routing
 from kvturn_server.connector import CostModel, CostSettings, decide_reuse
-from kvturn_server.router import Backend, Placement, Pool, Transcript, coverage, gone_reason
+from kvturn_server.router import (
+    Backend,
+    DecodeUsage,
+    Pool,
+    ReuseReport,
+    Transcript,
+    TurnPath,
+    TurnPolicy,
+)
 from kvturn_server.sim._config import GIB, SimSettings
 from kvturn_server.sim._instances import (
     SHARED_SYSTEM,
@@ -47,6 +45,7 @@ from kvturn_server.sim._instances import (
     conversation_hash,
 )
 from kvturn_server.sim._metrics import Recorder
+from kvturn_server.sim._records import Records
 from kvturn_server.sim._turn import (
     Turn,
     messages,
@@ -74,16 +73,23 @@ class Simulation:
         host_blocks = math.floor(policy.host_gib * GIB / fleet.block_bytes)
         self.prefills = [SimPrefill(f"p{i}", fleet.prefill_capacity, host_blocks)
                          for i in range(fleet.prefills)]
-        # Each decode's lost log as the router has read it (``_lost_log``).
-        self._lost: dict[str, dict[str, tuple[str, str]]] = {}
         self.decodes = [SimDecode(f"d{i}", fleet.decode_capacity, policy,
                                   max_num_seqs=fleet.max_num_seqs, clock=self.clock,
                                   host_blocks=host_blocks)
                         for i in range(fleet.decodes)]
         self.prefill_pool = Pool("prefill", [Backend("prefill", p.name) for p in self.prefills],
                                  eject_after=3, readmit_after=2)
-        self.decode_pool = Pool("decode", [Backend("decode", d.name) for d in self.decodes],
+        # Control endpoints that always answer for their engine: the router's pin checks pass.
+        self.decode_pool = Pool("decode", [Backend("decode", d.name, control_url=d.name)
+                                           for d in self.decodes],
                                 eject_after=3, readmit_after=2)
+        # The router's settings that decide a turn, as the simulated router is configured.
+        self.plan = TurnPolicy(
+            reuse=policy.retain, retain=policy.retain,
+            conditional_disagg=policy.conditional_disagg,
+            decode_continue_tokens=settings.router.decode_continue_tokens,
+            decode_continue_budget=settings.router.decode_continue_budget,
+            min_read_tokens=settings.router.min_read_tokens)
         self._prefill_of = {p.name: p for p in self.prefills}
         self._decode_of = {d.name: d for d in self.decodes}
         cost = settings.cost
@@ -104,7 +110,8 @@ class Simulation:
                 compute_tokens_per_s=settings.connector_compute_tokens_per_s,
                 compute_attention_tokens=cost.attention_tokens),
                 bytes_per_token=fleet.kv_bytes_per_token)
-        self.placements: dict[str, Placement] = {}
+        self.records = Records(settings.router, self._decode_of)
+        self.placements = self.records.placements
         self.recorder = Recorder(settings, self.decodes, self.prefills)
         self._progress = progress
         self._progress_every = progress_every_s
@@ -186,83 +193,28 @@ class Simulation:
             k = policy.keepalive_s
             for n in range(1, int(gap / k) + 1):
                 if n * k < gap:
-                    self.at(self.now + n * k, self._keepalive, conv.cid)
+                    self.at(self.now + n * k, self.records.keepalive, conv.cid)
         self.at(self.now + gap, self._turn, conv, turn.index + 1)
-
-    def _keepalive(self, key: str) -> None:
-        placement = self.placements.get(key)
-        if placement is None:
-            return
-        if not placement.retained:
-            return  # the router answers at once: nothing to renew
-        retention = self._decode_of[placement.decode].table.keepalive(key)
-        if retention is not None:
-            self.placements[key] = replace(placement, expires_at=retention.expires_at)
-        else:  # gone: the router keeps the record for affinity, lost (router/_conversations.py)
-            self.placements[key] = replace(placement, retained=False,
-                                           lost=str(self._decode_of[placement.decode]
-                                                    .table.gone_reason(key)))
 
     # The router.
 
-    def _record(self, key: str) -> Placement | None:
-        """The router's record of the conversation; the store forgets it ``remember_expired``
-        after its lease (or stock record) ran out. A retention its decode evicted or let
-        expire is marked lost, as the router following the decode's lost log marks it
-        (``router/_lost.py``: within milliseconds, so at once here)."""
-        placement = self.placements.get(key)
-        if placement is not None \
-                and self.now >= placement.expires_at + self.s.router.remember_expired_s:
-            del self.placements[key]
-            return None
-        if placement is not None and placement.retained and placement.lost is None \
-                and self.s.router.follow_evictions:
-            lost = self._lost_log(placement.decode).get(key)
-            host = self._decode_of[placement.decode].host
-            if lost is not None and lost[0] == placement.turn \
-                    and not (host is not None and host.holds(key)):
-                # With a host tier an evicted retention stays there (the connector logs it
-                # only once the host tier drops it too), and the decode loads it back.
-                placement = self.placements[key] = replace(placement, retained=False,
-                                                           lost=lost[1])
-        return placement
-
-    def _lost_log(self, decode: str) -> dict[str, tuple[str, str]]:
-        """What the decode's lost log said so far (connector ``take_lost``): key -> (the
-        retention's request id, why), the latest per key."""
-        log = self._lost.setdefault(decode, {})
-        for retention, reason in self._decode_of[decode].table.take_lost():
-            log[retention.key] = (retention.request_id, reason.value)
-        return log
-
     def _route(self, turn: Turn) -> None:
-        s, policy = self.s, self.s.policy
+        s = self.s
         key = turn.conv.cid
-        placement = self._record(key) if policy.conversation_ids else None
+        placement = self.records.find(key, self.now) if s.policy.conversation_ids else None
         if placement is not None:
             turn.placement = placement
             turn.holder = self.decode_pool.by_url(placement.decode)
-        if policy.conversation_ids and (policy.conditional_disagg or (
-                policy.retain and s.router.decode_continue_tokens > 0)):
+        if s.policy.conversation_ids and self.plan.reads_transcript:
             turn.transcript = Transcript(messages(turn))
-        if not policy.retain:
-            turn.reason = "disabled"
-        if placement is not None and turn.holder is not None:
-            if policy.conditional_disagg:
-                _, why = routing.conditional_decode(
-                    placement=placement, holder=turn.holder, transcript=turn.transcript,
-                    max_tokens=policy.conditional_disagg)
-                if not why:
-                    self._continue(turn, 0)
-                    return
-            elif policy.retain:
-                estimate, why = routing.continuation(
-                    placement=placement, holder=turn.holder, transcript=turn.transcript,
-                    now=self.now, max_tokens=s.router.decode_continue_tokens,
-                    budget=s.router.decode_continue_budget)
-                if not why:
-                    self._continue(turn, estimate)
-                    return
+        route = routing.plan_route(self.plan, placement=placement, holder=turn.holder,
+                                   transcript=turn.transcript, now=self.now)
+        turn.where = route.where
+        if route.reason is not None:
+            turn.reason = route.reason
+        if route.where is not TurnPath.PREFILL:
+            self._continue(turn, route.estimate)
+            return
         prefill, _ = routing.choose_prefill(self.prefill_pool, s.router.prefill_policy,
                                             placement, slack=s.router.prefill_affinity_slack)
         assert prefill is not None
@@ -273,7 +225,7 @@ class Simulation:
     def _continue(self, turn: Turn, estimate: int) -> None:
         """The decode that served the conversation runs the turn alone."""
         assert turn.holder is not None
-        turn.route, turn.continued = "decode", estimate
+        turn.route, turn.continued = turn.where.route, estimate
         turn.holder.continuing += estimate
         turn.decode = turn.holder
         turn.decode.in_flight += 1
@@ -307,26 +259,29 @@ class Simulation:
         local = max(own, shared) * bs
         pin = None
         decode = None
-        pin_skipped = False
         placement = turn.placement
-        if s.policy.retain and placement is not None and turn.holder is not None \
-                and placement.retained:
-            # The router's _worth_pinning, then its pin (the control call is the table's pin).
-            gain = routing.read_gain(placement, prefill)
-            floor = routing.read_floor(prefill, self.now)
-            if gain >= max(1, s.router.min_read_tokens) and gain > floor:
+        # The router's pin decision, then its pin (the control call is the table's pin).
+        plan = routing.plan_pin(self.plan, placement=placement, holder=turn.holder,
+                                prefill=prefill, now=self.now)
+        if plan.reason is not None:
+            turn.reason = plan.reason
+        if plan.pin:
+            assert placement is not None and turn.holder is not None
+            refused = routing.refuse_pin(placement, turn.holder)
+            if refused is None:
                 decode = self._decode_of[placement.decode]
-                pin = decode.table.pin(turn.conv.cid, s.router.pin_ttl_s)
+                pin = decode.table.pin(key, s.router.pin_ttl_s)
                 if pin is None:
-                    turn.reason = gone_reason(str(decode.table.gone_reason(turn.conv.cid)))
-                    self.placements.pop(turn.conv.cid, None)
-            else:
-                pin_skipped = gain == 0
-                turn.reason = "below-threshold"
-        elif s.policy.retain and placement is not None and placement.lost is not None:
-            turn.reason = gone_reason(placement.lost)  # the router's _worth_pinning
+                    refused = routing.pin_gone(str(decode.table.gone_reason(key)))
+            if refused is not None:
+                turn.reason = refused.reason
+                if refused.drop is not None:
+                    self.placements.pop(key, None)
+        turn.pinned = pin is not None
         read_tokens = 0
         read_s = 0.0
+        # What the prefill's connector reports (``kvturn.reuse``): its own hit, and what it read.
+        report = ReuseReport("miss", 0, local)
         if pin is not None:
             retention = pin[0]
             decision = decide_reuse(
@@ -335,18 +290,21 @@ class Simulation:
                 retained_block_ids=retention.readable_block_ids, block_size=bs,
                 threshold=s.router.recompute_threshold, expired=False, engine_known=True,
                 enabled=True, cost=self.decision_model.estimate)
-            turn.reason = decision.reason.value
             read_tokens = decision.num_tokens
             if decision.reused:
                 read_s = self.cost_model.estimate(read_tokens, local).read_ms / 1e3
             declined = decision.cost.tokens if decision.cheaper_to_compute and decision.cost \
                 else 0
-            routing.learn_read_floor(prefill, declined=declined, reused=read_tokens, now=self.now)
-        elif pin_skipped:
-            # The prefill held all the retention offered: the router reports its own cache's
-            # coverage (router/_turn.py, _local_coverage).
-            turn.reason = "miss" if local <= 0 else "hit" if local >= (
-                turn.prompt - 1) // bs * bs else "partial"
+            report = ReuseReport(decision.reason.value, read_tokens, local, declined)
+        turn.prefill_report = report
+        settled = routing.settle_prefill(
+            report, read_offered=pin is not None, pin_skipped=plan.skipped,
+            prompt_tokens=turn.prompt, block_size=placement.block_size if placement else 0)
+        if settled is not None:
+            turn.reason = settled.reason
+            if settled.learn is not None:
+                routing.learn_read_floor(prefill, declined=settled.learn.declined_tokens,
+                                         reused=settled.learn.reused_tokens, now=self.now)
         covered = local + read_tokens
         computed = max(1, turn.prompt - covered)
         turn.computed = computed
@@ -411,10 +369,16 @@ class Simulation:
         if turn.route == "decode":
             computed = max(1, turn.prompt - hit)
             turn.computed, turn.reused = computed, turn.prompt - computed
-            if s.policy.retain:
-                # What the decode's usage reports: its cache's coverage of the prompt (the
-                # router's TurnReport.settle), the retention's or the plain prefix cache's.
-                turn.reason = coverage(turn.prompt - computed, turn.prompt, bs)
+            turn.usage = DecodeUsage(turn.prompt, turn.conv.replies[turn.index],
+                                     cached_tokens=turn.prompt - computed)
+            if turn.where is TurnPath.CONTINUE:
+                # What the decode's usage reports: its cache's coverage of the prompt, the
+                # retention's or the plain prefix cache's (the router's TurnReport.settle).
+                found = routing.settle_continued(
+                    turn.usage, None,
+                    turn.placement.block_size if turn.placement is not None else 0)
+                if found is not None:
+                    turn.reason = found.reason
             compute_s = self.cost_model.work(computed, turn.prompt - computed) \
                 / s.cost.compute_tokens_per_s
             begin = max(start, decode.busy_until)
@@ -448,7 +412,7 @@ class Simulation:
         hashes = retained_block_hashes(turn, tokens, bs)
         if decode.host is not None:
             decode.host.store(key, hashes)
-        if s.policy.retain:
+        if self.plan.retain:
             freed = decode.table.retain(key, f"r{next(self._request_ids)}", turn.blocks,
                                         hashes, tokens)
             decode.give_back(freed)
@@ -461,8 +425,9 @@ class Simulation:
                 # Not retained (refused over the budget): the router still records the
                 # decode and the messages (router/_capture.py, _record_unretained).
                 self._record_stock(turn, decode)
-            if old is not None and old.decode != decode.name:
-                moved = self._decode_of[old.decode]
+            moved_from = routing.moved_from(old, decode.name)
+            if moved_from is not None:
+                moved = self._decode_of[moved_from]
                 moved.give_back(moved.table.release(key)[1])
         else:
             decode.finish(key, turn.blocks, hashes)

@@ -9,12 +9,21 @@ same whatever the clock says.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvturn_server.bench.agent import FRAMING_TOKENS
 from kvturn_server.connector import Retention
-from kvturn_server.router import Backend, Placement, Transcript
+from kvturn_server.router import (
+    Backend,
+    DecodeUsage,
+    Placement,
+    ReuseReport,
+    Transcript,
+    TurnPath,
+    recorded_prefill,
+    served_tokens,
+)
 from kvturn_server.sim._instances import prompt_hashes, trace_hashes, unique_hashes
 from kvturn_server.sim._workload import Conversation
 
@@ -34,8 +43,9 @@ def pad(tokens: int, version: int) -> str:
 
 @dataclass(slots=True)
 class Turn:
-    """A turn in flight: its conversation and prompt, then what each leg decided (route,
-    reason, tokens computed and reused) and held (the decode's blocks)."""
+    """A turn in flight: its conversation and prompt, then what the router's planner decided
+    (where it runs, whether it pinned, the reuse value it reports) and the legs did (tokens
+    computed and reused, the decode's blocks held)."""
 
     conv: Conversation
     index: int
@@ -48,8 +58,14 @@ class Turn:
     transcript: Transcript | None = None
     prefill: Backend | None = None
     decode: Backend | None = None
+    where: TurnPath = TurnPath.PREFILL
     route: str = "prefill"
     reason: str = "miss"
+    pinned: bool = False
+    prefill_report: ReuseReport | None = None
+    """What its prefill's connector reported (``kvturn.reuse``); None: no prefill leg."""
+    usage: DecodeUsage | None = None
+    """What its decode's usage said, of a turn the decode ran alone; None: not known."""
     computed: int = 0
     reused: int = 0
     local_hit: int = 0
@@ -104,35 +120,34 @@ def retained_record(turn: Turn, decode: str, retention: Retention, tokens: int, 
                     old: Placement | None) -> Placement:
     """What the router records of a turn its decode retained (``router/_capture.py``): the
     retention's lease and readable tokens, the prefill that served it (a turn the decode
-    continued keeps the previous prefill's) and its messages."""
-    placement = Placement(
+    continued keeps the previous prefill's: ``recorded_prefill``) and its messages."""
+    prefill, prefill_tokens = recorded_prefill(old, *_served_by(turn))
+    return Placement(
         decode=decode, engine_id=None, num_tokens=tokens,
         expires_at=retention.expires_at, turn=retention.request_id,
         readable_tokens=tokens // block_size * block_size, block_size=block_size,
-        prefill=None if turn.prefill is None else turn.prefill.url,
-        prefill_tokens=turn.prompt if turn.prefill is not None else (
-            old.prefill_tokens if old is not None else 0),
+        prefill=prefill, prefill_tokens=prefill_tokens,
         history=None if turn.transcript is None else turn.transcript.history())
-    if turn.prefill is None and old is not None:
-        placement = replace(placement, prefill=old.prefill)
-    return placement
 
 
 def stock_record(turn: Turn, decode: str, old: Placement | None, *, expires_at: float,
                  turn_id: str) -> Placement:
     """What the router records of a turn nothing retained (``router/_capture.py``,
     ``remember_affinity`` and ``_record_unretained``): the decode and prefill that served
-    it, the tokens its usage counted (prompt and reply: ``_placement.served_tokens``) and
-    its messages."""
-    prefill_tokens = turn.prompt if turn.prefill is not None else 0
-    tokens = turn.prompt + turn.conv.replies[turn.index]
-    if turn.prefill is not None:
-        prefill: str | None = turn.prefill.url
-    else:
-        prefill = None if old is None else old.prefill
-        prefill_tokens = 0 if old is None else old.prefill_tokens
+    it, the tokens its usage counted (prompt and reply: ``served_tokens``) and its
+    messages."""
+    served, tokens = _served_by(turn)
+    prefill, prefill_tokens = recorded_prefill(old, served, tokens)
+    usage = DecodeUsage(turn.prompt, turn.conv.replies[turn.index])
     return Placement(
-        decode=decode, engine_id=None, num_tokens=tokens, expires_at=expires_at,
-        turn=turn_id, prefill=prefill, prefill_tokens=prefill_tokens,
+        decode=decode, engine_id=None, num_tokens=served_tokens(usage, tokens),
+        expires_at=expires_at, turn=turn_id, prefill=prefill, prefill_tokens=prefill_tokens,
         history=None if turn.transcript is None else turn.transcript.history(),
         retained=False)
+
+
+def _served_by(turn: Turn) -> tuple[str | None, int]:
+    """The prefill that computed the turn's prompt and its prompt tokens (None, 0: none)."""
+    if turn.prefill is None:
+        return None, 0
+    return turn.prefill.url, turn.prompt

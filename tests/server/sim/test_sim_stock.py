@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from kvturn_server.router import RoutePlan, TurnPath, TurnPolicy
 from kvturn_server.sim import (
     Conversation,
     FleetSpec,
@@ -62,14 +63,14 @@ def test_conditional_disaggregation_runs_short_follow_ups_on_the_decode(
 def test_the_simulator_runs_the_routers_own_decision(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
 
-    def never(**kw: Any) -> tuple[int, str]:
-        calls.append(kw["max_tokens"])
-        return 0, "too_long"
+    def never(policy: TurnPolicy, **kw: Any) -> RoutePlan:
+        calls.append(policy.conditional_disagg)
+        return RoutePlan(TurnPath.PREFILL, not_continued="too_long", reason="disabled")
 
-    # The simulator calls it through the router's face, as ``_placement`` defines it.
-    monkeypatch.setattr("kvturn_server.router.conditional_decode", never)
+    # The simulator calls the router's turn planner through the router's face.
+    monkeypatch.setattr("kvturn_server.router.plan_route", never)
     result = _run("stock-cond", [_chat(100)])
-    assert calls == [512] and result["routes"] == {"prefill": 2}
+    assert calls == [512, 512] and result["routes"] == {"prefill": 2}
 
 
 def _crowd(n: int, *, gap: float) -> list[Conversation]:

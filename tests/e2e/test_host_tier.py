@@ -34,6 +34,7 @@ from kvturn_server.local import (
     vllm_is_installed,
 )
 from kvturn_server.local._direct import control, retention_path
+from kvturn_server.local._http import post_json
 from kvturn_server.local._metrics import total
 
 from ._forced import ReferenceScorer, scoring_with
@@ -124,6 +125,64 @@ def conversation_call(cfg: StackConfig, conversation: str, method: str, suffix: 
 
 def describe(cfg: StackConfig, conversation: str) -> tuple[int, dict[str, Any]]:
     return control(cfg.decode_control_url, "GET", retention_path(tenant_key(conversation)))
+
+
+def direct_turn(cfg: StackConfig, prompt: list[int], key: str | None,
+                timeout: float) -> dict[str, Any]:
+    """A completion straight on the decode (no router, no prefill): the decode computes what
+    its prefix cache lacks and, with ``key``, retains the turn under it."""
+    body: dict[str, Any] = {"model": cfg.served_model_name, "prompt": prompt, "max_tokens": 2,
+                            "temperature": 0, "ignore_eos": True}
+    if key is not None:
+        body["kv_transfer_params"] = {"kvturn": {"conversation": key}}
+    return post_json(f"{cfg.decode_url}/v1/completions", body, timeout=timeout)
+
+
+def test_a_request_whose_cached_history_vllm_must_also_take_is_not_left_waiting(
+        host_stack: Stack) -> None:
+    """Runs first in this module: the decode holds nothing yet.
+
+    A released history is still in the decode's prefix cache, its blocks free. A request that
+    hits it needs every one of its blocks from the free pool (vLLM takes the hit's free blocks
+    out of it), more than the blocks beyond the hit that the connector made room for: vLLM
+    refuses it, and asks again at every step while nothing runs. Each ask after the first
+    takes one more retention while the pool could not hold the whole request, so it runs now,
+    not when a lease expires (``TTL``, five minutes: the client gives up long before).
+    """
+    cfg = host_stack.config
+    rng = random.Random(31)
+    tag = uuid.uuid4().hex[:8]
+
+    def tokens(n_blocks: int) -> list[int]:
+        return [rng.randrange(10, 1600) for _ in range(n_blocks * BLOCK)]
+
+    history = tokens(12)
+    key = f"e2e/stall-{tag}/history"
+    direct_turn(cfg, history, key, timeout=60)
+    status, held = control(cfg.decode_control_url, "GET", retention_path(key))
+    assert status == 200 and held["num_blocks"] == 12, held
+    status, _ = control(cfg.decode_control_url, "DELETE", retention_path(key))
+    assert status == 200
+    others = [f"e2e/stall-{tag}/other-{i}" for i in range(4)]
+    for other in others:  # the retention budget, 16 blocks, filled by four others
+        direct_turn(cfg, tokens(4), other, timeout=60)
+    before = retention_stats(cfg.decode_control_url)
+    assert before["retained_blocks"] == 16, before
+
+    # 12 blocks of history and 16 new ones, and one to grow into: 17 beyond the hit, 29 in all.
+    answer = direct_turn(cfg, history + tokens(16), None, timeout=60)
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 12 * BLOCK, answer
+    after = retention_stats(cfg.decode_control_url)
+    # Every other retention had to leave the device: to host memory, under its lease, unless
+    # the long request's own blocks pushed it out of there too.
+    assert after["retained_blocks"] == 0, after
+    evicted = after["events"].get("evicted", 0) - before["events"].get("evicted", 0)
+    assert evicted == len(others), (before, after)
+    for other in others:
+        status, where = control(cfg.decode_control_url, "GET", retention_path(other))
+        assert (status == 200 and where["where"] == "host") or (
+            status == 404 and where["error"]["code"] == "evicted"), where
+        control(cfg.decode_control_url, "DELETE", retention_path(other))
 
 
 def test_a_conversation_pushed_out_of_device_kv_continues_from_host_memory(

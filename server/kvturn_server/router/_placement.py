@@ -27,6 +27,7 @@ Nothing here changes an answer: every path computes or reads exactly the prompt'
 
 from __future__ import annotations
 
+from kvturn.wire import PrefillChoice
 from kvturn_server.router._history import Transcript, new_tokens
 from kvturn_server.router._legs import DecodeUsage
 from kvturn_server.router._pool import Backend, Pool
@@ -34,23 +35,23 @@ from kvturn_server.router._state import Placement
 
 
 def choose_prefill(pool: Pool, policy: str, placement: Placement | None, *, slack: int,
-                   exclude: Backend | None = None) -> tuple[Backend | None, str]:
+                   exclude: Backend | None = None) -> tuple[Backend | None, PrefillChoice]:
     """The prefill for a turn and why (``X-KVTurn-Prefill-Choice``): ``holder`` (it computed
     the conversation's last prefill leg), ``affinity`` (the same, by session affinity),
     ``load`` (fewest requests in flight) or ``round-robin``."""
     if policy == "round-robin":
-        return pool.pick_in_turn(exclude=exclude), "round-robin"
+        return pool.pick_in_turn(exclude=exclude), PrefillChoice.ROUND_ROBIN
     holder = None
     if placement is not None and placement.prefill is not None \
             and policy in ("affinity", "kv-aware"):
         holder = pool.by_url(placement.prefill)
     if holder is not None and holder.healthy and holder is not exclude:
         if policy == "affinity":
-            return holder, "affinity"
+            return holder, PrefillChoice.AFFINITY
         least = min(b.in_flight for b in pool.members if b.healthy and b is not exclude)
         if holder.in_flight <= least + slack:
-            return holder, "holder"
-    return pool.pick(exclude=exclude), "load"
+            return holder, PrefillChoice.HOLDER
+    return pool.pick(exclude=exclude), PrefillChoice.LOAD
 
 
 def choose_decode(pool: Pool, holder: Backend | None, *, slack: int) -> Backend | None:

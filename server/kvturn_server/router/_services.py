@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvturn.wire import (
     HEADER_BLOCK_SIZE,
@@ -24,6 +24,8 @@ from kvturn.wire import (
     HEADER_REUSED_TOKENS,
     HEADER_ROUTE,
     PENDING,
+    PrefillChoice,
+    ReuseReason,
     Route,
 )
 from kvturn_server.router._log import event
@@ -125,9 +127,10 @@ class TurnContext:
 
 class TurnReport:
     """What a turn says about itself: its X-KVTurn-* headers, its reuse and route counts and
-    its per-request debug line. ``route`` is "decode" (the decode continued the turn alone),
-    "prefill" (prefill leg, then decode leg) or "fallback" (no prefill leg succeeded and the
-    decode computed the prompt); ``prefill`` / ``decode`` are the backends that answered;
+    its per-request debug line. ``reason`` is a :class:`ReuseReason`, or ``PENDING`` (below);
+    ``route`` is ``decode`` (the decode continued the turn alone), ``prefill`` (prefill leg,
+    then decode leg) or ``fallback`` (no prefill leg succeeded and the decode computed the
+    prompt); ``prefill`` / ``decode`` are the backends that answered;
     ``usage`` is what the decode leg that answered reported of its tokens (``DecodeUsage``:
     prompt, completion and cached tokens), set before the turn's capture runs (for a stream,
     once it has ended), None until then or when the decode sent none.
@@ -151,10 +154,10 @@ class TurnReport:
         self.endpoint = endpoint
         self.stream = stream
         self.started = started
-        self.reason = "miss"
+        self.reason: ReuseReason | Literal["pending"] = ReuseReason.MISS
         self.reused_tokens = 0
-        self.route: str = Route.PREFILL
-        self.prefill_choice: str | None = None
+        self.route = Route.PREFILL
+        self.prefill_choice: PrefillChoice | None = None
         self.prefill: Backend | None = None
         self.decode: Backend | None = None
         self.usage: DecodeUsage | None = None

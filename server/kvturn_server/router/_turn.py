@@ -29,6 +29,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+from kvturn.wire import HEADER_REQUEST_ID, ReuseReason, Route
 from kvturn_server.router import _json
 from kvturn_server.router._apis import CHAT, Api
 from kvturn_server.router._attempts import PREFILL_GONE, Attempts, Failed
@@ -92,7 +93,7 @@ class Turn:
         self.report = TurnReport(
             self.ctx, conversation_id=identity.conversation_id if identity else None,
             endpoint=api.name, stream=body.get("stream") is True, started=started)
-        self.attempts = Attempts(self.ctx, path=path, headers={"x-request-id": request_id})
+        self.attempts = Attempts(self.ctx, path=path, headers={HEADER_REQUEST_ID: request_id})
         # Spans per leg and the traceparent each leg carries (``_tracing.py``); the client's
         # trace context, when it sent one, is set by the endpoint.
         self.trace = services.tracing.turn({}, request_id)
@@ -195,7 +196,7 @@ class Turn:
 
     async def _locate(self) -> None:
         found = await self.pins.locate()
-        if isinstance(found, str):
+        if isinstance(found, ReuseReason):
             self.report.reason = found
         elif found is not None:
             self.placement, self.holder = found
@@ -204,7 +205,7 @@ class Turn:
         """Pin the placement's retention; on any failure set the reason and leave no pin."""
         assert self.placement is not None and self.holder is not None
         result = await self.pins.take(self.placement, self.holder, self.trace)
-        if isinstance(result, str):
+        if isinstance(result, ReuseReason):
             self.report.reason = result
         else:
             self.pin = result
@@ -238,9 +239,9 @@ class Turn:
         # expire and pin again (never pass on params this turn did not just pin). A first
         # prefill that held the conversation took no pin; this one may lack what the decode has.
         repin = retry.repin
-        if not repin and pin is None and report.reason == "below-threshold" \
+        if not repin and pin is None and report.reason == ReuseReason.BELOW_THRESHOLD \
                 and self._plan_pin(second):
-            report.reason = "miss"
+            report.reason = ReuseReason.MISS
             repin = True
         if repin:
             self.pin = None
@@ -269,7 +270,7 @@ class Turn:
     def _prefill_gave_up(self, pin: Retention | None, why: str) -> None:
         event(log, logging.WARNING, "prefill_skipped", request_id=self.request_id,
               conversation=self.key, why=why, fallback="the decode computes the prompt")
-        self.report.route = "fallback"
+        self.report.route = Route.FALLBACK
         reason = gave_up_reason(pin is not None)
         if reason is not None:
             self.report.reason = reason

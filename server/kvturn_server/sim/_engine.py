@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from kvturn.wire import ReuseReason, Route
 from kvturn_server import router as routing
 from kvturn_server.connector import CostModel, CostSettings, decide_reuse
 from kvturn_server.router import (
@@ -272,7 +273,7 @@ class Simulation:
                 decode = self._decode_of[placement.decode]
                 pin = decode.table.pin(key, s.router.pin_ttl_s)
                 if pin is None:
-                    refused = routing.pin_gone(str(decode.table.gone_reason(key)))
+                    refused = routing.pin_gone(decode.table.gone_reason(key))
             if refused is not None:
                 turn.reason = refused.reason
                 if refused.drop is not None:
@@ -281,7 +282,7 @@ class Simulation:
         read_tokens = 0
         read_s = 0.0
         # What the prefill's connector reports (``kvturn.reuse``): its own hit, and what it read.
-        report = ReuseReport("miss", 0, local)
+        report = ReuseReport(ReuseReason.MISS, 0, local)
         if pin is not None:
             retention = pin[0]
             decision = decide_reuse(
@@ -295,7 +296,7 @@ class Simulation:
                 read_s = self.cost_model.estimate(read_tokens, local).read_ms / 1e3
             declined = decision.cost.tokens if decision.cheaper_to_compute and decision.cost \
                 else 0
-            report = ReuseReport(decision.reason.value, read_tokens, local, declined)
+            report = ReuseReport(decision.reason, read_tokens, local, declined)
         turn.prefill_report = report
         settled = routing.settle_prefill(
             report, read_offered=pin is not None, pin_skipped=plan.skipped,
@@ -366,7 +367,7 @@ class Simulation:
                 load_s, verified = self._host_load_s(held - verified), held
         start = max(self.now, turn.ready_at) + load_s
         hit = max(system_blocks(turn.conv, bs), verified) * bs  # the system prompt is hot
-        if turn.route == "decode":
+        if turn.route is Route.DECODE:
             computed = max(1, turn.prompt - hit)
             turn.computed, turn.reused = computed, turn.prompt - computed
             turn.usage = DecodeUsage(turn.prompt, turn.conv.replies[turn.index],

@@ -55,7 +55,7 @@ class Records:
         if retention is not None:
             self.placements[key] = replace(placement, expires_at=retention.expires_at)
             return
-        kept = lost_record(placement, str(table.gone_reason(key)))
+        kept = lost_record(placement, table.gone_reason(key))
         if kept is not None:
             self.placements[key] = kept
         else:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from kvturn.wire import GoneReason, gone_reason
 from kvturn_server.router import (
     NO_PIN,
     Backend,
@@ -170,9 +171,10 @@ def test_a_pin_refused_before_or_by_the_decode() -> None:
     refused = refuse_pin(_record(engine_id="e1"), restarted)
     assert refused is not None and (refused.reason, refused.drop) == ("stale", "engine_changed")
     assert [(g.reason, g.drop) for g in map(pin_gone, (
-        "expired", "released", "replaced", "evicted", "no_retention", "odd"))] == [
+        GoneReason.EXPIRED, GoneReason.RELEASED, GoneReason.REPLACED, GoneReason.EVICTED,
+        GoneReason.NO_RETENTION, gone_reason("odd")))] == [
         ("expired", "expired"), ("miss", "released"), ("miss", "replaced"),
-        ("stale", "evicted"), ("stale", "no_retention"), ("stale", "gone")]
+        ("stale", "evicted"), ("stale", "no_retention"), ("stale", "no_retention")]
 
 
 def test_a_failed_prefill_leg_is_retried_once() -> None:

@@ -231,7 +231,7 @@ class DecodeStep:
                 await hook.final_event(final)
 
         async def finish(end: StreamEnd) -> None:
-            backend.in_flight -= 1
+            svc.decodes.leg_ended(backend)
             span.end(None if end.error is None else end.error.kind)
             if end.error is not None:
                 self.attempts.failed(svc.decodes, backend, "decode", end.error.kind,

@@ -75,14 +75,13 @@ class Pins:
             return ReuseReason.STALE
         span.end()
         ctx.leg("pin", time.perf_counter() - t0)
-        holder.control_ok = True
         if isinstance(result, Gone):
+            services.decodes.control_answered(holder)
             gone = pin_gone(result.code)
             if gone.drop is not None:
                 self.drop(placement, gone.drop)
             return gone.reason
-        if result.engine_id is not None:
-            holder.control_engine_id = result.engine_id
+        services.decodes.control_answered(holder, result.engine_id)
         if placement.engine_id is not None and result.engine_id is not None \
                 and result.engine_id != placement.engine_id:
             self.drop(placement, "engine_changed")

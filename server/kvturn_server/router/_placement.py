@@ -30,7 +30,7 @@ from __future__ import annotations
 from kvturn.wire import PrefillChoice
 from kvturn_server.router._history import Transcript, new_tokens
 from kvturn_server.router._legs import DecodeUsage
-from kvturn_server.router._pool import Backend, Pool
+from kvturn_server.router._pool import READ_FLOOR_TTL, Backend, Pool
 from kvturn_server.router._state import Placement
 
 
@@ -82,24 +82,9 @@ def read_gain(placement: Placement, prefill: Backend) -> int:
     return max(0, placement.cached_tokens - held)
 
 
-READ_FLOOR_TTL = 60.0
-"""Seconds a prefill's declined range keeps the router from pinning for no more than it: its
-cost model calibrates as load changes, so the router asks again after this."""
-
-
-def learn_read_floor(prefill: Backend, *, declined: int, reused: int, now: float) -> None:
-    """Track the prefill's break-even from its reports: a declined range raises the floor, a
-    read lowers it below what was read."""
-    if declined > 0:
-        fresh = now - prefill.read_floor_at < READ_FLOOR_TTL
-        prefill.read_floor = max(prefill.read_floor if fresh else 0, declined)
-        prefill.read_floor_at = now
-    elif reused > 0 and prefill.read_floor >= reused:
-        prefill.read_floor = reused - 1
-
-
 def read_floor(prefill: Backend, now: float) -> int:
-    """The prefill's current floor (0 once it is older than :data:`READ_FLOOR_TTL`)."""
+    """The prefill's current floor (``Pool.read_reported`` learns it from its reports; 0
+    once it is older than :data:`READ_FLOOR_TTL`)."""
     return prefill.read_floor if now - prefill.read_floor_at < READ_FLOOR_TTL else 0
 
 

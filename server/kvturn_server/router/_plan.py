@@ -296,7 +296,7 @@ class Settled:
     Attributes:
         reason: ``X-KVTurn-Reuse``.
         reused_tokens: ``X-KVTurn-Reused-Tokens``: read from the decode.
-        learn: the report the prefill's read floor learns from (``learn_read_floor``); None
+        learn: the report the prefill's read floor learns from (``Pool.read_reported``); None
             when it weighed no read.
     """
 

@@ -103,8 +103,7 @@ class TurnContext:
               conversation=self.key, op=op, error=str(exc))
 
     def control_failed(self, backend: Backend, call: str, exc: ControlError) -> None:
-        if exc.kind in ("connect", "timeout", "unauthorized"):
-            backend.control_ok = False  # until a health check finds it answering again
+        self.services.decodes.control_failed(backend, exc.kind)
         self.services.metrics.failure("control", backend.url, exc.kind)
         control_call_failed(backend, call, exc, request_id=self.request_id,
                             conversation=self.key)

@@ -41,7 +41,7 @@ from kvturn_server.router._identity import Identity
 from kvturn_server.router._legs import decode_body, reuse_report
 from kvturn_server.router._log import event
 from kvturn_server.router._pin import Pins
-from kvturn_server.router._placement import choose_prefill, learn_read_floor
+from kvturn_server.router._placement import choose_prefill
 from kvturn_server.router._plan import (
     NOT_CONTINUED_FAILED,
     RoutePlan,
@@ -156,7 +156,7 @@ class Turn:
             report.continued(expected_tokens=placement.cached_tokens,
                              block_size=placement.block_size)
             self.continued = route.estimate
-            holder.continuing += route.estimate
+            svc.decodes.continuation_started(holder, route.estimate)
             key = self.key
         else:
             report.route = route.where.route
@@ -179,7 +179,7 @@ class Turn:
     def _end_continuation(self) -> None:
         """The continued turn's prompt is computed (first token out) or abandoned."""
         if self.continued and self.holder is not None:
-            self.holder.continuing = max(0, self.holder.continuing - self.continued)
+            self.svc.decodes.continuation_ended(self.holder, self.continued)
             self.continued = 0
 
     def _plan_pin(self, prefill: Backend | None) -> bool:
@@ -312,8 +312,9 @@ class Turn:
         report = self.report
         report.reason, report.reused_tokens = settled.reason, settled.reused_tokens
         if settled.learn is not None and report.prefill is not None:
-            learn_read_floor(report.prefill, declined=settled.learn.declined_tokens,
-                             reused=settled.learn.reused_tokens, now=time.monotonic())
+            self.svc.prefills.read_reported(
+                report.prefill, declined=settled.learn.declined_tokens,
+                reused=settled.learn.reused_tokens, now=time.monotonic())
 
     @property
     def _retains(self) -> bool:

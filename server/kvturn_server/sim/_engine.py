@@ -220,16 +220,16 @@ class Simulation:
                                             placement, slack=s.router.prefill_affinity_slack)
         assert prefill is not None
         turn.prefill = prefill
-        prefill.in_flight += 1
+        self.prefill_pool.leg_started(prefill)
         self._prefill(turn)
 
     def _continue(self, turn: Turn, estimate: int) -> None:
         """The decode that served the conversation runs the turn alone."""
         assert turn.holder is not None
         turn.route, turn.continued = turn.where.route, estimate
-        turn.holder.continuing += estimate
+        self.decode_pool.continuation_started(turn.holder, estimate)
         turn.decode = turn.holder
-        turn.decode.in_flight += 1
+        self.decode_pool.leg_started(turn.decode)
         turn.ready_at = self.now + self.s.cost.leg_overhead_ms / 1e3
         self._admit(turn)
 
@@ -304,8 +304,9 @@ class Simulation:
         if settled is not None:
             turn.reason = settled.reason
             if settled.learn is not None:
-                routing.learn_read_floor(prefill, declined=settled.learn.declined_tokens,
-                                         reused=settled.learn.reused_tokens, now=self.now)
+                self.prefill_pool.read_reported(
+                    prefill, declined=settled.learn.declined_tokens,
+                    reused=settled.learn.reused_tokens, now=self.now)
         covered = local + read_tokens
         computed = max(1, turn.prompt - covered)
         turn.computed = computed
@@ -330,12 +331,12 @@ class Simulation:
         if system:
             sim.remember(SHARED_SYSTEM, turn.hashes[:system])
         assert turn.prefill is not None
-        turn.prefill.in_flight -= 1
+        self.prefill_pool.leg_ended(turn.prefill)
         target = routing.choose_decode(self.decode_pool, turn.holder,
                                        slack=self.s.router.decode_affinity_slack)
         assert target is not None
         turn.decode = target
-        target.in_flight += 1
+        self.decode_pool.leg_started(target)
         turn.ready_at = self.now + self.s.cost.leg_overhead_ms / 2e3
         self._admit(turn)
 
@@ -397,7 +398,7 @@ class Simulation:
 
     def _first_token(self, turn: Turn) -> None:
         if turn.continued and turn.holder is not None:
-            turn.holder.continuing = max(0, turn.holder.continuing - turn.continued)
+            self.decode_pool.continuation_ended(turn.holder, turn.continued)
             turn.continued = 0
         self.recorder.turn(turn.conv, turn.index, ttft=self.now - turn.arrived,
                            prompt=turn.prompt, computed=turn.computed, reused=turn.reused,
@@ -408,7 +409,7 @@ class Simulation:
         key = turn.conv.cid
         decode.live -= 1
         assert turn.decode is not None
-        turn.decode.in_flight -= 1
+        self.decode_pool.leg_ended(turn.decode)
         tokens = turn.prompt + turn.conv.replies[turn.index] - 1
         hashes = retained_block_hashes(turn, tokens, bs)
         if decode.host is not None:

@@ -6,7 +6,8 @@ Names are imported on first use, so that ``kvturn``'s argument parser can take
 
 Besides the server, the face exports the turn planner (``_plan.py``: ``plan_route``,
 ``plan_pin``, ``refuse_pin``, ``pin_gone``, ``settle_prefill``, ``settle_continued``,
-``recorded_prefill``, ``moved_from``, ``lost_record`` and their typed inputs and decisions),
+``recorded_prefill``, ``moved_from``, ``lost_record``, ``marked_lost`` and their typed inputs
+and decisions),
 the backend choices (``choose_prefill``, ``choose_decode``, ``served_tokens``) and the state
 they read (``Pool``, ``Backend``, ``Placement``, ``Transcript``, ``DecodeUsage``,
 ``ReuseReport``; a backend's state changes only through its ``Pool``'s event methods): the
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
         TurnPolicy,
         gone_reuse,
         lost_record,
+        marked_lost,
         moved_from,
         pin_gone,
         plan_pin,
@@ -75,9 +77,9 @@ _WHERE = {
     "read_floor": "_placement", "read_gain": "_placement",
     "served_tokens": "_placement",
     **dict.fromkeys(("NO_PIN", "PinPlan", "Refusal", "RoutePlan", "Settled", "TurnPolicy",
-                     "TurnPath", "gone_reuse", "lost_record", "moved_from", "pin_gone", "plan_pin",
-                     "plan_route", "recorded_prefill", "refuse_pin", "settle_continued",
-                     "settle_prefill"),
+                     "TurnPath", "gone_reuse", "lost_record", "marked_lost", "moved_from",
+                     "pin_gone", "plan_pin", "plan_route", "recorded_prefill", "refuse_pin",
+                     "settle_continued", "settle_prefill"),
                     "_plan"),
     "Backend": "_pool", "Pool": "_pool",
 }
@@ -113,6 +115,7 @@ __all__ = [
     "create_app",
     "gone_reuse",
     "lost_record",
+    "marked_lost",
     "moved_from",
     "pin_gone",
     "plan_pin",

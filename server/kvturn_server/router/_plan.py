@@ -23,7 +23,8 @@ In a turn's order:
    (``X-KVTurn-Reuse``), from the prefill's report or the decode's usage.
 5. :func:`recorded_prefill` and :func:`moved_from`: what the turn's record says of the prefill,
    and which old retention the router releases once the record is written;
-   :func:`lost_record`: the record after a keepalive found the retention gone.
+   :func:`lost_record`: the record after a keepalive found the retention gone;
+   :func:`marked_lost`: the record after a decode's lost log named a retention dropped.
 
 Which backend serves a leg is ``_placement.py``'s (``choose_prefill``, ``choose_decode``), and
 the estimates behind the route (``continuation``, ``conditional_decode``, ``read_gain``) too.
@@ -360,3 +361,16 @@ def lost_record(placement: Placement, code: GoneReason) -> Placement | None:
     if code in _KEPT_LOST:
         return replace(placement, retained=False, lost=code)
     return None
+
+
+def marked_lost(placement: Placement | None, *, decode: str, read_id: str,
+                reason: GoneReason) -> Placement | None:
+    """The record of a conversation after ``decode``'s lost log said it dropped the retention
+    ``read_id`` on its own for ``reason`` (evicted, expired: ``_lost.py``): kept for affinity,
+    marked lost, when that is the retention the record names (same decode, same read id, still
+    retained); None when the entry is not this record's (no record, another decode's, a newer
+    retention under the same key, or one already known not to be retained)."""
+    if placement is None or placement.decode != decode or placement.read_id != read_id \
+            or not placement.retained:
+        return None
+    return replace(placement, retained=False, lost=reason)

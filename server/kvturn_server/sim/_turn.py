@@ -126,6 +126,7 @@ def retained_record(turn: Turn, decode: str, retention: Retention, tokens: int, 
     return Placement(
         decode=decode, engine_id=None, num_tokens=tokens,
         expires_at=retention.expires_at, turn=retention.request_id,
+        read_id=retention.request_id,
         readable_tokens=tokens // block_size * block_size, block_size=block_size,
         prefill=prefill, prefill_tokens=prefill_tokens,
         history=None if turn.transcript is None else turn.transcript.history())

@@ -22,6 +22,7 @@ from kvturn_server.router import (
     TurnPath,
     TurnPolicy,
     lost_record,
+    marked_lost,
     moved_from,
     pin_gone,
     plan_pin,
@@ -230,3 +231,17 @@ def test_a_keepalive_that_finds_the_retention_gone() -> None:
         assert kept is not None and (kept.retained, kept.lost) == (False, code)
     assert lost_record(_record(), "released") is None
     assert lost_record(_record(), "replaced") is None
+
+
+def test_a_lost_log_entry_marks_only_the_retention_the_record_names() -> None:
+    record = _record(read_id="kvturn-read/r1")
+    marked = marked_lost(record, decode="http://d0", read_id="kvturn-read/r1",
+                         reason=GoneReason.EVICTED)
+    assert marked == replace(record, retained=False, lost="evicted")
+    for other in ({"decode": "http://d1"}, {"read_id": "kvturn-read/r2"}):
+        entry: dict[str, Any] = {"decode": "http://d0", "read_id": "kvturn-read/r1", **other}
+        assert marked_lost(record, reason=GoneReason.EXPIRED, **entry) is None
+    assert marked_lost(marked, decode="http://d0", read_id="kvturn-read/r1",
+                       reason=GoneReason.EXPIRED) is None  # known not to be retained
+    assert marked_lost(None, decode="http://d0", read_id="kvturn-read/r1",
+                       reason=GoneReason.EXPIRED) is None

@@ -23,7 +23,8 @@ import uuid
 from dataclasses import dataclass
 
 import kvturn
-from kvturn_server.bench.agent._loop import IDS, Live, run_agent
+from kvturn_server.bench.agent._kinds import IDS
+from kvturn_server.bench.agent._loop import Live, run_agent
 from kvturn_server.bench.agent._workload import AgentBenchSettings, build_scripts
 from kvturn_server.local import Stack
 from kvturn_server.sim import (

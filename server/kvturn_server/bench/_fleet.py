@@ -88,7 +88,8 @@ from kvturn_server.bench._fleet_plan import (
 from kvturn_server.bench._fleet_report import build_results, scenario_result, table, write_plot
 from kvturn_server.bench._profiles import ProfileFleets
 from kvturn_server.bench._sampling import loadavg
-from kvturn_server.bench.agent._loop import PROMPT_DETAILS_ARGS, Live
+from kvturn_server.bench.agent._kinds import PROMPT_DETAILS_ARGS
+from kvturn_server.bench.agent._loop import Live
 from kvturn_server.bench.agent._records import AgentOutcome
 from kvturn_server.bench.agent._workload import AgentBenchSettings, GapDistribution, build_scripts
 from kvturn_server.local import ProgressLine

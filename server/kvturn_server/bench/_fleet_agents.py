@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvturn_server.bench._fleet_plan import AgentPlan, FleetMode
 from kvturn_server.bench._sampling import PeriodicSampler, loadavg, retained_bytes, wait_released
 from kvturn_server.bench._stats import fmt, percentile, rounded
-from kvturn_server.bench.agent._loop import IDS, Live, chunk_gaps_ms, progress
+from kvturn_server.bench.agent._kinds import IDS
+from kvturn_server.bench.agent._loop import Live, chunk_gaps_ms, progress
 from kvturn_server.bench.agent._loop import run_agent as run_as_client
 from kvturn_server.bench.agent._records import AgentOutcome
 

@@ -22,9 +22,9 @@ from kvturn_server.bench._profiles import (
 from kvturn_server.bench._profiles import PLAIN as PLAIN_PROFILE
 from kvturn_server.bench._profiles import kv_bytes_per_token as kv_bytes_per_token
 from kvturn_server.bench._run_settings import InstanceRunSettings
-from kvturn_server.bench.agent._loop import IDS as IDS
-from kvturn_server.bench.agent._loop import KVTURN as KVTURN
-from kvturn_server.bench.agent._loop import PLAIN as PLAIN
+from kvturn_server.bench.agent._kinds import IDS as IDS
+from kvturn_server.bench.agent._kinds import KVTURN as KVTURN
+from kvturn_server.bench.agent._kinds import PLAIN as PLAIN
 from kvturn_server.bench.agent._modes import DYNAMO_CONDITIONAL_TOKENS, KVTURN_CONTINUE_TOKENS
 from kvturn_server.bench.agent._workload import (
     FRAMING_TOKENS,
@@ -42,7 +42,7 @@ GIB = 1024 ** 3
 
 
 # The modes. How each mode is run is data: the router's flags, what the client sends (one of
-# ``bench/agent/_loop.py``'s client kinds, PLAIN, IDS or KVTURN, imported above) and the
+# ``bench/agent/_kinds.py``'s client kinds, PLAIN, IDS or KVTURN, imported above) and the
 # instances it runs on (``bench/_profiles.py``: plain, or offload with a host tier).
 
 @dataclass(frozen=True)

@@ -35,11 +35,11 @@ from kvturn_server.local._stack import (
     Progress,
     RunningStack,
     Stack,
-    StackConfig,
     read_running,
     stop_running,
     vllm_is_installed,
 )
+from kvturn_server.local._stack_config import StackConfig
 from kvturn_server.local._supervise import Backoff
 
 if TYPE_CHECKING:

@@ -51,7 +51,8 @@ from kvturn_server.local._demo_report import (
 from kvturn_server.local._demo_router import stock_router
 from kvturn_server.local._metrics import PromptSources, prompt_sources
 from kvturn_server.local._progress import ProgressLine
-from kvturn_server.local._stack import Stack, StackConfig, read_running
+from kvturn_server.local._stack import Stack, read_running
+from kvturn_server.local._stack_config import StackConfig
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "langgraph_agent.py"
 

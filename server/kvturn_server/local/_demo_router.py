@@ -24,7 +24,7 @@ from kvturn_server.local._process import (
     wait_healthy,
 )
 from kvturn_server.local._secret import SECRET_FILE
-from kvturn_server.local._stack import StackConfig
+from kvturn_server.local._stack_config import StackConfig
 
 NAME = "router-stock"
 

@@ -41,13 +41,8 @@ from kvturn_server.local._process import (
     wait_healthy,
 )
 from kvturn_server.local._secret import ensure_control_secret
-from kvturn_server.local._stack import (
-    CONNECTOR_DEFAULTS,
-    INSTALL_HINT,
-    Progress,
-    StackConfig,
-    vllm_is_installed,
-)
+from kvturn_server.local._stack import INSTALL_HINT, Progress, vllm_is_installed
+from kvturn_server.local._stack_config import CONNECTOR_DEFAULTS, StackConfig
 
 PREFILL, DECODE = "prefill", "decode"
 _ROLES = {PREFILL: "kv_producer", DECODE: "kv_consumer"}

@@ -17,7 +17,7 @@ from kvturn_server.local._process import ServerSpec
 from kvturn_server.offload import with_offloading
 
 if TYPE_CHECKING:
-    from kvturn_server.local._stack import StackConfig
+    from kvturn_server.local._stack_config import StackConfig
 
 
 def _vllm_env(cfg: StackConfig, host: str, side_channel_port: int | None) -> dict[str, str]:

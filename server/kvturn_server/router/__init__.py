@@ -6,11 +6,12 @@ Names are imported on first use, so that ``kvturn``'s argument parser can take
 
 Besides the server, the face exports the turn planner (``_plan.py``: ``plan_route``,
 ``plan_pin``, ``refuse_pin``, ``pin_gone``, ``settle_prefill``, ``settle_continued``,
-``recorded_prefill``, ``moved_from``, ``lost_record`` and their typed inputs and decisions),
-the backend choices (``choose_prefill``, ``choose_decode``, ``learn_read_floor``,
-``served_tokens``) and the state they read (``Pool``, ``Backend``, ``Placement``,
-``Transcript``, ``DecodeUsage``, ``ReuseReport``): the simulator (``kvturn_server.sim``) decides
-its turns with them, as the router's ``Turn`` does.
+``recorded_prefill``, ``moved_from``, ``lost_record``, ``marked_lost`` and their typed inputs
+and decisions),
+the backend choices (``choose_prefill``, ``choose_decode``, ``served_tokens``) and the state
+they read (``Pool``, ``Backend``, ``Placement``, ``Transcript``, ``DecodeUsage``,
+``ReuseReport``; a backend's state changes only through its ``Pool``'s event methods): the
+simulator (``kvturn_server.sim``) decides its turns with them, as the router's ``Turn`` does.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
         choose_prefill,
         conditional_decode,
         continuation,
-        learn_read_floor,
         read_floor,
         read_gain,
         served_tokens,
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
         TurnPolicy,
         gone_reuse,
         lost_record,
+        marked_lost,
         moved_from,
         pin_gone,
         plan_pin,
@@ -73,12 +74,12 @@ _WHERE = {
     "ReuseReport": "_legs",
     "choose_decode": "_placement", "choose_prefill": "_placement",
     "conditional_decode": "_placement", "continuation": "_placement",
-    "learn_read_floor": "_placement", "read_floor": "_placement", "read_gain": "_placement",
+    "read_floor": "_placement", "read_gain": "_placement",
     "served_tokens": "_placement",
     **dict.fromkeys(("NO_PIN", "PinPlan", "Refusal", "RoutePlan", "Settled", "TurnPolicy",
-                     "TurnPath", "gone_reuse", "lost_record", "moved_from", "pin_gone", "plan_pin",
-                     "plan_route", "recorded_prefill", "refuse_pin", "settle_continued",
-                     "settle_prefill"),
+                     "TurnPath", "gone_reuse", "lost_record", "marked_lost", "moved_from",
+                     "pin_gone", "plan_pin", "plan_route", "recorded_prefill", "refuse_pin",
+                     "settle_continued", "settle_prefill"),
                     "_plan"),
     "Backend": "_pool", "Pool": "_pool",
 }
@@ -113,8 +114,8 @@ __all__ = [
     "coverage",
     "create_app",
     "gone_reuse",
-    "learn_read_floor",
     "lost_record",
+    "marked_lost",
     "moved_from",
     "pin_gone",
     "plan_pin",

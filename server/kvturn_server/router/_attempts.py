@@ -44,7 +44,8 @@ class Failed:
 @dataclass(slots=True)
 class OpenedStream:
     """A decode stream whose head was 200 and whose first chunk arrived; ``span`` is still
-    open and ``backend.in_flight`` still counts it (the relay's end closes both)."""
+    open and the decodes' pool still counts it in flight (the relay's end closes both:
+    ``Pool.leg_ended``)."""
 
     upstream: UpstreamStream
     first: bytes
@@ -71,7 +72,7 @@ class Attempts:
         """POST ``data`` and read the whole reply (``t0``: when the leg started)."""
         span = trace.leg(leg, backend.url)
         try:
-            with backend.lease():
+            with pool.lease(backend):
                 reply = await self.ctx.services.client.call(
                     "POST", backend.url + self.path, data, timeout=timeout,
                     headers=self._headers(span))
@@ -87,7 +88,8 @@ class Attempts:
                           t0: float) -> OpenedStream | Reply | Failed:
         """POST ``data`` to a decode for a stream: opened, or its non-200 reply, or Failed."""
         services = self.ctx.services
-        backend.in_flight += 1
+        decodes = services.decodes
+        decodes.leg_started(backend)
         upstream: UpstreamStream | None = None
         span = trace.leg("decode", backend.url)
         try:
@@ -97,7 +99,7 @@ class Attempts:
             if upstream.status != 200:
                 body = await upstream.read_all()
                 await upstream.aclose()
-                backend.in_flight -= 1
+                decodes.leg_ended(backend)
                 span.end(f"status {upstream.status}")
                 return Reply(upstream.status, upstream.content_type, body)
             first = await upstream.next_chunk()
@@ -106,10 +108,10 @@ class Attempts:
         except BackendError as exc:
             if upstream is not None:
                 await upstream.aclose()
-            backend.in_flight -= 1
+            decodes.leg_ended(backend)
             span.end(exc.kind)
             self.ctx.leg("decode", time.perf_counter() - t0)
-            return self.failed(services.decodes, backend, "decode", exc.kind, str(exc),
+            return self.failed(decodes, backend, "decode", exc.kind, str(exc),
                                gone=exc.kind in DECODE_GONE)
         return OpenedStream(upstream, first, span)
 

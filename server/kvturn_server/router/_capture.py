@@ -70,7 +70,7 @@ class Capture:
         supplied, when the reply says (a turn the decode continued itself)."""
         report = retained_report(payload)
         if report is not None and report.engine_id is not None:
-            backend.http_engine_id = report.engine_id
+            self.ctx.services.decodes.http_engine_seen(backend, report.engine_id)
             if backend.control_engine_id not in (None, report.engine_id) \
                     and backend.control_url is not None:
                 # A restart between two health checks, most likely: ask the control endpoint
@@ -127,7 +127,7 @@ class Capture:
                 services.metrics.capture("failed")
                 await self._record_unretained(backend, backend.engine_id, usage)
                 return
-            backend.control_ok = True
+            services.decodes.control_answered(backend)
             if isinstance(result, Gone):
                 if not self.late:
                     break
@@ -192,16 +192,13 @@ class Capture:
                       block_size: int = 0, retained: bool = True,
                       read_id: str | None = None) -> None:
         services, key = self.ctx.services, self.ctx.conversation
-        if engine_id is not None and engine_id != backend.engine_id:
-            # The decode itself just named its engine: fresher than the last health check,
-            # which may not have seen a restart yet (the next pin would call this handle stale).
-            old_engine, backend.engine_id = backend.engine_id, engine_id
-            # A new engine answered, and its control endpoint lives in the same process: the
-            # outage the health checks saw was the restart, not the endpoint.
-            backend.control_ok = True
-            if old_engine is not None:
-                event(log, logging.WARNING, "decode_restarted", backend=backend.url,
-                      old_engine_id=old_engine, engine_id=engine_id)
+        old_engine = backend.engine_id
+        # The decode itself just named its engine: fresher than the last health check, which
+        # may not have seen a restart yet (the next pin would call this handle stale).
+        if engine_id is not None and services.decodes.engine_seen(backend, engine_id) \
+                and old_engine is not None:
+            event(log, logging.WARNING, "decode_restarted", backend=backend.url,
+                  old_engine_id=old_engine, engine_id=engine_id)
         placement = self._placement_for(backend, engine_id, num_tokens, expires_in,
                                         readable=readable, block_size=block_size,
                                         retained=retained, read_id=read_id)

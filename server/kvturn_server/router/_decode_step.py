@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from starlette.responses import Response
 
+from kvturn.wire import ReuseReason
 from kvturn_server.router import _json
 from kvturn_server.router._apis import Api
 from kvturn_server.router._attempts import DECODE_GONE, RETRYABLE, Attempts, Failed, OpenedStream
@@ -139,7 +140,7 @@ class DecodeStep:
             # nothing of what was read or held reached the client, and its retentions are
             # about to go with it. Not a hit, whatever served the prompt; the handle is
             # dropped, the next turn recomputes.
-            report.reason = "stale"
+            report.reason = ReuseReason.STALE
             report.reused_tokens = 0
             if self.placement is not None:
                 self.pins.drop(self.placement, "decode_failed")
@@ -230,7 +231,7 @@ class DecodeStep:
                 await hook.final_event(final)
 
         async def finish(end: StreamEnd) -> None:
-            backend.in_flight -= 1
+            svc.decodes.leg_ended(backend)
             span.end(None if end.error is None else end.error.kind)
             if end.error is not None:
                 self.attempts.failed(svc.decodes, backend, "decode", end.error.kind,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvturn.wire import REUSE_REASONS
+from kvturn.wire import REUSE_REASONS, ReuseReason
 
 KVTURN_FIELD = "kvturn"
 
@@ -130,7 +130,7 @@ def decode_body(body: dict[str, Any], prefill_params: dict[str, Any] | None,
 class ReuseReport:
     """What the prefill says it reused: ``reason`` is an X-KVTurn-Reuse value."""
 
-    reason: str
+    reason: ReuseReason
     reused_tokens: int = 0
     local_tokens: int = 0
     declined_tokens: int = 0
@@ -150,24 +150,25 @@ def reuse_report(prefill_params: dict[str, Any]) -> ReuseReport | None:
             and _is_number(cost.get("compute_ms")) and cost["read_ms"] >= cost["compute_ms"] \
             and not _count(reuse.get("reused_tokens")):
         declined = _count(cost.get("tokens"))
-    return ReuseReport(str(reuse["reason"]), _count(reuse.get("reused_tokens")),
+    return ReuseReport(ReuseReason(reuse["reason"]), _count(reuse.get("reused_tokens")),
                        _count(reuse.get("local_tokens")), declined)
 
 
-def coverage(cached_tokens: int, prompt_tokens: int, block_size: int) -> str:
+def coverage(cached_tokens: int, prompt_tokens: int, block_size: int) -> ReuseReason:
     """The reuse value of a prompt of which an instance's own cache supplied
     ``cached_tokens``: ``hit`` when they cover every full block of the prompt (all but the last
     token, which is always computed), ``partial`` when some, ``miss`` when none. Without a
     block size a hit cannot be told from a partial one: ``partial``."""
     if cached_tokens <= 0:
-        return "miss"
+        return ReuseReason.MISS
     if block_size > 0 and prompt_tokens > 0 \
             and cached_tokens >= (prompt_tokens - 1) // block_size * block_size:
-        return "hit"
-    return "partial"
+        return ReuseReason.HIT
+    return ReuseReason.PARTIAL
 
 
-def local_coverage(report: ReuseReport | None, prompt_tokens: int, block_size: int) -> str:
+def local_coverage(report: ReuseReport | None, prompt_tokens: int,
+                   block_size: int) -> ReuseReason:
     """The reuse value of a turn whose prefill held everything the retention offered: its
     own cache's ``coverage`` of the prompt."""
     return coverage(report.local_tokens if report is not None else 0, prompt_tokens,

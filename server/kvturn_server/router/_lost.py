@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 
+from kvturn.wire import GoneReason
 from kvturn_server.router._control import ControlClient, ControlError
 from kvturn_server.router._log import event
 from kvturn_server.router._metrics import RouterMetrics
+from kvturn_server.router._plan import marked_lost
 from kvturn_server.router._pool import Backend, Pool, cancel_and_wait
 from kvturn_server.router._state import ConversationStore, StoreError
 
@@ -103,15 +104,16 @@ class LostFollower:
             for key, reason, read_id in got.lost:
                 await self._mark(backend, key, reason, read_id)
 
-    async def _mark(self, backend: Backend, key: str, reason: str, read_id: str) -> None:
+    async def _mark(self, backend: Backend, key: str, reason: GoneReason,
+                    read_id: str) -> None:
         store = self.store()
         try:
-            placement = await store.get(key)
-            if placement is None or placement.decode != backend.url \
-                    or placement.read_id != read_id or not placement.retained:
+            marked = marked_lost(await store.get(key), decode=backend.url, read_id=read_id,
+                                 reason=reason)
+            if marked is None:
                 self.metrics.lost_entries("unmatched")
                 return
-            await store.put(key, replace(placement, retained=False, lost=reason))
+            await store.put(key, marked)
         except StoreError:
             self.metrics.state_errors.inc()
             return

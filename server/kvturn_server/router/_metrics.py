@@ -32,7 +32,7 @@ under its underscore form (``below_threshold``, ``round_robin``).
 - ``kvturn_router_backend_in_flight{role, backend}``: requests in flight.
 - ``kvturn_router_stale_handles_total{reason}``: handles found stale and dropped: ``expired``,
   ``engine_changed``, ``unknown_decode``, ``evicted``, ``released``, ``replaced``,
-  ``no_retention``.
+  ``no_retention``, ``decode_failed`` (the holder failed the decode leg).
 - ``kvturn_router_captures_total{outcome}``: ``recorded``, ``not_retained``, ``failed``,
   ``superseded`` (a concurrent turn of the conversation recorded a newer retention).
 - ``kvturn_router_lost_entries_total{outcome}``: entries of the decodes' lost logs

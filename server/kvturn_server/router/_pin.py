@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+from kvturn.wire import ReuseReason
 from kvturn_server.router._control import ControlError, Gone, Retention
 from kvturn_server.router._log import event
 from kvturn_server.router._plan import pin_gone, refuse_pin
@@ -30,7 +31,7 @@ class Pins:
     def __init__(self, ctx: TurnContext) -> None:
         self.ctx = ctx
 
-    async def locate(self) -> tuple[Placement, Backend] | str | None:
+    async def locate(self) -> tuple[Placement, Backend] | ReuseReason | None:
         """The conversation's record and the decode holding it; a reuse reason when the
         record is stale; None when there is none (or the store failed)."""
         ctx = self.ctx
@@ -45,11 +46,11 @@ class Pins:
         if holder is None:
             # Recorded by a router configured with other decodes (or before a change).
             self.drop(placement, "unknown_decode")
-            return "stale"
+            return ReuseReason.STALE
         return placement, holder
 
     async def take(self, placement: Placement, holder: Backend,
-                   trace: TurnTrace) -> Retention | str:
+                   trace: TurnTrace) -> Retention | ReuseReason:
         """Pin the placement's retention on ``holder``; on any failure the reuse reason."""
         ctx, key = self.ctx, self.ctx.conversation
         refused = refuse_pin(placement, holder)
@@ -71,28 +72,27 @@ class Pins:
             span.end(exc.kind)
             ctx.leg("pin", time.perf_counter() - t0)
             ctx.control_failed(holder, "pin", exc)
-            return "stale"
+            return ReuseReason.STALE
         span.end()
         ctx.leg("pin", time.perf_counter() - t0)
-        holder.control_ok = True
         if isinstance(result, Gone):
+            services.decodes.control_answered(holder)
             gone = pin_gone(result.code)
             if gone.drop is not None:
                 self.drop(placement, gone.drop)
             return gone.reason
-        if result.engine_id is not None:
-            holder.control_engine_id = result.engine_id
+        services.decodes.control_answered(holder, result.engine_id)
         if placement.engine_id is not None and result.engine_id is not None \
                 and result.engine_id != placement.engine_id:
             self.drop(placement, "engine_changed")
             self.unpin(holder, result)
-            return "stale"
+            return ReuseReason.STALE
         if not holder.control_trusted:
             # The control endpoint names another engine than the decode's HTTP side: its
             # blocks are not the ones behind the server that would answer this turn.
             ctx.engines_differ(holder)
             self.unpin(holder, result)
-            return "stale"
+            return ReuseReason.STALE
         return result
 
     def drop(self, placement: Placement, why: str) -> None:

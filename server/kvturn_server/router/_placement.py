@@ -27,30 +27,31 @@ Nothing here changes an answer: every path computes or reads exactly the prompt'
 
 from __future__ import annotations
 
+from kvturn.wire import PrefillChoice
 from kvturn_server.router._history import Transcript, new_tokens
 from kvturn_server.router._legs import DecodeUsage
-from kvturn_server.router._pool import Backend, Pool
+from kvturn_server.router._pool import READ_FLOOR_TTL, Backend, Pool
 from kvturn_server.router._state import Placement
 
 
 def choose_prefill(pool: Pool, policy: str, placement: Placement | None, *, slack: int,
-                   exclude: Backend | None = None) -> tuple[Backend | None, str]:
+                   exclude: Backend | None = None) -> tuple[Backend | None, PrefillChoice]:
     """The prefill for a turn and why (``X-KVTurn-Prefill-Choice``): ``holder`` (it computed
     the conversation's last prefill leg), ``affinity`` (the same, by session affinity),
     ``load`` (fewest requests in flight) or ``round-robin``."""
     if policy == "round-robin":
-        return pool.pick_in_turn(exclude=exclude), "round-robin"
+        return pool.pick_in_turn(exclude=exclude), PrefillChoice.ROUND_ROBIN
     holder = None
     if placement is not None and placement.prefill is not None \
             and policy in ("affinity", "kv-aware"):
         holder = pool.by_url(placement.prefill)
     if holder is not None and holder.healthy and holder is not exclude:
         if policy == "affinity":
-            return holder, "affinity"
+            return holder, PrefillChoice.AFFINITY
         least = min(b.in_flight for b in pool.members if b.healthy and b is not exclude)
         if holder.in_flight <= least + slack:
-            return holder, "holder"
-    return pool.pick(exclude=exclude), "load"
+            return holder, PrefillChoice.HOLDER
+    return pool.pick(exclude=exclude), PrefillChoice.LOAD
 
 
 def choose_decode(pool: Pool, holder: Backend | None, *, slack: int) -> Backend | None:
@@ -81,24 +82,9 @@ def read_gain(placement: Placement, prefill: Backend) -> int:
     return max(0, placement.cached_tokens - held)
 
 
-READ_FLOOR_TTL = 60.0
-"""Seconds a prefill's declined range keeps the router from pinning for no more than it: its
-cost model calibrates as load changes, so the router asks again after this."""
-
-
-def learn_read_floor(prefill: Backend, *, declined: int, reused: int, now: float) -> None:
-    """Track the prefill's break-even from its reports: a declined range raises the floor, a
-    read lowers it below what was read."""
-    if declined > 0:
-        fresh = now - prefill.read_floor_at < READ_FLOOR_TTL
-        prefill.read_floor = max(prefill.read_floor if fresh else 0, declined)
-        prefill.read_floor_at = now
-    elif reused > 0 and prefill.read_floor >= reused:
-        prefill.read_floor = reused - 1
-
-
 def read_floor(prefill: Backend, now: float) -> int:
-    """The prefill's current floor (0 once it is older than :data:`READ_FLOOR_TTL`)."""
+    """The prefill's current floor (``Pool.read_reported`` learns it from its reports; 0
+    once it is older than :data:`READ_FLOOR_TTL`)."""
     return prefill.read_floor if now - prefill.read_floor_at < READ_FLOOR_TTL else 0
 
 

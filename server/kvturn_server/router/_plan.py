@@ -23,7 +23,8 @@ In a turn's order:
    (``X-KVTurn-Reuse``), from the prefill's report or the decode's usage.
 5. :func:`recorded_prefill` and :func:`moved_from`: what the turn's record says of the prefill,
    and which old retention the router releases once the record is written;
-   :func:`lost_record`: the record after a keepalive found the retention gone.
+   :func:`lost_record`: the record after a keepalive found the retention gone;
+   :func:`marked_lost`: the record after a decode's lost log named a retention dropped.
 
 Which backend serves a leg is ``_placement.py``'s (``choose_prefill``, ``choose_decode``), and
 the estimates behind the route (``continuation``, ``conditional_decode``, ``read_gain``) too.
@@ -35,6 +36,7 @@ import enum
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from kvturn.wire import GoneReason, ReuseReason, Route, gone_reason
 from kvturn_server.router._history import Transcript
 from kvturn_server.router._legs import (
     DecodeUsage,
@@ -107,10 +109,10 @@ class TurnPath(enum.Enum):
     when :func:`plan_pin` pins it)."""
 
     @property
-    def route(self) -> str:
+    def route(self) -> Route:
         """The ``X-KVTurn-Route`` value while the turn runs there (``fallback`` is set when
         no prefill leg succeeds)."""
-        return "prefill" if self is TurnPath.PREFILL else "decode"
+        return Route.PREFILL if self is TurnPath.PREFILL else Route.DECODE
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,14 +133,14 @@ class RoutePlan:
     where: TurnPath
     estimate: int = 0
     not_continued: str | None = None
-    reason: str | None = None
+    reason: ReuseReason | None = None
 
     @property
-    def fallback_reason(self) -> str | None:
+    def fallback_reason(self) -> ReuseReason | None:
         """The reuse value of a turn whose decode-alone attempt failed before its first byte
         and that takes the prefill path instead: ``miss`` after a continuation (it read
         nothing of what it expected), the same after a stock one (``disabled``)."""
-        return "miss" if self.where is TurnPath.CONTINUE else None
+        return ReuseReason.MISS if self.where is TurnPath.CONTINUE else None
 
 
 NOT_CONTINUED_FAILED = "decode_failed"
@@ -149,7 +151,7 @@ def plan_route(policy: TurnPolicy, *, placement: Placement | None, holder: Backe
                transcript: Transcript | None, now: float) -> RoutePlan:
     """Where a turn runs, given the conversation's record and the decode it names (``now`` on
     the record's clock: a lease that ran out is not continued on)."""
-    reason = None if policy.reuse else "disabled"
+    reason = None if policy.reuse else ReuseReason.DISABLED
     if placement is None or holder is None:
         return RoutePlan(TurnPath.PREFILL, reason=reason)
     if not policy.reuse:
@@ -182,7 +184,7 @@ class PinPlan:
 
     pin: bool
     skipped: bool = False
-    reason: str | None = None
+    reason: ReuseReason | None = None
 
 
 NO_PIN = PinPlan(False)
@@ -199,25 +201,29 @@ def plan_pin(policy: TurnPolicy, *, placement: Placement | None, holder: Backend
         # The decode serves the conversation but retains nothing to read; one it said it
         # dropped reports why, as a pin that found it gone would.
         return PinPlan(False, reason=None if placement.lost is None
-                       else gone_reuse(placement.lost))
+                       else gone_reuse(gone_reason(placement.lost)))
     gain = read_gain(placement, prefill)
     if gain >= max(1, policy.min_read_tokens) and gain > read_floor(prefill, now):
         return PinPlan(True)
-    return PinPlan(False, skipped=gain == 0, reason="below-threshold")
+    return PinPlan(False, skipped=gain == 0, reason=ReuseReason.BELOW_THRESHOLD)
 
 
 # Gone codes -> X-KVTurn-Reuse. "expired": the lease ran out. "stale": the handle pointed at
 # blocks the decode no longer has (evicted, or forgotten: a restart). "miss": the retention was
 # deliberately ended (released, or replaced by a newer turn this router did not record).
-_GONE_REASON = {"expired": "expired", "released": "miss", "replaced": "miss"}
+_GONE_REUSE = {
+    GoneReason.EXPIRED: ReuseReason.EXPIRED,
+    GoneReason.RELEASED: ReuseReason.MISS,
+    GoneReason.REPLACED: ReuseReason.MISS,
+    GoneReason.EVICTED: ReuseReason.STALE,
+    GoneReason.NO_RETENTION: ReuseReason.STALE,
+}
 
-# Gone codes counted as such among the stale handles (others count as "gone").
-_GONE_COUNTED = frozenset({"expired", "released", "evicted", "replaced", "no_retention"})
 
-
-def gone_reuse(code: str) -> str:
-    """The X-KVTurn-Reuse value of a retention gone for ``code``."""
-    return _GONE_REASON.get(code, "stale")
+def gone_reuse(code: GoneReason) -> ReuseReason:
+    """The X-KVTurn-Reuse value of a retention gone for ``code`` (a raw code from a peer
+    or a stored record is read by ``kvturn.wire.gone_reason`` first)."""
+    return _GONE_REUSE[code]
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +236,7 @@ class Refusal:
             turn read); None: kept.
     """
 
-    reason: str
+    reason: ReuseReason
     drop: str | None = None
 
 
@@ -238,16 +244,17 @@ def refuse_pin(placement: Placement, holder: Backend) -> Refusal | None:
     """Before asking: a decode whose control endpoint is not trusted to speak for the engine
     behind it gets no pin; a record of another engine (the decode restarted) is stale."""
     if not holder.control_trusted or holder.control_url is None:
-        return Refusal("stale")
+        return Refusal(ReuseReason.STALE)
     if holder.engine_id is not None and placement.engine_id is not None \
             and holder.engine_id != placement.engine_id:
-        return Refusal("stale", "engine_changed")
+        return Refusal(ReuseReason.STALE, "engine_changed")
     return None
 
 
-def pin_gone(code: str) -> Refusal:
-    """The decode answered that the retention is gone, for ``code``: the record is dropped."""
-    return Refusal(gone_reuse(code), code if code in _GONE_COUNTED else "gone")
+def pin_gone(code: GoneReason) -> Refusal:
+    """The decode answered that the retention is gone, for ``code``: the record is dropped,
+    counted among the stale handles under that code."""
+    return Refusal(gone_reuse(code), code)
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,10 +284,10 @@ def plan_retry(failed: str, first: Backend, other: Backend | None, *,
     return PrefillRetry(on, keep_pin=timed_out, repin=timed_out and pinned)
 
 
-def gave_up_reason(pinned: bool) -> str | None:
+def gave_up_reason(pinned: bool) -> ReuseReason | None:
     """The reuse value of a turn no prefill leg served (route ``fallback``): ``stale`` when a
     retention was pinned for it (nothing of it was read); None: unchanged."""
-    return "stale" if pinned else None
+    return ReuseReason.STALE if pinned else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,11 +297,11 @@ class Settled:
     Attributes:
         reason: ``X-KVTurn-Reuse``.
         reused_tokens: ``X-KVTurn-Reused-Tokens``: read from the decode.
-        learn: the report the prefill's read floor learns from (``learn_read_floor``); None
+        learn: the report the prefill's read floor learns from (``Pool.read_reported``); None
             when it weighed no read.
     """
 
-    reason: str
+    reason: ReuseReason
     reused_tokens: int = 0
     learn: ReuseReport | None = None
 
@@ -307,7 +314,7 @@ def settle_prefill(report: ReuseReport | None, *, read_offered: bool, pin_skippe
     ``expired``, ``stale``, ``below-threshold``)."""
     if read_offered:
         if report is None:
-            return Settled("miss")
+            return Settled(ReuseReason.MISS)
         return Settled(report.reason, report.reused_tokens, learn=report)
     if pin_skipped:
         return Settled(local_coverage(report, prompt_tokens, block_size))
@@ -345,12 +352,25 @@ def moved_from(old: Placement | None, decode: str) -> str | None:
 # (its blocks were freed: the next turn takes a prefill rather than continue on it, and later
 # keepalives are answered without calling the decode). Released and replaced retentions are
 # forgotten.
-_KEPT_LOST = frozenset({"expired", "evicted", "no_retention"})
+_KEPT_LOST = frozenset({GoneReason.EXPIRED, GoneReason.EVICTED, GoneReason.NO_RETENTION})
 
 
-def lost_record(placement: Placement, code: str) -> Placement | None:
+def lost_record(placement: Placement, code: GoneReason) -> Placement | None:
     """The record of a conversation whose decode answered a keepalive that its retention is
     gone for ``code``: kept, marked lost, or None: forgotten."""
     if code in _KEPT_LOST:
         return replace(placement, retained=False, lost=code)
     return None
+
+
+def marked_lost(placement: Placement | None, *, decode: str, read_id: str,
+                reason: GoneReason) -> Placement | None:
+    """The record of a conversation after ``decode``'s lost log said it dropped the retention
+    ``read_id`` on its own for ``reason`` (evicted, expired: ``_lost.py``): kept for affinity,
+    marked lost, when that is the retention the record names (same decode, same read id, still
+    retained); None when the entry is not this record's (no record, another decode's, a newer
+    retention under the same key, or one already known not to be retained)."""
+    if placement is None or placement.decode != decode or placement.read_id != read_id \
+            or not placement.retained:
+        return None
+    return replace(placement, retained=False, lost=reason)

@@ -17,6 +17,14 @@
   is the one the control endpoint names. vLLM's engine core, which serves the control
   endpoint and the NIXL reads, outlives a killed API server for minutes: without this the
   router would pin, and prefills read, blocks of a server that can no longer answer.
+
+Every change of a backend's state is one of :class:`Pool`'s event methods (a leg started or
+ended, a leg or check succeeded or failed, the control endpoint answered or failed, an engine
+named, a continuation started or ended, a prefill's reuse reported): a ``Backend`` is what the
+router knows, read anywhere, written only here. The pool owns the changes, not the backend,
+because the health ones need the pool's thresholds (``eject_after``, ``readmit_after``) and
+its role in their log lines, and every caller that learns something of a backend (a turn's
+steps through ``TurnServices``, the health checker, the simulator) holds its pool.
 """
 
 from __future__ import annotations
@@ -33,8 +41,17 @@ from kvturn_server.router._log import event
 log = logging.getLogger("kvturn.router")
 
 
+READ_FLOOR_TTL = 60.0
+"""Seconds a prefill's declined range keeps the router from pinning for no more than it: its
+cost model calibrates as load changes, so the router asks again after this."""
+
+# Control call failures that say the endpoint is unusable (others are about the call).
+_CONTROL_DOWN = frozenset({"connect", "timeout", "unauthorized"})
+
+
 class Backend:
-    """One vLLM instance and what the router knows about it."""
+    """One vLLM instance and what the router knows about it (changed only by its
+    :class:`Pool`'s event methods)."""
 
     __slots__ = ("continuing", "control_engine_id", "control_ok", "control_url", "engine_id",
                  "failures", "healthy", "http_down", "http_engine_id", "in_flight", "last_error",
@@ -91,15 +108,6 @@ class Backend:
             return f"HTTP endpoint down ({self.last_error})"
         return (f"HTTP endpoint names engine {self.http_engine_id}, control endpoint "
                 f"{self.control_engine_id}")
-
-    @contextlib.contextmanager
-    def lease(self) -> Iterator[None]:
-        """Count a request in flight on this backend for its duration."""
-        self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
 
 
 class Pool:
@@ -163,6 +171,82 @@ class Pool:
             return None
         self._next += 1
         return candidates[self._next % len(candidates)]
+
+    # Requests in flight.
+
+    def leg_started(self, backend: Backend) -> None:
+        """A leg was sent to ``backend``: it counts in flight until :meth:`leg_ended`."""
+        backend.in_flight += 1
+
+    def leg_ended(self, backend: Backend) -> None:
+        """A leg :meth:`leg_started` on ``backend`` ended (answered, failed or relayed)."""
+        backend.in_flight -= 1
+
+    @contextlib.contextmanager
+    def lease(self, backend: Backend) -> Iterator[None]:
+        """Count a leg in flight on ``backend`` for the duration of the block."""
+        self.leg_started(backend)
+        try:
+            yield
+        finally:
+            self.leg_ended(backend)
+
+    def continuation_started(self, backend: Backend, tokens: int) -> None:
+        """The decode continues a turn alone, ``tokens`` estimated new tokens of it: they
+        count against its ``decode_continue_budget`` until :meth:`continuation_ended`."""
+        backend.continuing += tokens
+
+    def continuation_ended(self, backend: Backend, tokens: int) -> None:
+        """A continued turn's prompt is computed (first token out) or abandoned."""
+        backend.continuing = max(0, backend.continuing - tokens)
+
+    # What a prefill's reuse reports teach (its read floor).
+
+    def read_reported(self, backend: Backend, *, declined: int, reused: int,
+                      now: float) -> None:
+        """A prefill reported its reuse: a declined range raises its read floor (the most
+        its cost model lately found cheaper to compute than to read), a read lowers it below
+        what was read. A floor older than :data:`READ_FLOOR_TTL` counts as none."""
+        if declined > 0:
+            fresh = now - backend.read_floor_at < READ_FLOOR_TTL
+            backend.read_floor = max(backend.read_floor if fresh else 0, declined)
+            backend.read_floor_at = now
+        elif reused > 0 and backend.read_floor >= reused:
+            backend.read_floor = reused - 1
+
+    # The control endpoint and the engine behind a decode.
+
+    def control_answered(self, backend: Backend, engine_id: str | None = None) -> None:
+        """The decode's control endpoint answered (a health check, pin or describe), naming
+        ``engine_id`` as its engine when it did."""
+        backend.control_ok = True
+        if engine_id is not None:
+            backend.control_engine_id = engine_id
+
+    def control_failed(self, backend: Backend, kind: str | None = None) -> bool:
+        """A control call failed with ``kind`` (a ``ControlError``'s), or a health check
+        found the endpoint unusable (None). Unreachable, too slow or refusing this router's
+        secret, it gets no pins or captures until a check finds it answering again; other
+        failures are about the call. Returns whether this took it out of use."""
+        if kind is not None and kind not in _CONTROL_DOWN:
+            return False
+        was_ok, backend.control_ok = backend.control_ok, False
+        return was_ok
+
+    def engine_seen(self, backend: Backend, engine_id: str) -> bool:
+        """The decode named the engine behind it (its control endpoint's health answer, or a
+        retention it reported): True when that is another engine than the router took it to
+        be. A new engine answered, and its control endpoint lives in the same process: an
+        outage the health checks saw was the restart, so the endpoint is trusted again."""
+        if engine_id == backend.engine_id:
+            return False
+        backend.engine_id = engine_id
+        backend.control_ok = True
+        return True
+
+    def http_engine_seen(self, backend: Backend, engine_id: str) -> None:
+        """A reply of the decode's HTTP endpoint named its engine (its transfer params)."""
+        backend.http_engine_id = engine_id
 
     # Outcomes of legs (passive) and checks (active).
 
@@ -294,30 +378,31 @@ class HealthChecker:
     async def check_control(self, backend: Backend) -> None:
         """Ask the decode's control endpoint which engine it is (also outside a round)."""
         assert backend.control_url is not None
+        pool = self._pool_of(backend)
         try:
             reply = await self.control.health(backend.control_url, timeout=self.timeout)
             info = reply.json() if reply.status == 200 else None
         except (BackendError, ValueError) as exc:
-            if backend.control_ok:
+            if pool.control_failed(backend):
                 event(log, logging.WARNING, "control_unreachable", backend=backend.url,
                       control=backend.control_url, error=str(exc))
-            backend.control_ok = False
             return
         engine_id = info.get("engine_id") if isinstance(info, dict) else None
         if not isinstance(engine_id, str):
-            if backend.control_ok:
+            if pool.control_failed(backend):
                 event(log, logging.WARNING, "control_unusable", backend=backend.url,
                       control=backend.control_url, status=reply.status,
                       why="a missing or wrong control secret" if reply.status == 401
                       else "no engine id in its /health answer")
-            backend.control_ok = False
             return
-        backend.control_ok = True
-        backend.control_engine_id = engine_id
-        if engine_id != backend.engine_id:
-            old = backend.engine_id
-            backend.engine_id = engine_id
+        pool.control_answered(backend, engine_id)
+        old = backend.engine_id
+        if pool.engine_seen(backend, engine_id):
             self.on_engine_change(backend, old, engine_id)
+
+    def _pool_of(self, backend: Backend) -> Pool:
+        """The pool of ``backend``'s role (one per role), whose events it reports to."""
+        return next(pool for pool in self.pools if pool.role == backend.role)
 
 
 async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:

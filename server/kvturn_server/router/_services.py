@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvturn.wire import (
     HEADER_BLOCK_SIZE,
@@ -24,6 +24,8 @@ from kvturn.wire import (
     HEADER_REUSED_TOKENS,
     HEADER_ROUTE,
     PENDING,
+    PrefillChoice,
+    ReuseReason,
     Route,
 )
 from kvturn_server.router._log import event
@@ -101,8 +103,7 @@ class TurnContext:
               conversation=self.key, op=op, error=str(exc))
 
     def control_failed(self, backend: Backend, call: str, exc: ControlError) -> None:
-        if exc.kind in ("connect", "timeout", "unauthorized"):
-            backend.control_ok = False  # until a health check finds it answering again
+        self.services.decodes.control_failed(backend, exc.kind)
         self.services.metrics.failure("control", backend.url, exc.kind)
         control_call_failed(backend, call, exc, request_id=self.request_id,
                             conversation=self.key)
@@ -125,9 +126,10 @@ class TurnContext:
 
 class TurnReport:
     """What a turn says about itself: its X-KVTurn-* headers, its reuse and route counts and
-    its per-request debug line. ``route`` is "decode" (the decode continued the turn alone),
-    "prefill" (prefill leg, then decode leg) or "fallback" (no prefill leg succeeded and the
-    decode computed the prompt); ``prefill`` / ``decode`` are the backends that answered;
+    its per-request debug line. ``reason`` is a :class:`ReuseReason`, or ``PENDING`` (below);
+    ``route`` is ``decode`` (the decode continued the turn alone), ``prefill`` (prefill leg,
+    then decode leg) or ``fallback`` (no prefill leg succeeded and the decode computed the
+    prompt); ``prefill`` / ``decode`` are the backends that answered;
     ``usage`` is what the decode leg that answered reported of its tokens (``DecodeUsage``:
     prompt, completion and cached tokens), set before the turn's capture runs (for a stream,
     once it has ended), None until then or when the decode sent none.
@@ -151,10 +153,10 @@ class TurnReport:
         self.endpoint = endpoint
         self.stream = stream
         self.started = started
-        self.reason = "miss"
+        self.reason: ReuseReason | Literal["pending"] = ReuseReason.MISS
         self.reused_tokens = 0
-        self.route: str = Route.PREFILL
-        self.prefill_choice: str | None = None
+        self.route = Route.PREFILL
+        self.prefill_choice: PrefillChoice | None = None
         self.prefill: Backend | None = None
         self.decode: Backend | None = None
         self.usage: DecodeUsage | None = None

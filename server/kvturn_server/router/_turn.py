@@ -29,6 +29,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+from kvturn.wire import HEADER_REQUEST_ID, ReuseReason, Route
 from kvturn_server.router import _json
 from kvturn_server.router._apis import CHAT, Api
 from kvturn_server.router._attempts import PREFILL_GONE, Attempts, Failed
@@ -40,7 +41,7 @@ from kvturn_server.router._identity import Identity
 from kvturn_server.router._legs import decode_body, reuse_report
 from kvturn_server.router._log import event
 from kvturn_server.router._pin import Pins
-from kvturn_server.router._placement import choose_prefill, learn_read_floor
+from kvturn_server.router._placement import choose_prefill
 from kvturn_server.router._plan import (
     NOT_CONTINUED_FAILED,
     RoutePlan,
@@ -92,7 +93,7 @@ class Turn:
         self.report = TurnReport(
             self.ctx, conversation_id=identity.conversation_id if identity else None,
             endpoint=api.name, stream=body.get("stream") is True, started=started)
-        self.attempts = Attempts(self.ctx, path=path, headers={"x-request-id": request_id})
+        self.attempts = Attempts(self.ctx, path=path, headers={HEADER_REQUEST_ID: request_id})
         # Spans per leg and the traceparent each leg carries (``_tracing.py``); the client's
         # trace context, when it sent one, is set by the endpoint.
         self.trace = services.tracing.turn({}, request_id)
@@ -155,7 +156,7 @@ class Turn:
             report.continued(expected_tokens=placement.cached_tokens,
                              block_size=placement.block_size)
             self.continued = route.estimate
-            holder.continuing += route.estimate
+            svc.decodes.continuation_started(holder, route.estimate)
             key = self.key
         else:
             report.route = route.where.route
@@ -178,7 +179,7 @@ class Turn:
     def _end_continuation(self) -> None:
         """The continued turn's prompt is computed (first token out) or abandoned."""
         if self.continued and self.holder is not None:
-            self.holder.continuing = max(0, self.holder.continuing - self.continued)
+            self.svc.decodes.continuation_ended(self.holder, self.continued)
             self.continued = 0
 
     def _plan_pin(self, prefill: Backend | None) -> bool:
@@ -195,7 +196,7 @@ class Turn:
 
     async def _locate(self) -> None:
         found = await self.pins.locate()
-        if isinstance(found, str):
+        if isinstance(found, ReuseReason):
             self.report.reason = found
         elif found is not None:
             self.placement, self.holder = found
@@ -204,7 +205,7 @@ class Turn:
         """Pin the placement's retention; on any failure set the reason and leave no pin."""
         assert self.placement is not None and self.holder is not None
         result = await self.pins.take(self.placement, self.holder, self.trace)
-        if isinstance(result, str):
+        if isinstance(result, ReuseReason):
             self.report.reason = result
         else:
             self.pin = result
@@ -238,9 +239,9 @@ class Turn:
         # expire and pin again (never pass on params this turn did not just pin). A first
         # prefill that held the conversation took no pin; this one may lack what the decode has.
         repin = retry.repin
-        if not repin and pin is None and report.reason == "below-threshold" \
+        if not repin and pin is None and report.reason == ReuseReason.BELOW_THRESHOLD \
                 and self._plan_pin(second):
-            report.reason = "miss"
+            report.reason = ReuseReason.MISS
             repin = True
         if repin:
             self.pin = None
@@ -269,7 +270,7 @@ class Turn:
     def _prefill_gave_up(self, pin: Retention | None, why: str) -> None:
         event(log, logging.WARNING, "prefill_skipped", request_id=self.request_id,
               conversation=self.key, why=why, fallback="the decode computes the prompt")
-        self.report.route = "fallback"
+        self.report.route = Route.FALLBACK
         reason = gave_up_reason(pin is not None)
         if reason is not None:
             self.report.reason = reason
@@ -311,8 +312,9 @@ class Turn:
         report = self.report
         report.reason, report.reused_tokens = settled.reason, settled.reused_tokens
         if settled.learn is not None and report.prefill is not None:
-            learn_read_floor(report.prefill, declined=settled.learn.declined_tokens,
-                             reused=settled.learn.reused_tokens, now=time.monotonic())
+            self.svc.prefills.read_reported(
+                report.prefill, declined=settled.learn.declined_tokens,
+                reused=settled.learn.reused_tokens, now=time.monotonic())
 
     @property
     def _retains(self) -> bool:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from kvturn.wire import ReuseReason, Route
 from kvturn_server import router as routing
 from kvturn_server.connector import CostModel, CostSettings, decide_reuse
 from kvturn_server.router import (
@@ -219,16 +220,16 @@ class Simulation:
                                             placement, slack=s.router.prefill_affinity_slack)
         assert prefill is not None
         turn.prefill = prefill
-        prefill.in_flight += 1
+        self.prefill_pool.leg_started(prefill)
         self._prefill(turn)
 
     def _continue(self, turn: Turn, estimate: int) -> None:
         """The decode that served the conversation runs the turn alone."""
         assert turn.holder is not None
         turn.route, turn.continued = turn.where.route, estimate
-        turn.holder.continuing += estimate
+        self.decode_pool.continuation_started(turn.holder, estimate)
         turn.decode = turn.holder
-        turn.decode.in_flight += 1
+        self.decode_pool.leg_started(turn.decode)
         turn.ready_at = self.now + self.s.cost.leg_overhead_ms / 1e3
         self._admit(turn)
 
@@ -272,7 +273,7 @@ class Simulation:
                 decode = self._decode_of[placement.decode]
                 pin = decode.table.pin(key, s.router.pin_ttl_s)
                 if pin is None:
-                    refused = routing.pin_gone(str(decode.table.gone_reason(key)))
+                    refused = routing.pin_gone(decode.table.gone_reason(key))
             if refused is not None:
                 turn.reason = refused.reason
                 if refused.drop is not None:
@@ -281,7 +282,7 @@ class Simulation:
         read_tokens = 0
         read_s = 0.0
         # What the prefill's connector reports (``kvturn.reuse``): its own hit, and what it read.
-        report = ReuseReport("miss", 0, local)
+        report = ReuseReport(ReuseReason.MISS, 0, local)
         if pin is not None:
             retention = pin[0]
             decision = decide_reuse(
@@ -295,7 +296,7 @@ class Simulation:
                 read_s = self.cost_model.estimate(read_tokens, local).read_ms / 1e3
             declined = decision.cost.tokens if decision.cheaper_to_compute and decision.cost \
                 else 0
-            report = ReuseReport(decision.reason.value, read_tokens, local, declined)
+            report = ReuseReport(decision.reason, read_tokens, local, declined)
         turn.prefill_report = report
         settled = routing.settle_prefill(
             report, read_offered=pin is not None, pin_skipped=plan.skipped,
@@ -303,8 +304,9 @@ class Simulation:
         if settled is not None:
             turn.reason = settled.reason
             if settled.learn is not None:
-                routing.learn_read_floor(prefill, declined=settled.learn.declined_tokens,
-                                         reused=settled.learn.reused_tokens, now=self.now)
+                self.prefill_pool.read_reported(
+                    prefill, declined=settled.learn.declined_tokens,
+                    reused=settled.learn.reused_tokens, now=self.now)
         covered = local + read_tokens
         computed = max(1, turn.prompt - covered)
         turn.computed = computed
@@ -329,12 +331,12 @@ class Simulation:
         if system:
             sim.remember(SHARED_SYSTEM, turn.hashes[:system])
         assert turn.prefill is not None
-        turn.prefill.in_flight -= 1
+        self.prefill_pool.leg_ended(turn.prefill)
         target = routing.choose_decode(self.decode_pool, turn.holder,
                                        slack=self.s.router.decode_affinity_slack)
         assert target is not None
         turn.decode = target
-        target.in_flight += 1
+        self.decode_pool.leg_started(target)
         turn.ready_at = self.now + self.s.cost.leg_overhead_ms / 2e3
         self._admit(turn)
 
@@ -366,7 +368,7 @@ class Simulation:
                 load_s, verified = self._host_load_s(held - verified), held
         start = max(self.now, turn.ready_at) + load_s
         hit = max(system_blocks(turn.conv, bs), verified) * bs  # the system prompt is hot
-        if turn.route == "decode":
+        if turn.route is Route.DECODE:
             computed = max(1, turn.prompt - hit)
             turn.computed, turn.reused = computed, turn.prompt - computed
             turn.usage = DecodeUsage(turn.prompt, turn.conv.replies[turn.index],
@@ -396,7 +398,7 @@ class Simulation:
 
     def _first_token(self, turn: Turn) -> None:
         if turn.continued and turn.holder is not None:
-            turn.holder.continuing = max(0, turn.holder.continuing - turn.continued)
+            self.decode_pool.continuation_ended(turn.holder, turn.continued)
             turn.continued = 0
         self.recorder.turn(turn.conv, turn.index, ttft=self.now - turn.arrived,
                            prompt=turn.prompt, computed=turn.computed, reused=turn.reused,
@@ -407,7 +409,7 @@ class Simulation:
         key = turn.conv.cid
         decode.live -= 1
         assert turn.decode is not None
-        turn.decode.in_flight -= 1
+        self.decode_pool.leg_ended(turn.decode)
         tokens = turn.prompt + turn.conv.replies[turn.index] - 1
         hashes = retained_block_hashes(turn, tokens, bs)
         if decode.host is not None:

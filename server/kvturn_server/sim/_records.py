@@ -4,7 +4,8 @@ conversation, as the router keeps it.
 A record is forgotten ``remember_expired`` after its lease (or stock record) ran out, as the
 store forgets it; a retention its decode evicted or let expire is marked lost, as the router
 following the decode's lost log marks it (``router/_lost.py``: within milliseconds, so at once
-here); a keepalive renews the lease, or finds the retention gone and keeps or forgets the record
+here; by the router's own rule, ``marked_lost``: a simulated retention's read id is its request
+id); a keepalive renews the lease, or finds the retention gone and keeps or forgets the record
 by the router's own rule (``lost_record``).
 """
 
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvturn_server.router import Placement, lost_record
+from kvturn.wire import GoneReason
+from kvturn_server.router import Placement, lost_record, marked_lost
 from kvturn_server.sim._config import RouterSpec
 from kvturn_server.sim._instances import SimDecode
 
@@ -25,7 +27,7 @@ class Records:
         self._decodes = decodes
         self.placements: dict[str, Placement] = {}
         # Each decode's lost log as the router has read it (``_lost_log``).
-        self._lost: dict[str, dict[str, tuple[str, str]]] = {}
+        self._lost: dict[str, dict[str, tuple[str, GoneReason]]] = {}
 
     def find(self, key: str, now: float) -> Placement | None:
         """The router's record of the conversation when a turn arrives at ``now``."""
@@ -33,16 +35,15 @@ class Records:
         if placement is not None and now >= placement.expires_at + self.router.remember_expired_s:
             del self.placements[key]
             return None
-        if placement is not None and placement.retained and placement.lost is None \
-                and self.router.follow_evictions:
+        if placement is not None and placement.retained and self.router.follow_evictions:
             lost = self._lost_log(placement.decode).get(key)
             host = self._decodes[placement.decode].host
-            if lost is not None and lost[0] == placement.turn \
-                    and not (host is not None and host.holds(key)):
-                # With a host tier an evicted retention stays there (the connector logs it
-                # only once the host tier drops it too), and the decode loads it back.
-                placement = self.placements[key] = replace(placement, retained=False,
-                                                           lost=lost[1])
+            marked = None if lost is None else marked_lost(
+                placement, decode=placement.decode, read_id=lost[0], reason=lost[1])
+            # With a host tier an evicted retention stays there (the connector logs it only
+            # once the host tier drops it too), and the decode loads it back.
+            if marked is not None and not (host is not None and host.holds(key)):
+                placement = self.placements[key] = marked
         return placement
 
     def keepalive(self, key: str) -> None:
@@ -55,16 +56,16 @@ class Records:
         if retention is not None:
             self.placements[key] = replace(placement, expires_at=retention.expires_at)
             return
-        kept = lost_record(placement, str(table.gone_reason(key)))
+        kept = lost_record(placement, table.gone_reason(key))
         if kept is not None:
             self.placements[key] = kept
         else:
             del self.placements[key]
 
-    def _lost_log(self, decode: str) -> dict[str, tuple[str, str]]:
+    def _lost_log(self, decode: str) -> dict[str, tuple[str, GoneReason]]:
         """What the decode's lost log said so far (connector ``take_lost``): key -> (the
-        retention's request id, why), the latest per key."""
+        retention's read id, why), the latest per key."""
         log = self._lost.setdefault(decode, {})
         for retention, reason in self._decodes[decode].table.take_lost():
-            log[retention.key] = (retention.request_id, reason.value)
+            log[retention.key] = (retention.request_id, reason)
         return log

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvturn.wire import ReuseReason, Route
 from kvturn_server.bench.agent import FRAMING_TOKENS
 from kvturn_server.connector import Retention
 from kvturn_server.router import (
@@ -59,8 +60,8 @@ class Turn:
     prefill: Backend | None = None
     decode: Backend | None = None
     where: TurnPath = TurnPath.PREFILL
-    route: str = "prefill"
-    reason: str = "miss"
+    route: Route = Route.PREFILL
+    reason: ReuseReason = ReuseReason.MISS
     pinned: bool = False
     prefill_report: ReuseReport | None = None
     """What its prefill's connector reported (``kvturn.reuse``); None: no prefill leg."""
@@ -125,6 +126,7 @@ def retained_record(turn: Turn, decode: str, retention: Retention, tokens: int, 
     return Placement(
         decode=decode, engine_id=None, num_tokens=tokens,
         expires_at=retention.expires_at, turn=retention.request_id,
+        read_id=retention.request_id,
         readable_tokens=tokens // block_size * block_size, block_size=block_size,
         prefill=prefill, prefill_tokens=prefill_tokens,
         history=None if turn.transcript is None else turn.transcript.history())

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvturn_server.bench.agent._loop import IDS, Live, chunk_gaps_ms, run_agent, stream_turn
+from kvturn_server.bench.agent._kinds import IDS
+from kvturn_server.bench.agent._loop import Live, chunk_gaps_ms, run_agent, stream_turn
 from kvturn_server.bench.agent._records import TurnRecord
 from kvturn_server.bench.agent._workload import AgentBenchSettings, build_scripts
 from tests.fakes.bench_router import AgentBenchRouter, mock_client, prompt_size

@@ -24,7 +24,7 @@ from kvturn_server.local._demo_report import STOCK_ROUTER_ARGS, TurnReport
 from kvturn_server.local._demo_router import stock_router_spec
 from kvturn_server.local._metrics import PromptSources
 from kvturn_server.local._secret import SECRET_FILE
-from kvturn_server.local._stack import StackConfig
+from kvturn_server.local._stack_config import StackConfig
 
 TOOLS = (("check_calendar", "Check the calendar.", "Free all May."),
          ("search_flights", "Search flights.", "KL1691 EUR 189."))

@@ -18,7 +18,6 @@ from kvturn_server.router._placement import (
     choose_decode,
     choose_prefill,
     conditional_decode,
-    learn_read_floor,
     read_gain,
     served_tokens,
 )
@@ -439,7 +438,7 @@ async def test_a_range_the_prefill_declined_to_read_is_not_pinned_for_again(
         "kvturn_router_reuse_total", {"outcome": "below-threshold"}) is None
     # A read the prefill took lowers the floor again.
     prefill = h.router.prefills.members[0]
-    learn_read_floor(prefill, declined=0, reused=16, now=prefill.read_floor_at)
+    h.router.prefills.read_reported(prefill, declined=0, reused=16, now=prefill.read_floor_at)
     assert prefill.read_floor == 15
 
 

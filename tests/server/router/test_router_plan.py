@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from kvturn.wire import GoneReason, gone_reason
 from kvturn_server.router import (
     NO_PIN,
     Backend,
@@ -21,6 +22,7 @@ from kvturn_server.router import (
     TurnPath,
     TurnPolicy,
     lost_record,
+    marked_lost,
     moved_from,
     pin_gone,
     plan_pin,
@@ -170,9 +172,10 @@ def test_a_pin_refused_before_or_by_the_decode() -> None:
     refused = refuse_pin(_record(engine_id="e1"), restarted)
     assert refused is not None and (refused.reason, refused.drop) == ("stale", "engine_changed")
     assert [(g.reason, g.drop) for g in map(pin_gone, (
-        "expired", "released", "replaced", "evicted", "no_retention", "odd"))] == [
+        GoneReason.EXPIRED, GoneReason.RELEASED, GoneReason.REPLACED, GoneReason.EVICTED,
+        GoneReason.NO_RETENTION, gone_reason("odd")))] == [
         ("expired", "expired"), ("miss", "released"), ("miss", "replaced"),
-        ("stale", "evicted"), ("stale", "no_retention"), ("stale", "gone")]
+        ("stale", "evicted"), ("stale", "no_retention"), ("stale", "no_retention")]
 
 
 def test_a_failed_prefill_leg_is_retried_once() -> None:
@@ -228,3 +231,17 @@ def test_a_keepalive_that_finds_the_retention_gone() -> None:
         assert kept is not None and (kept.retained, kept.lost) == (False, code)
     assert lost_record(_record(), "released") is None
     assert lost_record(_record(), "replaced") is None
+
+
+def test_a_lost_log_entry_marks_only_the_retention_the_record_names() -> None:
+    record = _record(read_id="kvturn-read/r1")
+    marked = marked_lost(record, decode="http://d0", read_id="kvturn-read/r1",
+                         reason=GoneReason.EVICTED)
+    assert marked == replace(record, retained=False, lost="evicted")
+    for other in ({"decode": "http://d1"}, {"read_id": "kvturn-read/r2"}):
+        entry: dict[str, Any] = {"decode": "http://d0", "read_id": "kvturn-read/r1", **other}
+        assert marked_lost(record, reason=GoneReason.EXPIRED, **entry) is None
+    assert marked_lost(marked, decode="http://d0", read_id="kvturn-read/r1",
+                       reason=GoneReason.EXPIRED) is None  # known not to be retained
+    assert marked_lost(None, decode="http://d0", read_id="kvturn-read/r1",
+                       reason=GoneReason.EXPIRED) is None

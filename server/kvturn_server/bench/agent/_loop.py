@@ -34,20 +34,15 @@ from kvturn.wire import (
     PENDING,
 )
 from kvturn_server.bench._stats import MIB, fmt, percentile
+from kvturn_server.bench.agent._kinds import CLIENT_KINDS, IDS, KVTURN
 from kvturn_server.bench.agent._records import AgentOutcome
 
 if TYPE_CHECKING:
     import kvturn
 
-    # Types only: the workload's settings check the mode table (``_modes``), which names this
-    # module's client kinds.
+    # Types only: the workload's settings check the mode table (``_modes``).
     from kvturn_server.bench.agent._workload import AgentScript, Message
 
-PLAIN, IDS, KVTURN = "plain", "ids", "kvturn"
-CLIENT_KINDS = (PLAIN, IDS, KVTURN)
-# What the benchmarks start vLLM with so that each streamed reply's usage says how many prompt
-# tokens the serving instance's cache supplied (prompt_tokens_details.cached_tokens).
-PROMPT_DETAILS_ARGS = ("--enable-prompt-tokens-details",)
 
 
 @dataclass

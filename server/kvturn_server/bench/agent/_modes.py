@@ -22,7 +22,7 @@ from kvturn_server.bench._profiles import HOST_TIER as HOST_TIER_PROFILE
 from kvturn_server.bench._profiles import HOST_TIER_PEERS, HOST_TIER_SOURCES
 from kvturn_server.bench._profiles import OFFLOAD as OFFLOAD_PROFILE
 from kvturn_server.bench._profiles import PLAIN as PLAIN_PROFILE
-from kvturn_server.bench.agent._loop import IDS, KVTURN, PLAIN
+from kvturn_server.bench.agent._kinds import IDS, KVTURN, PLAIN
 from kvturn_server.router import RouterConfig
 
 

@@ -58,12 +58,8 @@ from kvturn_server.bench._host import describe_cpu, host_info
 from kvturn_server.bench._profiles import PLAIN as PLAIN_PROFILE
 from kvturn_server.bench._profiles import ProfileFleets, describe_host_tier, needed
 from kvturn_server.bench._sampling import PeriodicSampler, loadavg, retained_bytes, wait_released
-from kvturn_server.bench.agent._loop import (
-    IDS,
-    Live,
-    chunk_gaps_ms,
-    progress,
-)
+from kvturn_server.bench.agent._kinds import IDS
+from kvturn_server.bench.agent._loop import Live, chunk_gaps_ms, progress
 from kvturn_server.bench.agent._loop import run_agent as run_as_client
 from kvturn_server.bench.agent._modes import KVTURN_MODE, MODES_BY_NAME
 from kvturn_server.bench.agent._plot import write_plot

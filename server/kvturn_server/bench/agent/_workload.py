@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvturn_server._defaults import KEEPALIVES_PER_TTL, RETENTION_TTL
 from kvturn_server.bench._profiles import HOST_TIER_MULTIPLE, host_tier, needed, profile_config
-from kvturn_server.bench.agent._loop import PROMPT_DETAILS_ARGS
+from kvturn_server.bench.agent._kinds import PROMPT_DETAILS_ARGS
 from kvturn_server.bench.agent._modes import DEFAULT_MODES, MODES, MODES_BY_NAME
 from kvturn_server.local import WORDS
 

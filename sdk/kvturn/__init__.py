@@ -49,12 +49,12 @@ _WHERE = {
 
 
 def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
+    """Every client name at once, on the first use of any (they import each other anyway)."""
+    if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+    for attribute, module in _WHERE.items():
+        globals()[attribute] = getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
+    return globals()[name]
 
 
 try:

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx2
 import pytest
 from openai import OpenAI
 
@@ -22,7 +23,15 @@ from kvturn_server.local._direct import control, retention_path
 from kvturn_server.local._process import stop_group
 from kvturn_server.router._identity import conversation_key
 
-from ._helpers import Delta, metric, plain_chat, post, retention_stats, start_router
+from ._helpers import (
+    Delta,
+    metric,
+    plain_chat,
+    post,
+    retention_stats,
+    start_router,
+    wait_until,
+)
 from ._settings import DECODE_BLOCKS, RETENTION_TTL
 from ._turns import Answer, answer_fields, answer_of, assert_same_answer, chat_turn
 
@@ -174,8 +183,9 @@ def test_a_continued_turn_whose_retention_was_evicted_reports_what_the_decode_re
     continues on the decode (the record says it holds the conversation), finds nothing,
     computes the whole prompt, and says so (``miss``, 0 tokens: what the decode's own
     metrics say its cache supplied), streamed or not; the record is then the new turn's
-    retention. A keepalive the decode answers ``evicted`` marks the record lost: the next turn
-    takes a prefill leg instead of having the decode recompute the history."""
+    retention. A keepalive the decode answers ``evicted`` marks the record lost: the router asks
+    the decode what its prefix cache kept of the history (nothing: the fillers took its blocks),
+    and the next turn takes a prefill leg instead of having the decode recompute the history."""
     cfg = stack.config
     model = cfg.served_model_name
     client = kvturn.OpenAI(base_url=f"{router_url}/v1", api_key="tenant-e", max_retries=0)
@@ -206,6 +216,7 @@ def test_a_continued_turn_whose_retention_was_evicted_reports_what_the_decode_re
                                                                "Bearer tenant-e")))
         assert (status, body.get("error", {}).get("code")) == (404, "evicted"), \
             (status, body, took)
+        assert body["cached_tokens"] == 0, body  # the fillers took every block
     short_before = metric(router_url, "kvturn_router_continued_short_total")
 
     for conversation, stream in ((streamed, True), (plain, False)):
@@ -249,13 +260,15 @@ def test_a_continued_turn_whose_retention_was_evicted_reports_what_the_decode_re
     assert turn.reused_tokens == d.value.local_cache == \
         usage.prompt_tokens_details.cached_tokens > 0, (turn, d.value)
 
-    # A keepalive the decode answers "evicted": the router marks the record lost (its blocks
-    # were freed), so the next turn takes a prefill leg instead of continuing on a decode that
-    # holds nothing.
+    # A keepalive the decode answers "evicted": the router marks the record lost, asks the
+    # decode what its cache kept of the history (nothing), and the next turn takes a prefill
+    # leg instead of continuing on a decode that holds nothing.
     with pytest.raises(kvturn.ConversationNotFoundError):
         kept.keepalive()
     messages = histories[kept.id]
+    probes = metric(router_url, "kvturn_router_leg_seconds_count", leg="probe")
     answer, headers, _ = _sdk_turn(kept, model, messages, stream=False)
+    assert metric(router_url, "kvturn_router_leg_seconds_count", leg="probe") == probes + 1
     assert_same_answer(answer, references[kept.id])
     # Its report says why, as a pin that found the retention gone would.
     assert (headers["x-kvturn-route"], headers["x-kvturn-reuse"]) == ("prefill", "stale"), \
@@ -266,3 +279,45 @@ def test_a_continued_turn_whose_retention_was_evicted_reports_what_the_decode_re
     for key in fillers:
         control(cfg.decode_control_url, "DELETE", retention_path(key))
 
+
+
+def test_a_turn_whose_lease_ran_out_continues_on_what_the_decode_still_caches(
+        stack: Stack, router_url: str) -> None:
+    """A retention whose lease ran out was only freed: with nothing else on the decode its
+    blocks stay in the prefix cache. The router, knowing the lease gone (a keepalive answered
+    ``expired``), asks the decode what it kept (``cached_tokens`` of a describe's ``404``) and
+    continues the turn there, which computes only the new part, as a stock router's decode
+    would."""
+    cfg = stack.config
+    model = cfg.served_model_name
+    client = OpenAI(base_url=f"{router_url}/v1", api_key="tenant-l", max_retries=0)
+    conversation = f"lapsed-{uuid.uuid4().hex}"
+    messages: list[dict[str, Any]] = [{"role": "system", "content": f"{conversation}. {SYSTEM}"},
+                                      {"role": "user", "content": STEPS[0]}]
+    first = chat_turn(client, model, conversation, messages, False, max_tokens=MAX_TOKENS)
+    assert first.headers["x-kvturn-route"] == "prefill", first.headers
+    messages += [{"role": "assistant", "content": first.text},
+                 {"role": "user", "content": STEPS[1]}]
+    key = conversation_key(conversation, "Bearer tenant-l")
+    wait_until(lambda: control(cfg.decode_control_url, "GET", retention_path(key))[0] == 404,
+               RETENTION_TTL + 10, "the lease to run out")
+    status, body = control(cfg.decode_control_url, "GET", retention_path(key))
+    assert (status, body["error"]["code"]) == (404, "expired"), body
+    assert body["cached_tokens"] > 0, body
+    # The router learns it from a keepalive: the record is marked lost.
+    gone = httpx2.post(f"{router_url}/kvturn/v1/conversations/{conversation}/keepalive",
+                       headers={"Authorization": "Bearer tenant-l"}, timeout=30)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "expired", gone.text
+    reference = plain_chat(cfg.reference_url, model, messages, MAX_TOKENS)
+    probes = metric(router_url, "kvturn_router_leg_seconds_count", leg="probe")
+    with Delta(cfg.prefill_url) as p, Delta(cfg.decode_url) as d:
+        turn = chat_turn(client, model, conversation, messages, False, max_tokens=MAX_TOKENS)
+    assert_same_answer(turn, reference)
+    assert metric(router_url, "kvturn_router_leg_seconds_count", leg="probe") == probes + 1
+    assert p.value is not None and d.value is not None
+    assert turn.headers["x-kvturn-route"] == "decode", turn.headers
+    assert p.value.computed == 0 and p.value.transferred == 0, p.value
+    # The decode's own cache supplied the history the describe said it kept, and the turn
+    # reports exactly that.
+    assert 0 < d.value.local_cache <= body["cached_tokens"], (d.value, body)
+    assert turn.reuse in ("hit", "partial") and turn.reused == d.value.local_cache, turn.headers

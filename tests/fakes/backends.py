@@ -106,6 +106,9 @@ class FakeBackend:
         self.retain_late = 0  # describe calls that still see the old retention
         self.retentions: dict[str, FakeRetention] = {}
         self.gone: dict[str, str] = {}
+        # What a gone retention left in the prefix cache: a describe says it, a continued
+        # turn finds it (unset: the decode does not say, and its turn finds nothing).
+        self.left_cached: dict[str, int] = {}
         self.pins: dict[str, str] = {}
         self.unpinned: list[str] = []
         self._pin_ids = itertools.count(1)
@@ -129,6 +132,7 @@ class FakeBackend:
         self.engine_id = f"{self.name}-engine-{number}"
         self.retentions.clear()
         self.gone.clear()
+        self.left_cached.clear()
         self.pins.clear()
         self.lost_log.clear()
 
@@ -208,7 +212,8 @@ class FakeBackend:
         if params.get("do_remote_prefill"):
             cached = prompt  # loaded from the prefill
         else:
-            cached = self.cached_tokens if key in self.retentions else 0
+            cached = self.cached_tokens if key in self.retentions \
+                else self.left_cached.get(key, 0)
         usage: dict[str, Any] = {"prompt_tokens": prompt,
                                  "completion_tokens": self.completion_tokens,
                                  "total_tokens": prompt + self.completion_tokens}
@@ -318,7 +323,11 @@ class FakeBackend:
     def _describe(self, key: str) -> httpx2.Response:
         if key in self.retentions:
             return httpx2.Response(200, json=self.retentions[key].view())
-        return self._gone(key)
+        gone = self._gone(key)
+        if key in self.left_cached:
+            gone = httpx2.Response(404, json={**gone.json(),
+                                              "cached_tokens": self.left_cached[key]})
+        return gone
 
     def _gone(self, key: str) -> httpx2.Response:
         code = self.gone.get(key, "no_retention")

@@ -2,8 +2,9 @@
 
 ``FakeBlockPool`` keeps vLLM's reference-count rules (``vllm/v1/core/block_pool.py``): block 0
 is the null block and never free; ``touch`` takes a reference (a block at 0 leaves the free
-queue); ``free_blocks`` drops one (a block reaching 0 joins it). It is stricter than vLLM in
-two ways that catch keeper bugs: a reference count going below zero raises, and, when
+queue); ``free_blocks`` drops one (a block reaching 0 joins it, its hash kept: still in the
+prefix cache); ``allocate`` takes free blocks for new content (their hashes go). It is stricter
+than vLLM in two ways that catch keeper bugs: a reference count going below zero raises, and, when
 ``owner`` is set, so does any call from a thread other than that one (the pool belongs to the
 engine thread).
 """
@@ -26,6 +27,7 @@ BS = 4
 class FakeBlock:
     block_id: int
     ref_cnt: int = 0
+    block_hash: object | None = None  # vLLM's once the block is full; None: not cached
 
 
 class FakeBlockPool:
@@ -70,7 +72,14 @@ class FakeBlockPool:
         if len(ids) < n:
             raise AssertionError(f"pool has {len(ids)} free blocks, asked for {n}")
         self.touch([self.blocks[b] for b in ids])
+        for b in ids:
+            self.blocks[b].block_hash = None  # evicted from the prefix cache for new content
         return ids
+
+    def hash_blocks(self, ids: Sequence[int]) -> None:
+        """The request filled these blocks: vLLM gives each a hash of its own."""
+        for b in ids:
+            self.blocks[b].block_hash = ("hash", b, object())
 
     def share(self, ids: Sequence[int]) -> None:
         """A request hits these blocks in the prefix cache (one more reference each)."""
@@ -184,7 +193,9 @@ def finish(pool: FakeBlockPool, keeper: RetentionKeeper, key: str, request_id: s
     request's block ids and what ``retain`` returned.
     """
     pool.share(shared)
-    ids = [*shared, *pool.allocate(n_blocks)]
+    new = pool.allocate(n_blocks)
+    pool.hash_blocks(new)
+    ids = [*shared, *new]
     num_tokens = len(ids) * BS if num_tokens is None else num_tokens
     token_ids = tokens(num_tokens + 1) if token_ids is None else token_ids
     try:

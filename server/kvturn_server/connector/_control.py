@@ -231,8 +231,12 @@ def _not_found(message: str) -> tuple[int, Any]:
 
 def _answer(result: dict[str, Any] | Gone) -> tuple[int, Any]:
     if isinstance(result, Gone):
-        return 404, _error(f"no live retention for {result.key!r}: {result.reason.value}",
-                           "not_found", result.reason.value)
+        body: dict[str, Any] = dict(_error(
+            f"no live retention for {result.key!r}: {result.reason.value}", "not_found",
+            result.reason.value))
+        if result.cached_tokens is not None:
+            body["cached_tokens"] = result.cached_tokens
+        return 404, body
     return 200, result
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvturn.wire import GoneReason, Where
+from kvturn_server.connector._freed import FreedBlocks
 from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
 from kvturn_server.connector._lease import Retention
 from kvturn_server.connector._lost import LostLog
@@ -60,10 +61,12 @@ class BlockPool(Protocol):
 
 @dataclass(frozen=True)
 class Gone:
-    """A control answer for a key with no live retention."""
+    """A control answer for a key with no live retention; ``cached_tokens``: for a describe,
+    what its last dropped retention left in the prefix cache (``_freed.py``; None: unknown)."""
 
     key: str
     reason: GoneReason
+    cached_tokens: int | None = None
 
 
 class RetentionKeeper:
@@ -100,6 +103,7 @@ class RetentionKeeper:
         self.pending_events: list[str] = []
         # What the table dropped on its own, for routers to follow (control ``GET .../lost``).
         self.lost = LostLog()
+        self._freed = FreedBlocks()  # under the lock
 
     # Set-up (engine thread, at start).
 
@@ -163,6 +167,9 @@ class RetentionKeeper:
             raise
         self._free(freed)
         self._discard()
+        if kept is not None:
+            with self._lock:
+                self._freed.forget(key)
         return kept if kept is not None and kept.request_id == request_id else None
 
     def service(self) -> None:
@@ -255,7 +262,7 @@ class RetentionKeeper:
             table, _ = self._require()
             retention = table.get(key)
             if retention is None:
-                return Gone(key, table.gone_reason(key))
+                return Gone(key, table.gone_reason(key), self._left_cached(table, key))
             view = self._view(retention, retention.expires_at)
         return self._placed(retention, view)
 
@@ -393,6 +400,17 @@ class RetentionKeeper:
             "created_ago": round(now - retention.created_at, 3),
         }
 
+    def _left_cached(self, table: RetentionTable, key: str) -> int | None:
+        """What ``key``'s dropped retention left in the prefix cache (the caller holds the
+        lock): all of it while a lapsed lease still holds its blocks."""
+        lapsed = table.lapsed(key)
+        if lapsed is not None and lapsed.on_device:
+            return lapsed.num_tokens
+        pool, at = self._pool, self._at
+        if pool is None or at is None:
+            return None
+        return self._freed.cached_tokens(key, pool.blocks, at.block_size)
+
     def _free(self, retentions: Iterable[Retention]) -> None:
         pool = self._pool
         if pool is None:
@@ -400,8 +418,14 @@ class RetentionKeeper:
         for retention in retentions:
             if not retention.block_ids:
                 continue  # host-only: nothing on the device
-            # Tail blocks first: they are the least likely to be shared with another sequence.
-            pool.free_blocks([pool.blocks[b] for b in reversed(retention.block_ids)])
+            blocks = [pool.blocks[b] for b in retention.block_ids]
+            if retention.num_tokens:  # (not a hold undone before the table saw it)
+                with self._lock:
+                    self._freed.note(retention.key, retention.block_ids, blocks,
+                                     retention.num_tokens)
+            # Tail blocks first: they are the least likely to be shared with another sequence,
+            # and the prefix cache gives them out first, so the history's start stays longest.
+            pool.free_blocks(blocks[::-1])
 
     def _check_host(self) -> None:
         """End the host-only leases whose host copy went (engine thread; outside the lock).

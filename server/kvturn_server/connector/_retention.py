@@ -218,6 +218,14 @@ class RetentionTable:
             return None
         return retention
 
+    def lapsed(self, key: str) -> Retention | None:
+        """The key's retention whose lease ran out but that is not handed back yet (its blocks
+        are still held until :meth:`expire`), or None."""
+        retention = self._entries.get(key)
+        if retention is None or retention.is_live(self._clock()):
+            return None
+        return retention
+
     def touch(self, key: str) -> Retention | None:
         """Mark the key's live retention as used now (most recently used); return it or None.
 

@@ -4,10 +4,10 @@ instances, with multi-turn KV reuse (docs/http-api.md).
 Names are imported on first use, so that ``kvturn``'s argument parser can take
 ``add_router_args`` without loading the HTTP stack.
 
-Besides the server, the face exports the turn planner (``_plan.py``: ``plan_route``,
-``plan_pin``, ``refuse_pin``, ``pin_gone``, ``settle_prefill``, ``settle_continued``,
-``recorded_prefill``, ``moved_from``, ``lost_record``, ``marked_lost`` and their typed inputs
-and decisions),
+Besides the server, the face exports the turn planner (``_plan.py``: ``plan_probe``,
+``plan_route``, ``plan_pin``, ``refuse_pin``, ``pin_gone``, ``settle_prefill``,
+``settle_continued``, ``recorded_prefill``, ``moved_from``, ``lost_record``, ``marked_lost``
+and their typed inputs and decisions),
 the backend choices (``choose_prefill``, ``choose_decode``, ``served_tokens``) and the state
 they read (``Pool``, ``Backend``, ``Placement``, ``Transcript``, ``DecodeUsage``,
 ``ReuseReport``; a backend's state changes only through its ``Pool``'s event methods): the
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
         moved_from,
         pin_gone,
         plan_pin,
+        plan_probe,
         plan_route,
         recorded_prefill,
         refuse_pin,
@@ -78,7 +79,8 @@ _WHERE = {
     "served_tokens": "_placement",
     **dict.fromkeys(("NO_PIN", "PinPlan", "Refusal", "RoutePlan", "Settled", "TurnPolicy",
                      "TurnPath", "gone_reuse", "lost_record", "marked_lost", "moved_from",
-                     "pin_gone", "plan_pin", "plan_route", "recorded_prefill", "refuse_pin",
+                     "pin_gone", "plan_pin", "plan_probe", "plan_route", "recorded_prefill",
+                     "refuse_pin",
                      "settle_continued", "settle_prefill"),
                     "_plan"),
     "Backend": "_pool", "Pool": "_pool",
@@ -119,6 +121,7 @@ __all__ = [
     "moved_from",
     "pin_gone",
     "plan_pin",
+    "plan_probe",
     "plan_route",
     "read_floor",
     "read_gain",

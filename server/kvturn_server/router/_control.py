@@ -53,10 +53,13 @@ class Retention:
 class Gone:
     """``404 Gone``: why the decode has no retention under the key. A code this router does
     not know (a newer connector's) is read as ``no_retention``: it goes on to clients and
-    into metric labels, where only known words may (``message`` keeps the decode's text)."""
+    into metric labels, where only known words may (``message`` keeps the decode's text).
+    ``cached_tokens``: a describe's, what the dropped retention left in the decode's prefix
+    cache from its start (None: the decode does not know, or did not say)."""
 
     code: GoneReason
     message: str
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,10 +173,13 @@ def _json_object(reply: Reply) -> dict[str, Any] | None:
 def _gone(reply: Reply) -> Gone:
     data = _json_object(reply) or {}
     error = data.get("error")
+    cached = data.get("cached_tokens")
+    cached_tokens = _int(cached) if isinstance(cached, int) else None
     if isinstance(error, dict):
         message = error.get("message")
-        return Gone(gone_reason(error.get("code")), message if isinstance(message, str) else "")
-    return Gone(GoneReason.NO_RETENTION, "")
+        return Gone(gone_reason(error.get("code")), message if isinstance(message, str) else "",
+                    cached_tokens)
+    return Gone(GoneReason.NO_RETENTION, "", cached_tokens)
 
 
 def _retention_or_gone(reply: Reply) -> Retention | Gone:

@@ -95,6 +95,31 @@ class Pins:
             return ReuseReason.STALE
         return result
 
+    async def held(self, holder: Backend, trace: TurnTrace) -> int | None:
+        """Tokens of the conversation ``holder`` still has cached from its start, for a record
+        whose retention is known gone (``_plan.plan_probe``): a live retention's, or what
+        the dropped one left in the prefix cache; None when it cannot say."""
+        ctx = self.ctx
+        if holder.control_url is None or not holder.control_trusted:
+            return None
+        services = ctx.services
+        t0 = time.perf_counter()
+        span = trace.leg("probe", holder.url)
+        try:
+            result = await services.control.describe(holder.control_url, ctx.conversation)
+        except ControlError as exc:
+            span.end(exc.kind)
+            ctx.leg("probe", time.perf_counter() - t0)
+            ctx.control_failed(holder, "probe", exc)
+            return None
+        span.end()
+        ctx.leg("probe", time.perf_counter() - t0)
+        if isinstance(result, Gone):
+            services.decodes.control_answered(holder)
+            return result.cached_tokens
+        services.decodes.control_answered(holder, result.engine_id)
+        return result.num_tokens if holder.control_trusted else None
+
     def drop(self, placement: Placement, why: str) -> None:
         """Forget a stale handle (only the one this turn read) and count it."""
         ctx = self.ctx

@@ -88,33 +88,53 @@ def read_floor(prefill: Backend, now: float) -> int:
     return prefill.read_floor if now - prefill.read_floor_at < READ_FLOOR_TTL else 0
 
 
+def gone_from_lease(placement: Placement, now: float) -> str | None:
+    """``lost`` when the decode said the conversation's retention is gone (evicted, expired),
+    ``expired`` when its lease ran out by the router's clock, else None."""
+    if placement.lost is not None:
+        return "lost"
+    if placement.retained and placement.expires_at <= now:
+        return "expired"
+    return None
+
+
 def continuation(*, placement: Placement, holder: Backend, transcript: Transcript | None,
-                 now: float, max_tokens: int, budget: int) -> tuple[int, str]:
+                 now: float, max_tokens: int, budget: int,
+                 held: int | None = None) -> tuple[int, str]:
     """Whether ``holder`` (the decode that served the conversation's last turn) should
     continue this turn alone.
 
     The decision is stock conditional disaggregation's (:func:`conditional_decode`: the same
-    estimate of the new tokens, the same threshold), with what kvturn knows besides: a
-    retention whose lease ran out, or that the decode said is gone (``placement.lost``:
-    evicted or expired), was freed, most likely for other requests, so the turn takes a
-    prefill instead of having the decode recompute the history; and a budget of continued
-    tokens per decode. A turn the decode did not retain (``placement.retained`` false: over
-    the budget, too short) still continues: the decode just computed it, and its plain prefix
-    cache holds it as a stock router's decode would; its usage reports what it found.
+    estimate of the new tokens, the same threshold), with what kvturn knows besides and a
+    budget of continued tokens per decode. A turn the decode did not retain
+    (``placement.retained`` false: over the budget, too short) still continues: the decode
+    just computed it, and its plain prefix cache holds it as a stock router's decode would; its
+    usage reports what it found.
 
-    Returns ``(estimated tokens, "")`` when it should, else ``(0, why not)`` with why one of
-    ``off``, ``unhealthy``, ``stale``, ``expired``, ``lost``, ``no_history``, ``edited``,
-    ``too_long``, ``busy``.
+    A retention known gone (:func:`gone_from_lease`) was only freed: vLLM keeps freed blocks
+    in its prefix cache until an allocation takes them, least recently freed first, so the
+    history may still be there, or little of it on a decode short of memory, where continuing
+    would have the decode recompute it amid its other requests. ``held`` is what the decode
+    said it still holds of the conversation from its start (the router asks:
+    :func:`~kvturn_server.router._plan.plan_probe`); the turn continues when what the decode
+    must compute, the history it lost and the new tokens, is within the threshold, and takes a
+    prefill otherwise (or when the decode could not say).
+
+    Returns ``(estimated tokens to compute, "")`` when it should, else ``(0, why not)`` with
+    why one of ``off``, ``unhealthy``, ``stale``, ``expired``, ``lost``, ``no_history``,
+    ``edited``, ``too_long``, ``busy``.
     """
-    if max_tokens > 0 and holder.healthy:
-        if placement.lost is not None:
-            return 0, "lost"
-        if placement.retained and placement.expires_at <= now:
-            return 0, "expired"
     estimate, why = conditional_decode(placement=placement, holder=holder,
                                        transcript=transcript, max_tokens=max_tokens)
     if why:
         return 0, why
+    gone = gone_from_lease(placement, now)
+    if gone is not None:
+        if held is None:
+            return 0, gone
+        estimate += max(0, placement.num_tokens - held)
+        if estimate > max_tokens:
+            return 0, gone
     if holder.continuing + estimate > budget:
         return 0, "busy"
     return estimate, ""

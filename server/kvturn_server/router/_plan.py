@@ -10,11 +10,13 @@ every turn alike (``tests/server/sim/test_sim_same_turns.py`` runs one script th
 
 In a turn's order:
 
-1. :func:`plan_route`: where the turn runs (:class:`TurnPath`): the decode that holds the
-   conversation continues it alone (kvturn), the decode that served it runs it alone with
-   nothing retained (stock conditional disaggregation), or a prefill leg then a decode leg
-   (plain P/D, reading the decode's retention when pinned). A continuation that fails before
-   its first byte falls back to the prefill path (:attr:`RoutePlan.fallback_reason`).
+1. :func:`plan_probe`: whether to ask the decode what it still holds of a conversation whose
+   retention is known gone; :func:`plan_route`: where the turn runs (:class:`TurnPath`): the
+   decode that holds the conversation continues it alone (kvturn), the decode that served it
+   runs it alone with nothing retained (stock conditional disaggregation), or a prefill leg
+   then a decode leg (plain P/D, reading the decode's retention when pinned). A continuation
+   that fails before its first byte falls back to the prefill path
+   (:attr:`RoutePlan.fallback_reason`).
 2. :func:`plan_pin`: whether the chosen prefill gets the retention pinned for it (a round trip
    to the decode, worth it only for what that prefill lacks), and what the turn reports when
    not; :func:`refuse_pin` and :func:`pin_gone`: a pin refused before or by the decode.
@@ -47,6 +49,7 @@ from kvturn_server.router._legs import (
 from kvturn_server.router._placement import (
     conditional_decode,
     continuation,
+    gone_from_lease,
     read_floor,
     read_gain,
 )
@@ -147,10 +150,25 @@ NOT_CONTINUED_FAILED = "decode_failed"
 """``not_continued`` of a decode-alone attempt that failed before its first byte."""
 
 
+def plan_probe(policy: TurnPolicy, *, placement: Placement | None, holder: Backend | None,
+               transcript: Transcript | None, now: float) -> bool:
+    """Whether to ask ``holder`` how much of the conversation it still holds (one control
+    round trip) before :func:`plan_route`: only when its retention is known gone and the turn
+    would continue on the decode if the history were still there."""
+    if not policy.reuse or placement is None or holder is None \
+            or gone_from_lease(placement, now) is None:
+        return False
+    _, why = conditional_decode(placement=placement, holder=holder, transcript=transcript,
+                                max_tokens=policy.decode_continue_tokens)
+    return not why
+
+
 def plan_route(policy: TurnPolicy, *, placement: Placement | None, holder: Backend | None,
-               transcript: Transcript | None, now: float) -> RoutePlan:
+               transcript: Transcript | None, now: float,
+               held: int | None = None) -> RoutePlan:
     """Where a turn runs, given the conversation's record and the decode it names (``now`` on
-    the record's clock: a lease that ran out is not continued on)."""
+    the record's clock: a lease that ran out is known gone), and, for a retention known gone,
+    what that decode said it still holds of the conversation (``held``: :func:`plan_probe`)."""
     reason = None if policy.reuse else ReuseReason.DISABLED
     if placement is None or holder is None:
         return RoutePlan(TurnPath.PREFILL, reason=reason)
@@ -164,7 +182,8 @@ def plan_route(policy: TurnPolicy, *, placement: Placement | None, holder: Backe
         return RoutePlan(TurnPath.DECODE_ONLY, reason=reason)
     estimate, why = continuation(
         placement=placement, holder=holder, transcript=transcript, now=now,
-        max_tokens=policy.decode_continue_tokens, budget=policy.decode_continue_budget)
+        max_tokens=policy.decode_continue_tokens, budget=policy.decode_continue_budget,
+        held=held)
     if why:
         return RoutePlan(TurnPath.PREFILL, not_continued=why)
     return RoutePlan(TurnPath.CONTINUE, estimate=estimate)

@@ -49,6 +49,7 @@ from kvturn_server.router._plan import (
     TurnPolicy,
     gave_up_reason,
     plan_pin,
+    plan_probe,
     plan_retry,
     plan_route,
     settle_prefill,
@@ -118,8 +119,14 @@ class Turn:
             if self.policy.reads_transcript:
                 self.transcript = self.api.transcript(self.body)
             await self._locate()
+        now = svc.clock()
+        held = None
+        if plan_probe(self.policy, placement=self.placement, holder=self.holder,
+                      transcript=self.transcript, now=now):
+            assert self.holder is not None
+            held = await self.pins.held(self.holder, self.trace)
         route = plan_route(self.policy, placement=self.placement, holder=self.holder,
-                           transcript=self.transcript, now=svc.clock())
+                           transcript=self.transcript, now=now, held=held)
         if route.reason is not None:
             report.reason = route.reason
         if route.not_continued:

@@ -208,8 +208,15 @@ class Simulation:
             turn.holder = self.decode_pool.by_url(placement.decode)
         if s.policy.conversation_ids and self.plan.reads_transcript:
             turn.transcript = Transcript(messages(turn))
+        held = None
+        if routing.plan_probe(self.plan, placement=placement, holder=turn.holder,
+                              transcript=turn.transcript, now=self.now):
+            # The router asks the decode what it still holds of the conversation.
+            assert turn.holder is not None
+            decode = self._decode_of[turn.holder.url]
+            held = decode.peek(key, turn.hashes) * self.block_size
         route = routing.plan_route(self.plan, placement=placement, holder=turn.holder,
-                                   transcript=turn.transcript, now=self.now)
+                                   transcript=turn.transcript, now=self.now, held=held)
         turn.where = route.where
         if route.reason is not None:
             turn.reason = route.reason

@@ -20,7 +20,7 @@ import pytest
 
 from kvturn_server.connector._control import MAX_BODY, ControlServer, dial_url
 from kvturn_server.connector._keeper import RetentionKeeper
-from tests.fakes.keeper import FakeBlockPool, FakeClock, finish, make_keeper
+from tests.fakes.keeper import BS, FakeBlockPool, FakeClock, finish, make_keeper
 
 KEY = "3f2a9c0d1e4b5a67/conv:42/turns"  # tenant-scoped: "/" and ":" inside the key
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -172,6 +172,10 @@ def test_release_then_every_retention_route_says_released(
         assert (status, body["error"]["code"]) == (404, "released"), (method, suffix)
         assert body["error"]["type"] == "not_found"
         assert KEY in body["error"]["message"]
+    # A describe also says what the released history left in the prefix cache (all of it:
+    # nothing took its blocks since); the other routes do not look.
+    assert call(server, "GET", retention())[1]["cached_tokens"] == len(retained) * BS
+    assert "cached_tokens" not in call(server, "POST", retention() + "/keepalive")[1]
 
 
 def test_an_unknown_key_is_404_no_retention(server: ControlServer) -> None:

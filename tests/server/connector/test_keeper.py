@@ -69,6 +69,11 @@ def in_thread(fn: Callable[[], Any]) -> Any:
     return out[0]
 
 
+def why(answer: object) -> tuple[str, GoneReason] | None:
+    """A describe's Gone as (key, reason), whatever it says is still cached; None: live."""
+    return (answer.key, answer.reason) if isinstance(answer, Gone) else None
+
+
 def all_free(pool: FakeBlockPool) -> bool:
     return pool.refs() == [0] * pool.usable and pool.get_num_free_blocks() == pool.usable
 
@@ -101,7 +106,7 @@ def test_retain_without_a_full_block_keeps_nothing_and_takes_no_reference(
     assert kept is None
     assert pool.refs(ids) == [0]
     assert keeper.take_events() == []
-    assert keeper.describe("k") == Gone("k", GoneReason.NO_RETENTION)
+    assert why(keeper.describe("k")) == ("k", GoneReason.NO_RETENTION)
 
 
 def test_a_keys_next_turn_replaces_the_previous_retention_and_balances_shared_blocks(
@@ -140,7 +145,7 @@ def test_a_retention_larger_than_the_budget_is_refused_and_its_blocks_freed_at_o
     assert kept is None
     assert all_free(pool)  # the refused turn and the turn it replaced are both freed
     assert keeper.take_events() == ["created", "replaced", "refused"]
-    assert keeper.describe("k") == Gone("k", GoneReason.EVICTED)
+    assert why(keeper.describe("k")) == ("k", GoneReason.EVICTED)
 
 
 def test_frees_a_retentions_tail_blocks_first(pool: FakeBlockPool,
@@ -158,7 +163,7 @@ def test_block_ids_outside_the_pool_raise_and_leave_reference_counts_untouched(
             keeper.retain("k", "r1", bad, tokens(13), 12)
     assert all_free(pool)
     assert keeper.take_events() == []
-    assert keeper.describe("k") == Gone("k", GoneReason.NO_RETENTION)
+    assert why(keeper.describe("k")) == ("k", GoneReason.NO_RETENTION)
 
 
 def test_a_failure_inside_the_table_undoes_the_hold(
@@ -279,7 +284,49 @@ def test_control_calls_on_a_gone_retention_say_why(
         "describe": lambda: keeper.describe("k"), "pin": lambda: keeper.pin("k", 5),
         "keepalive": lambda: keeper.keepalive("k"), "release": lambda: keeper.release("k"),
     }
-    assert calls[op]() == Gone("k", reason)
+    answer = calls[op]()
+    assert isinstance(answer, Gone) and (answer.key, answer.reason) == ("k", reason)
+
+
+@pytest.mark.parametrize("gone", [_released, _expired_and_serviced, _evicted])
+def test_a_describe_says_what_a_dropped_retention_left_in_the_prefix_cache(
+        clock: FakeClock, pool: FakeBlockPool, keeper: RetentionKeeper,
+        gone: Callable[[RetentionKeeper, FakeClock], None]) -> None:
+    ids, kept = finish(pool, keeper, "k", "r1", 4)
+    assert kept is not None and kept.num_tokens == 4 * BS
+    gone(keeper, clock)
+    keeper.service()  # (a release's blocks are freed on the engine thread)
+    answer = keeper.describe("k")
+    assert isinstance(answer, Gone) and answer.cached_tokens == 4 * BS  # only freed
+    # An allocation took the third block for new content: the history's run stops there.
+    pool.blocks[ids[2]].block_hash = ("other",)
+    answer = keeper.describe("k")
+    assert isinstance(answer, Gone) and answer.cached_tokens == 2 * BS
+    pool.blocks[ids[0]].block_hash = None
+    answer = keeper.describe("k")
+    assert isinstance(answer, Gone) and answer.cached_tokens == 0
+    # Retained again: the old blocks say nothing of it any more.
+    finish(pool, keeper, "k", "r2", 2)
+    assert not isinstance(keeper.describe("k"), Gone)
+    keeper.release("k")
+    keeper.service()
+    answer = keeper.describe("k")
+    assert isinstance(answer, Gone) and answer.cached_tokens == 2 * BS
+
+
+def test_a_describe_of_a_key_never_dropped_here_knows_nothing_cached(
+        keeper: RetentionKeeper) -> None:
+    answer = keeper.describe("never")
+    assert isinstance(answer, Gone) and answer.cached_tokens is None
+
+
+def test_a_lapsed_lease_not_yet_handed_back_still_holds_all_of_its_history(
+        clock: FakeClock, pool: FakeBlockPool, keeper: RetentionKeeper) -> None:
+    finish(pool, keeper, "k", "r1", 2)
+    clock.advance(60)  # expired, not yet handed back: its blocks are still held
+    answer = keeper.describe("k")
+    assert why(answer) == ("k", GoneReason.EXPIRED)
+    assert isinstance(answer, Gone) and answer.cached_tokens == 2 * BS
 
 
 def test_releasing_an_expired_retention_not_yet_freed_releases_its_blocks(
@@ -420,7 +467,7 @@ def test_a_pinned_retention_that_expires_drains_until_its_pin_lapses(
     clock.advance(10)
     assert keeper.due()
     keeper.service()
-    assert keeper.describe("k") == Gone("k", GoneReason.EXPIRED)
+    assert why(keeper.describe("k")) == ("k", GoneReason.EXPIRED)
     assert pool.refs(ids) == [1, 1, 1]  # draining: the pin still holds the blocks
     assert keeper.has_pins()
     assert not keeper.due()
@@ -491,7 +538,7 @@ def test_make_room_evicts_least_recently_used_until_enough_blocks_are_free(
     assert pool.get_num_free_blocks() >= 20
     assert pool.refs(three["a"] + three["b"]) == [0] * 16
     assert pool.refs(three["c"]) == [1] * 8
-    assert keeper.describe("a") == Gone("a", GoneReason.EVICTED)
+    assert why(keeper.describe("a")) == ("a", GoneReason.EVICTED)
     assert keeper.take_events()[-2:] == ["evicted", "evicted"]
 
 
@@ -499,7 +546,7 @@ def test_a_keepalive_moves_a_retention_to_the_back_of_the_eviction_order(
         pool: FakeBlockPool, keeper: RetentionKeeper, three: dict[str, list[int]]) -> None:
     assert keeper.keepalive("a") is not None
     assert keeper.make_room(12) == 1
-    assert keeper.describe("b") == Gone("b", GoneReason.EVICTED)
+    assert why(keeper.describe("b")) == ("b", GoneReason.EVICTED)
     assert isinstance(keeper.describe("a"), dict)
 
 
@@ -709,7 +756,7 @@ def test_a_host_only_retention_the_host_tier_lost_is_gone_as_evicted(
     keeper.make_room(pool.usable)
     keeper.take_events()
     assert in_thread(lambda: keeper.keepalive("a")) == Gone("a", GoneReason.EVICTED)
-    assert keeper.describe("a") == Gone("a", GoneReason.EVICTED)
+    assert why(keeper.describe("a")) == ("a", GoneReason.EVICTED)
     assert keeper.take_events() == ["host_evicted"]
     keeper.service()  # whatever of it was still in flight there goes too
     assert host.discarded == [["a"]]
@@ -756,5 +803,5 @@ def test_a_host_only_lease_whose_first_host_block_went_ends_at_the_next_service(
     assert keeper.describe("b") != Gone("b", GoneReason.EVICTED) and keeper.due()
     keeper.service()
     assert keeper.lost.since(0).lost == [("a", "evicted", "kvturn-read/r-a")]
-    assert keeper.describe("a") == Gone("a", GoneReason.EVICTED)
+    assert why(keeper.describe("a")) == ("a", GoneReason.EVICTED)
     assert host.discarded == [["a"]]

@@ -350,3 +350,30 @@ async def test_a_lost_reason_the_router_does_not_know_counts_as_evicted(
     assert record is not None and record.lost == "evicted"
     assert metric(h, "kvturn_router_lost_entries_total", outcome="evicted") == 1
     await h.router.lost.stop()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("left", "route", "reuse"), [
+    (None, "prefill", "stale"),  # the decode does not say: a prefill, as before
+    (0, "prefill", "stale"),  # nothing left: the decode would recompute the history
+    (48, "decode", "hit"),  # most of it left: the decode computes the rest
+])
+async def test_a_gone_retention_s_turn_continues_when_the_decode_still_holds_its_history(
+        make_harness: MakeHarness, left: int | None, route: str, reuse: str) -> None:
+    # The record holds 100 tokens and the follow-up adds about 72: continued while the decode
+    # holds at least 22 of the history.
+    h = await make_harness(Cluster(), decode_continue_tokens=150)
+    decode = h.cluster.decodes[0]
+    await h.chat("c", messages=[U1])
+    evict(h)
+    resp = await h.client.post("/kvturn/v1/conversations/c/keepalive")
+    assert resp.json()["error"]["code"] == "evicted"  # the record is marked lost
+    if left is not None:
+        decode.left_cached[KEY] = left
+    describes = len(h.cluster.calls("decode0.control", "GET"))
+    resp = await h.chat("c", messages=TURN2)
+    # One describe asked what the prefix cache kept; the turn went where that says.
+    assert len(h.cluster.calls("decode0.control", "GET")) == describes + 1
+    assert (resp.headers["X-KVTurn-Route"], resp.headers["X-KVTurn-Reuse"]) == (route, reuse)
+    assert metric(h, "kvturn_router_not_continued_total", why="lost") == (route == "prefill")
+    if route == "decode":
+        assert resp.headers["X-KVTurn-Reused-Tokens"] == "48"

@@ -26,6 +26,7 @@ from kvturn_server.router import (
     moved_from,
     pin_gone,
     plan_pin,
+    plan_probe,
     plan_route,
     recorded_prefill,
     refuse_pin,
@@ -110,6 +111,42 @@ def test_why_the_holder_does_not_continue(placement: Placement, transcript: list
     plan = plan_route(KVTURN, placement=placement, holder=holder,
                       transcript=Transcript(transcript), now=NOW)
     assert (plan.where, plan.not_continued, plan.reason) == (TurnPath.PREFILL, why, None)
+
+
+GONE = [_record(lost="evicted", retained=False), _record(lost="expired", retained=False),
+        _record(expires_at=NOW)]
+
+
+@pytest.mark.parametrize("placement", GONE)
+def test_a_retention_known_gone_is_probed_only_for_a_turn_that_would_continue(
+        placement: Placement) -> None:
+    def probe(policy: TurnPolicy, record: Placement, transcript: list[Any]) -> bool:
+        return plan_probe(policy, placement=record, holder=_decode(),
+                          transcript=Transcript(transcript), now=NOW)
+
+    assert probe(KVTURN, placement, SHORT)
+    assert not probe(KVTURN, placement, LONG)  # a prefill anyway
+    assert not probe(STOCK_COND, placement, SHORT)  # stock asks nothing
+    assert not probe(KVTURN, _record(), SHORT)  # held under its lease
+    assert not probe(KVTURN, _record(retained=False), SHORT)  # never retained: continued
+
+
+@pytest.mark.parametrize("placement", GONE)
+def test_a_retention_known_gone_continues_when_the_decode_holds_enough_of_it(
+        placement: Placement) -> None:
+    def route(held: int | None) -> tuple[TurnPath, str | None, int]:
+        plan = plan_route(KVTURN, placement=placement, holder=_decode(),
+                          transcript=Transcript(SHORT), now=NOW, held=held)
+        return plan.where, plan.not_continued, plan.estimate
+
+    why = "lost" if placement.lost else "expired"
+    where, _, whole = route(512)  # all of it: only the new tokens to compute
+    assert where is TurnPath.CONTINUE and 0 < whole <= 512
+    # What it lost is computed too, up to the threshold.
+    assert route(whole) == (TurnPath.CONTINUE, None, 512)
+    assert route(whole - 1) == (TurnPath.PREFILL, why, 0)
+    assert route(0) == (TurnPath.PREFILL, why, 0)
+    assert route(None) == (TurnPath.PREFILL, why, 0)  # the decode could not say
 
 
 def test_stock_conditional_disaggregation_runs_short_follow_ups_decode_only() -> None:

@@ -51,23 +51,23 @@ def test_decodes_run_the_connectors_table_on_the_simulated_clock() -> None:
     assert result["simulated_s"] > 86400
 
 
-def test_fixed_ttl_misses_the_long_gap_the_lease_keeps() -> None:
+def test_a_fixed_ttl_lets_go_at_the_gap_the_lease_holds_through() -> None:
     policies = standard_policies()
-    # Turn 2 of a continued turn reports the decode's coverage of its prompt: "partial", its
-    # new message filling blocks of its own.
-    for gap, ttl_reason in ((10.0, "partial"), (600.0, "expired")):
+    for gap, expired in ((10.0, 0), (600.0, 1)):
         ttl = _run(policies["vllm-ttl-480"], _gap_of(gap))
         lease = _run(policies["kvturn-lease"], _gap_of(gap))
-        assert ttl["reasons"] == {"miss": 1, ttl_reason: 1}, gap  # turn 1, then turn 2
-        assert lease["reasons"] == {"miss": 1, "partial": 1}, gap
-        assert lease["routes"] == {"prefill": 1, "decode": 1}, gap
-    # The lapsed lease sends turn 2 to a prefill, which recomputes what its cache lacks.
-    expired = _run(policies["vllm-ttl-480"], _gap_of(600.0))
-    kept = _run(policies["kvturn-lease"], _gap_of(600.0))
-    assert expired["routes"] == {"prefill": 2}
-    assert expired["computed_tokens"] > kept["computed_tokens"]
+        assert ttl["retention_stats"]["expired"] == expired, gap
+        assert lease["retention_stats"]["expired"] == 0, gap
+        # Turn 2 continues on the decode either way: a lapsed retention's blocks were only
+        # freed, and with nothing else on the decode its prefix cache still holds them. The
+        # turn reports the decode's coverage of its prompt: "partial", its new message
+        # filling blocks of its own.
+        for run in (ttl, lease):
+            assert run["reasons"] == {"miss": 1, "partial": 1}, gap  # turn 1, then turn 2
+            assert run["routes"] == {"prefill": 1, "decode": 1}, gap
+            assert run["computed_tokens"] == lease["computed_tokens"], gap
     # The lease renewed every 60 s of the 600 s gap, then was released at the end.
-    stats = kept["retention_stats"]
+    stats = _run(policies["kvturn-lease"], _gap_of(600.0))["retention_stats"]
     assert stats["renewed"] == 9 and stats["released"] == 1
 
 

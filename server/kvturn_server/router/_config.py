@@ -319,8 +319,9 @@ class RouterConfig:
         "runs on that decode alone; 0: plain stock P/D", unit="tokens", check=_WHOLE_0))
     follow_evictions: bool = field(default=True, metadata=setting(
         "follow each decode's evicted and expired retentions (a long poll on its control "
-        "endpoint) and mark the records naming them lost, so that their next turns take a "
-        "prefill instead of continuing on a decode that holds nothing", check=_switch))
+        "endpoint) and mark the records naming them lost, so that their next turns ask the "
+        "decode what its prefix cache kept and take a prefill instead of continuing on a "
+        "decode that holds too little", check=_switch))
     min_read_tokens: int = field(default=1, metadata=setting(
         "pin a retention for a prefill leg only when at least this many of its tokens are "
         "beyond what that prefill holds", unit="tokens", check=_WHOLE_0))

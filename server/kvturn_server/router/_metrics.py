@@ -24,8 +24,9 @@ under its underscore form (``below_threshold``, ``round_robin``).
   the record outlived the KV (its retention evicted, or expired and its blocks reused), or the
   reply sent back differs from what the decode generated (re-rendered, reasoning stripped).
 - ``kvturn_router_ttft_seconds``: streaming requests, arrival to the decode's first byte.
-- ``kvturn_router_leg_seconds{leg}``: ``pin``, ``prefill``, ``decode`` (to the first byte when
-  streaming), ``capture``.
+- ``kvturn_router_leg_seconds{leg}``: ``pin``, ``probe`` (what a decode kept of a history
+  whose retention is gone), ``prefill``, ``decode`` (to the first byte when streaming),
+  ``capture``.
 - ``kvturn_router_retries_total{leg}``: legs retried on another backend.
 - ``kvturn_router_backend_failures_total{role, backend, kind}``: failed legs and control calls.
 - ``kvturn_router_backend_healthy{role, backend}``: 1 in rotation, 0 ejected.

@@ -98,6 +98,15 @@ def gone_from_lease(placement: Placement, now: float) -> str | None:
     return None
 
 
+def full_blocks(placement: Placement) -> int:
+    """Tokens of the recorded history in full blocks: what a prefix cache can supply of it."""
+    if placement.readable_tokens is not None:
+        return placement.readable_tokens
+    if placement.block_size > 0:
+        return placement.num_tokens - placement.num_tokens % placement.block_size
+    return placement.num_tokens
+
+
 def continuation(*, placement: Placement, holder: Backend, transcript: Transcript | None,
                  now: float, max_tokens: int, budget: int,
                  held: int | None = None) -> tuple[int, str]:
@@ -132,7 +141,9 @@ def continuation(*, placement: Placement, holder: Backend, transcript: Transcrip
     if gone is not None:
         if held is None:
             return 0, gone
-        estimate += max(0, placement.num_tokens - held)
+        # What a live retention would have supplied is the history's full blocks (the
+        # partial last one is computed anyway, as for every continued turn).
+        estimate += max(0, full_blocks(placement) - held)
         if estimate > max_tokens:
             return 0, gone
     if holder.continuing + estimate > budget:

@@ -68,9 +68,10 @@ class Placement:
             would; ``num_tokens`` is then what that decode processed of the last turn (prompt
             and reply) and nothing is pinned.
         lost: why the decode said, after the turn, that the retention is gone (``evicted`` or
-            ``expired``: its blocks were freed, under memory pressure most likely reused). The
-            record keeps the decode and the prefill for affinity, but the next turn does not
-            continue on that decode.
+            ``expired``: its blocks were freed, and under memory pressure soon reused). The
+            record keeps the decode and the prefill for affinity; the next turn continues on
+            that decode only if its prefix cache kept enough of the history (``_plan.py``,
+            ``plan_probe``).
         read_id: the retention's read id (its params' ``remote_request_id``), which the
             decode's lost log names (``_lost.py``); None when unknown.
     """

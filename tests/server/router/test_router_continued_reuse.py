@@ -355,13 +355,13 @@ async def test_a_lost_reason_the_router_does_not_know_counts_as_evicted(
 @pytest.mark.parametrize(("left", "route", "reuse"), [
     (None, "prefill", "stale"),  # the decode does not say: a prefill, as before
     (0, "prefill", "stale"),  # nothing left: the decode would recompute the history
-    (48, "decode", "hit"),  # most of it left: the decode computes the rest
+    (32, "decode", "partial"),  # all of it left: the decode computes only the new part
 ])
 async def test_a_gone_retention_s_turn_continues_when_the_decode_still_holds_its_history(
         make_harness: MakeHarness, left: int | None, route: str, reuse: str) -> None:
-    # The record holds 100 tokens and the follow-up adds about 72: continued while the decode
-    # holds at least 22 of the history.
-    h = await make_harness(Cluster(), decode_continue_tokens=150)
+    # The record holds 32 tokens in full blocks and the follow-up adds about 72: continued
+    # while the decode holds at least 14 of them.
+    h = await make_harness(Cluster(), decode_continue_tokens=90)
     decode = h.cluster.decodes[0]
     await h.chat("c", messages=[U1])
     evict(h)
@@ -376,4 +376,4 @@ async def test_a_gone_retention_s_turn_continues_when_the_decode_still_holds_its
     assert (resp.headers["X-KVTurn-Route"], resp.headers["X-KVTurn-Reuse"]) == (route, reuse)
     assert metric(h, "kvturn_router_not_continued_total", why="lost") == (route == "prefill")
     if route == "decode":
-        assert resp.headers["X-KVTurn-Reused-Tokens"] == "48"
+        assert resp.headers["X-KVTurn-Reused-Tokens"] == "32"

@@ -149,6 +149,18 @@ def test_a_retention_known_gone_continues_when_the_decode_holds_enough_of_it(
     assert route(None) == (TurnPath.PREFILL, why, 0)  # the decode could not say
 
 
+def test_the_history_s_partial_last_block_is_not_counted_as_lost() -> None:
+    # It is computed on every continued turn: what the decode kept is measured against the
+    # full blocks a live retention would have supplied.
+    for record in (_record(lost="evicted", num_tokens=540, readable_tokens=None),
+                   _record(lost="evicted", num_tokens=540, readable_tokens=512)):
+        kept = plan_route(KVTURN, placement=record, holder=_decode(),
+                          transcript=Transcript(SHORT), now=NOW, held=512)
+        live = plan_route(KVTURN, placement=replace(record, lost=None), holder=_decode(),
+                          transcript=Transcript(SHORT), now=NOW)
+        assert kept.where is TurnPath.CONTINUE and kept.estimate == live.estimate
+
+
 def test_stock_conditional_disaggregation_runs_short_follow_ups_decode_only() -> None:
     record = _record(retained=False, readable_tokens=None, block_size=0)
     short = plan_route(STOCK_COND, placement=record, holder=_decode(),

@@ -131,9 +131,12 @@ async def _keepalive(router: Router, conversation_id: str, key: str,
     try:
         result = await router.control.keepalive(decode.control_url, key)
     except ControlError as exc:
-        control_call_failed(decode, "keepalive", exc, request_id=request_id, conversation=key)
+        control_call_failed(router.services, decode, "keepalive", exc, request_id=request_id,
+                            conversation=key)
         raise _unavailable(router, "the decode holding this conversation did not answer") \
             from exc
+    router.decodes.control_answered(decode, None if isinstance(result, Gone)
+                                    else result.engine_id)
     if isinstance(result, Gone):
         kept = lost_record(placement, result.code)
         if kept is not None:
@@ -168,10 +171,11 @@ async def _release(router: Router, conversation_id: str, key: str,
             try:
                 result = await router.control.release(decode.control_url, key)
             except ControlError as exc:
-                control_call_failed(decode, "release", exc, request_id=request_id,
-                                    conversation=key)
+                control_call_failed(router.services, decode, "release", exc,
+                                    request_id=request_id, conversation=key)
                 raise _unavailable(router, "the decode holding this conversation did not "
                                            "answer; retry to release it") from exc
+            router.decodes.control_answered(decode)
             released = result is True
         await _forget(router, key, placement, None)
     return _ok(ReleaseBody(conversation_id=conversation_id, released=released), request_id)

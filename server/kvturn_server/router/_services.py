@@ -67,9 +67,12 @@ class TurnServices:
     check_control: Callable[[Backend], Coroutine[Any, Any, None]]
 
 
-def control_call_failed(backend: Backend, call: str, exc: ControlError, *,
-                        request_id: str, conversation: str | None) -> None:
-    """Log a failed control call (pin, unpin, describe, keepalive, release)."""
+def control_call_failed(services: TurnServices, backend: Backend, call: str, exc: ControlError,
+                        *, request_id: str, conversation: str | None) -> None:
+    """A control call (pin, unpin, describe, keepalive, release) failed: the endpoint is out
+    of use when the failure says it is down (``Pool.control_failed``), counted and logged."""
+    services.decodes.control_failed(backend, exc.kind)
+    services.metrics.failure("control", backend.url, exc.kind)
     event(log, logging.WARNING, "control_call_failed", request_id=request_id,
           conversation=conversation, backend=backend.url, call=call, kind=exc.kind,
           error=str(exc))
@@ -103,9 +106,7 @@ class TurnContext:
               conversation=self.key, op=op, error=str(exc))
 
     def control_failed(self, backend: Backend, call: str, exc: ControlError) -> None:
-        self.services.decodes.control_failed(backend, exc.kind)
-        self.services.metrics.failure("control", backend.url, exc.kind)
-        control_call_failed(backend, call, exc, request_id=self.request_id,
+        control_call_failed(self.services, backend, call, exc, request_id=self.request_id,
                             conversation=self.key)
 
     def engines_differ(self, backend: Backend) -> None:

@@ -79,6 +79,28 @@ async def test_keepalive_with_the_decode_unreachable_is_retryable(
     assert resp.status_code == 503
     assert resp.headers["x-should-retry"] == "true" and resp.headers["Retry-After"] == "2"
     assert await h.router.store.get("-/c") is not None
+    # As a pin that found it unreachable would: the endpoint is out of use (no pins, no
+    # captures, no further keepalives) until a health check finds it answering, and counted.
+    decode = h.router.decodes.by_url(h.cluster.decode_urls[0])
+    assert decode is not None and not decode.control_ok and not decode.control_trusted
+    assert h.router.metrics.registry.get_sample_value(
+        "kvturn_router_backend_failures_total",
+        {"role": "control", "backend": decode.url, "kind": "connect"}) == 1
+    resp = await h.client.post(_path("c", "/keepalive"))
+    assert resp.status_code == 503
+    await h.router.health.check_all()
+    assert decode.control_trusted
+    assert (await h.client.post(_path("c", "/keepalive"))).status_code == 200
+
+
+async def test_a_release_the_decode_does_not_answer_takes_its_control_endpoint_out_of_use(
+        make_harness: MakeHarness) -> None:
+    h = await make_harness()
+    await h.chat("c")
+    h.cluster.decodes[0].control_fail_next("connect")
+    assert (await h.client.delete(_path("c"))).status_code == 503
+    decode = h.router.decodes.by_url(h.cluster.decode_urls[0])
+    assert decode is not None and not decode.control_ok
 
 
 async def test_release_is_idempotent(make_harness: MakeHarness, state: str) -> None:

@@ -8,28 +8,38 @@ is short of memory). The router asks before it continues a turn whose retention 
 (docs/http-api.md, C: a ``404`` describe answer carries ``cached_tokens``): the decode then
 recomputes only what is really missing, and a history that is really gone takes a prefill.
 
-Each entry keeps the retention's block ids and the hashes vLLM had given them, nothing else
-(references to objects the block pool made, no copies); a block still holds the conversation's
-KV while its hash is the one kept. The keeper frees tail blocks first, so the leading blocks are
-the last to go and the leading run of matches is what a request would hit.
+Each entry keeps the retention's block ids and a 64-bit fingerprint (Python's ``hash``) of the
+hash vLLM had given each block: 12 bytes a block, not the hashes themselves, which would keep
+vLLM's evicted hash objects alive (a 100k-token history in 16-token blocks is 6,250 of them); a
+block still holds the conversation's KV while its hash has the fingerprint kept (a collision
+only makes the hint wrong, never an answer: the request that follows hits what vLLM finds). The
+keeper frees tail blocks first, so the leading blocks are the last to go and the leading run of
+matches is what a request would hit.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-REMEMBERED = 1024
-"""Dropped retentions remembered (least recently dropped forgotten first): about a block id
-and a reference per block each."""
+REMEMBERED = 256
+"""Dropped retentions remembered (least recently dropped forgotten first), 12 bytes a block
+each: at most 19 MiB for 256 histories of 100k tokens in 16-token blocks."""
+
+_NONE = 0  # the fingerprint of a block that had no hash (never matches: see _fingerprint)
+
+
+def _fingerprint(block_hash: object) -> int:
+    return _NONE if block_hash is None else hash(block_hash) or 1
 
 
 @dataclass(frozen=True, slots=True)
 class _Dropped:
-    block_ids: tuple[int, ...]
-    hashes: tuple[Any, ...]
+    block_ids: array[int]
+    fingerprints: array[int]
     num_tokens: int
 
 
@@ -49,7 +59,8 @@ class FreedBlocks:
         """Remember what ``key``'s retention held as its blocks are freed (``blocks``: the
         pool's block objects for ``block_ids``, read before the free)."""
         self._dropped.pop(key, None)
-        self._dropped[key] = _Dropped(tuple(block_ids), tuple(b.block_hash for b in blocks),
+        self._dropped[key] = _Dropped(array("i", block_ids),
+                                      array("q", (_fingerprint(b.block_hash) for b in blocks)),
                                       num_tokens)
         while len(self._dropped) > self._limit:
             self._dropped.popitem(last=False)
@@ -65,8 +76,8 @@ class FreedBlocks:
         if dropped is None:
             return None
         held = 0
-        for block_id, block_hash in zip(dropped.block_ids, dropped.hashes, strict=True):
-            if block_hash is None or pool_blocks[block_id].block_hash != block_hash:
+        for block_id, kept in zip(dropped.block_ids, dropped.fingerprints, strict=True):
+            if kept == _NONE or _fingerprint(pool_blocks[block_id].block_hash) != kept:
                 break
             held += 1
         return min(held * block_size, dropped.num_tokens)

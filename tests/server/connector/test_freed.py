@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass
 
 from kvturn_server.connector._freed import FreedBlocks
@@ -41,3 +43,29 @@ def test_the_least_recently_dropped_are_forgotten_past_the_limit() -> None:
     assert len(freed) == 2
     assert freed.cached_tokens("b", blocks, block_size=4) is None
     assert freed.cached_tokens("a", blocks, block_size=4) == 4
+
+
+class _Hash:
+    """A hash object vLLM's pool would make (weakly referenceable, for the test)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return hash(("h", self.value))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Hash) and other.value == self.value
+
+
+def test_what_is_remembered_keeps_no_hash_of_vllm_s_alive() -> None:
+    blocks = [_Block(_Hash(i)) for i in range(3)]
+    freed = FreedBlocks()
+    freed.note("k", [0, 1, 2], blocks, num_tokens=12)
+    gone = weakref.ref(blocks[2].block_hash)
+    blocks[2] = _Block(None)  # vLLM evicted it: nothing may keep its hash object
+    gc.collect()
+    assert gone() is None
+    # An equal hash (the same content computed again) still matches.
+    blocks[2] = _Block(_Hash(2))
+    assert freed.cached_tokens("k", blocks, block_size=4) == 12

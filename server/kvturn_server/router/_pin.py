@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable
 
 from kvturn.wire import ReuseReason
 from kvturn_server.router._control import ControlError, Gone, Retention
@@ -63,18 +64,10 @@ class Pins:
             return refused.reason
         assert holder.control_url is not None
         services = ctx.services
-        t0 = time.perf_counter()
-        span = trace.leg("pin", holder.url)
-        try:
-            result = await services.control.pin(holder.control_url, key,
-                                                 services.config.effective_pin_ttl)
-        except ControlError as exc:
-            span.end(exc.kind)
-            ctx.leg("pin", time.perf_counter() - t0)
-            ctx.control_failed(holder, "pin", exc)
+        result = await self._call("pin", holder, trace, services.control.pin(
+            holder.control_url, key, services.config.effective_pin_ttl))
+        if result is None:
             return ReuseReason.STALE
-        span.end()
-        ctx.leg("pin", time.perf_counter() - t0)
         if isinstance(result, Gone):
             services.decodes.control_answered(holder)
             gone = pin_gone(result.code)
@@ -103,22 +96,33 @@ class Pins:
         if holder.control_url is None or not holder.control_trusted:
             return None
         services = ctx.services
-        t0 = time.perf_counter()
-        span = trace.leg("probe", holder.url)
-        try:
-            result = await services.control.describe(holder.control_url, ctx.conversation)
-        except ControlError as exc:
-            span.end(exc.kind)
-            ctx.leg("probe", time.perf_counter() - t0)
-            ctx.control_failed(holder, "probe", exc)
+        result = await self._call("probe", holder, trace, services.control.describe(
+            holder.control_url, ctx.conversation))
+        if result is None:
             return None
-        span.end()
-        ctx.leg("probe", time.perf_counter() - t0)
         if isinstance(result, Gone):
             services.decodes.control_answered(holder)
             return result.cached_tokens
         services.decodes.control_answered(holder, result.engine_id)
         return result.num_tokens if holder.control_trusted else None
+
+    async def _call(self, leg: str, holder: Backend, trace: TurnTrace,
+                    call: Awaitable[Retention | Gone]) -> Retention | Gone | None:
+        """One control call on the turn's path, timed as ``leg`` and traced; None when it
+        failed (the endpoint's failure recorded)."""
+        ctx = self.ctx
+        t0 = time.perf_counter()
+        span = trace.leg(leg, holder.url)
+        try:
+            result = await call
+        except ControlError as exc:
+            span.end(exc.kind)
+            ctx.leg(leg, time.perf_counter() - t0)
+            ctx.control_failed(holder, leg, exc)
+            return None
+        span.end()
+        ctx.leg(leg, time.perf_counter() - t0)
+        return result
 
     def drop(self, placement: Placement, why: str) -> None:
         """Forget a stale handle (only the one this turn read) and count it."""

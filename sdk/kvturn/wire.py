@@ -265,6 +265,13 @@ class ErrorBody(TypedDict):
     error: ErrorDetail
 
 
+class GoneBody(ErrorBody, total=False):
+    """A describe's ``404``: with ``cached_tokens`` when the decode remembers the key's last
+    dropped retention (how much of that history its prefix cache still holds)."""
+
+    cached_tokens: int
+
+
 # -- The router's conversation endpoints -----------------------------------------------------
 
 class KeepaliveBody(TypedDict):

@@ -273,6 +273,8 @@ def test_the_docs_control_api_is_the_modules() -> None:
     assert _keys(rows[f"DELETE {wire.API_PREFIX}/{wire.PINS}/{{pin_id}}"]) == \
         _fields(wire.UnpinBody)
     assert _keys(rows[f"DELETE {retention}"]) == _fields(wire.RetentionReleased)
+    assert all(f'"{field}"' in rows[f"GET {retention}"]
+               for field in _fields(wire.GoneBody) - _fields(wire.ErrorBody))
     # The pin's answer: a Retention plus the pin (its request body is the ttl).
     pin = rows[f"POST {retention}/{wire.PIN}"].split("Retention + ")[1]
     assert _keys(pin) == _fields(wire.PinBody) - _fields(wire.RetentionBody)

@@ -37,6 +37,7 @@ from kvturn.wire import (
     ControlErrorCode,
     ControlHealth,
     ErrorBody,
+    GoneBody,
     GoneReason,
     LostBody,
     RetentionReleased,
@@ -231,9 +232,9 @@ def _not_found(message: str) -> tuple[int, Any]:
 
 def _answer(result: dict[str, Any] | Gone) -> tuple[int, Any]:
     if isinstance(result, Gone):
-        body: dict[str, Any] = dict(_error(
-            f"no live retention for {result.key!r}: {result.reason.value}", "not_found",
-            result.reason.value))
+        error = _error(f"no live retention for {result.key!r}: {result.reason.value}",
+                       "not_found", result.reason.value)
+        body: GoneBody = {"error": error["error"]}
         if result.cached_tokens is not None:
             body["cached_tokens"] = result.cached_tokens
         return 404, body

@@ -17,6 +17,11 @@ VLLM_DECODER_KV_BLOCKS_TTL = 480.0
 """vLLM's own default for ``decoder_kv_blocks_ttl`` (its NIXL connector's base scheduler): a
 decode holds a finished request's blocks this long, not renewable."""
 
+VLLM_CPU_BLOCK_SIZE = 128
+"""vLLM's KV block size in tokens on CPU platforms when none is given (vllm/platforms/cpu.py);
+the benchmarks size the CPU build's KV with it and read each instance's real one back from
+``vllm:cache_config_info``."""
+
 RETENTION_TTL = VLLM_DECODER_KV_BLOCKS_TTL
 """Seconds a decode keeps a finished turn's KV unless the lease is renewed (vLLM's number)."""
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvturn_server.bench._profiles import CPU_BLOCK_SIZE as CPU_BLOCK_SIZE
 from kvturn_server.bench._profiles import (
     HOST_TIER,
     HOST_TIER_PEERS,
@@ -35,9 +36,6 @@ from kvturn_server.bench.agent._workload import (
 )
 from kvturn_server.local import SIZES
 
-# vLLM's block size on CPU platforms (vllm/platforms/cpu.py); the fleet reads the real value
-# back from each instance's vllm:cache_config_info and reports that one.
-CPU_BLOCK_SIZE = 128
 GIB = 1024 ** 3
 
 

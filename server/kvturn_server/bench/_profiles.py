@@ -32,6 +32,8 @@ from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from kvturn_server._defaults import VLLM_CPU_BLOCK_SIZE
+
 if TYPE_CHECKING:
     from kvturn_server.local import Fleet, FleetConfig, Progress
 
@@ -47,8 +49,7 @@ OFFLOAD_EXTRA: dict[str, dict[str, Any]] = {
 }
 """The offloading connector's settings beyond the size, per host-tier profile."""
 GIB = 1024 ** 3
-# vLLM's block size on CPU platforms (vllm/platforms/cpu.py).
-CPU_BLOCK_SIZE = 128
+CPU_BLOCK_SIZE = VLLM_CPU_BLOCK_SIZE  # the size the benchmarks assume until an instance says
 
 HOST_TIER_PEERS = (
     "vLLM's CPU KV offloading on every instance (the offloading connector, LRU, write-through: "

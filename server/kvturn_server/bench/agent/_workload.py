@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvturn_server._defaults import KEEPALIVES_PER_TTL, RETENTION_TTL
-from kvturn_server.bench._profiles import HOST_TIER_MULTIPLE, host_tier, needed, profile_config
+from kvturn_server.bench._profiles import CPU_BLOCK_SIZE as CPU_BLOCK_SIZE
+from kvturn_server.bench._profiles import (
+    HOST_TIER_MULTIPLE,
+    host_tier,
+    needed,
+    profile_config,
+)
 from kvturn_server.bench.agent._kinds import PROMPT_DETAILS_ARGS
 from kvturn_server.bench.agent._modes import DEFAULT_MODES, MODES, MODES_BY_NAME
 from kvturn_server.local import WORDS
@@ -31,9 +37,6 @@ FRAMING_TOKENS = 12
 PREFILLS = 1
 DECODES = 1
 
-# vLLM's block size on CPU platforms (vllm/platforms/cpu.py); the bench reads the decode's real
-# one back from vllm:cache_config_info.
-CPU_BLOCK_SIZE = 128
 
 PROFILES = ("tool", "long")
 PROFILE_TEXT = {

@@ -264,10 +264,18 @@ def test_the_routers_thresholds_scale_with_the_tokens() -> None:
     assert {m: (MODES[m].client, MODES[m].profile) for m in MODES} == {
         "stock-pd": ("plain", "plain"), "stock-cond": ("ids", "plain"),
         "stock-cond-2k": ("ids", "plain"), "stock-cond-offload": ("ids", "offload"),
-        "kvturn": ("kvturn", "plain"), "kvturn-offload": ("kvturn", "host-tier")}
+        "stock-cond-2k-offload": ("ids", "offload"),
+        "kvturn": ("kvturn", "plain"), "kvturn-offload": ("kvturn", "host-tier"),
+        "kvturn-2k-offload": ("kvturn", "host-tier")}
     # The offload modes are stock-cond and kvturn as they are, on instances with a host tier.
     assert s.router_args("stock-cond-offload") == s.router_args("stock-cond")
+    assert s.router_args("stock-cond-2k-offload") == s.router_args("stock-cond-2k")
     assert s.router_args("kvturn-offload") == s.router_args("kvturn")
+    # kvturn at Dynamo's threshold: its own flags scaled in place, no default after them.
+    assert s.router_args("kvturn-2k-offload") == ("--decode-continue-tokens", "82",
+                                                  "--decode-continue-budget", "164", "--x")
+    assert deployed.router_args("kvturn-2k-offload") == (
+        "--decode-continue-tokens", "2048", "--decode-continue-budget", "4096")
     offload = MODES["stock-cond-offload"].stands_for
     assert "llm-d's P2P KV sharing" in offload and "LMCache" in offload
     assert "OffloadingConnector" in offload and "offload_prompt_only false" in offload

@@ -50,6 +50,10 @@ MODE_TABLE: tuple[FleetMode, ...] = (
               "stock-cond on instances with " + HOST_TIER_PEERS + " (sources: vLLM "
               "vllm/v1/kv_offload, OffloadingConnector; llm-d's P2P KV sharing and tiered "
               "prefix cache guides; LMCache's CPU backend)", by_default=False, profile=OFFLOAD),
+    FleetMode("stock-cond-2k-offload", ("--no-kv-reuse", "--conditional-disagg", "2048"), IDS,
+              "stock-cond-2k on stock-cond-offload's instances: Dynamo's default threshold with "
+              "the host tier its KVBM keeps: what a Dynamo user with KVBM runs",
+              by_default=False, profile=OFFLOAD),
     FleetMode("kvturn", (), KVTURN,
               "kvturn's reuse with the router's defaults, each conversation a kvturn SDK "
               "conversation (leases kept through tool gaps, released at the end)"),
@@ -57,6 +61,11 @@ MODE_TABLE: tuple[FleetMode, ...] = (
               "kvturn with its host tier (docs/connector.md \"The host tier\": the same size "
               "as stock-cond-offload's, evicted in the leases' order), on instances of its own",
               by_default=False, profile=HOST_TIER),
+    FleetMode("kvturn-2k-offload", ("--decode-continue-tokens", "2048",
+                                    "--decode-continue-budget", "4096"), KVTURN,
+              "kvturn-offload continuing follow-ups up to Dynamo's 2,048 tokens on the decode "
+              "(budget twice that, as the router's defaults): kvturn beside stock-cond-2k-offload "
+              "at the same threshold", by_default=False, profile=HOST_TIER),
 )
 MODES: dict[str, FleetMode] = {m.name: m for m in MODE_TABLE}
 STOCK_MODES = tuple(m.name for m in MODE_TABLE if not m.kvturn)
@@ -152,7 +161,11 @@ class TraceBenchSettings(InstanceRunSettings):
         if m.kvturn:
             for flag, name in (("--decode-continue-tokens", "decode_continue_tokens"),
                                ("--decode-continue-budget", "decode_continue_budget")):
-                args += [flag, str(self.threshold(_router_default(name)))]
+                if flag in args:
+                    at = args.index(flag) + 1
+                    args[at] = str(self.threshold(int(args[at])))
+                else:
+                    args += [flag, str(self.threshold(_router_default(name)))]
         return (*args, *self.extra_router_args)
 
     def describe(self) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from kvturn_server._plot import pyplot, save
 from kvturn_server.bench._stats import MIB
 
 COLORS = {"stock-pd": "tab:red", "stock-cond": "tab:orange", "stock-cond-2k": "tab:olive",
-          "stock-cond-offload": "tab:purple", "kvturn": "tab:blue", "kvturn-offload": "tab:cyan"}
+          "stock-cond-offload": "tab:purple", "stock-cond-2k-offload": "tab:pink",
+          "kvturn": "tab:blue", "kvturn-offload": "tab:cyan", "kvturn-2k-offload": "tab:green"}
 
 
 def _bars(ax: Any, modes: dict[str, Any], metrics: tuple[str, ...],

@@ -16,6 +16,7 @@ from kvturn_server.sim._config import (
     HOST_GIB,
     PROFILES,
     FleetSpec,
+    RouterSpec,
     SimSettings,
     standard_policies,
 )
@@ -119,6 +120,13 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "decoder_kv_blocks_ttl); clients renew every eighth of it (default: "
                         "%(default)s; formerly --lease-ttl, still read)")
     add_alias(g, "--lease-ttl", "--retention-ttl", "retention_ttl", float)
+    router = RouterSpec()
+    g.add_argument("--decode-continue-tokens", type=int, default=router.decode_continue_tokens,
+                   metavar="N", help="the router's decode_continue_tokens for the kvturn "
+                                     "policies (default: the router's, %(default)s)")
+    g.add_argument("--decode-continue-budget", type=int, default=router.decode_continue_budget,
+                   metavar="N", help="the router's decode_continue_budget for the kvturn "
+                                     "policies (default: the router's, %(default)s)")
     g.add_argument("--sweep-budgets", type=_floats, default=(0.1, 0.25, 0.5, 1.0),
                    metavar="B,...", help="budgets of the sweep; empty: no sweep "
                                          "(default: 0.1,0.25,0.5,1)")
@@ -157,6 +165,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                           weights_gib=args.weights_gib,
                           kv_bytes_per_token=args.kv_bytes_per_token,
                           block_size=args.block_size, max_num_seqs=args.max_num_seqs)
+        if args.decode_continue_tokens < 0 or args.decode_continue_budget < 0:
+            raise ValueError("--decode-continue-tokens and --decode-continue-budget must be "
+                             "0 or more")
         known = standard_policies(budget=args.retention_budget, ttl_s=args.retention_ttl,
                                   host_gib=args.kv_offload_gib)
         wanted = [n for n in args.policies.split(",") if n]
@@ -170,7 +181,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"kvturn simulate: {exc}\n")
         return 2
-    base = SimSettings(fleet=fleet, cost=profile, ttft_slo_s=args.ttft_slo)
+    base = SimSettings(fleet=fleet, cost=profile, ttft_slo_s=args.ttft_slo,
+                       router=RouterSpec(decode_continue_tokens=args.decode_continue_tokens,
+                                         decode_continue_budget=args.decode_continue_budget))
     progress = None if args.quiet else sys.stderr
     turns = sum(c.turns for c in conversations)
     if progress is not None:

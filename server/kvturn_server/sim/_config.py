@@ -312,6 +312,10 @@ def standard_policies(*, budget: float = RETENTION_BUDGET, ttl_s: float = RETENT
                     "GiB of host memory each, least recently used out, read back over PCIe "
                     "(llm-d's P2P KV sharing guide: 100-150 GiB of CPU tier per rank; LMCache "
                     "and Dynamo KVBM keep tool-gap KV in host memory the same way)"),
+        Policy("stock-cond-2k-offload", retain=False, conditional_disagg=DYNAMO_THRESHOLD,
+               host_gib=host_gib,
+               peer=f"stock-cond-offload at N = {DYNAMO_THRESHOLD}, Dynamo's default: what a "
+                    "Dynamo user with KVBM's host tier switches on"),
     )}
 
 

@@ -27,11 +27,26 @@ def test_simulate_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFix
     data = json.loads(out.read_text())
     assert set(data["policies"]) == {"vllm-ttl-480", "kvturn-lease", "kvturn-host", "lru-budget",
                                      "evict-before-starve", "stock-pd", "stock-cond",
-                                     "stock-cond-2k", "stock-cond-offload"}
+                                     "stock-cond-2k", "stock-cond-offload",
+                                     "stock-cond-2k-offload"}
     assert len(data["sweep"]) == 2 and data["config"]["conversations"] == 30
     assert out.with_suffix(".png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "| kvturn-lease |" in printed and "30 conversations" in printed
+
+
+def test_the_router_s_continuation_settings_reach_the_kvturn_policies(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--conversations", "10", "--window", "20", "--prefills", "1",
+                 "--decodes", "1", "--sweep-budgets", "", "--policies", "kvturn-lease",
+                 "--decode-continue-tokens", "2048", "--decode-continue-budget", "4096",
+                 "--json", str(out), "--quiet"]) == 0
+    router = json.loads(out.read_text())["config"]["router"]
+    assert (router["decode_continue_tokens"], router["decode_continue_budget"]) == (2048, 4096)
+    assert main(["simulate", "--decode-continue-tokens", "-1",
+                 "--json", str(tmp_path / "x.json")]) == 2
+    assert "must be 0 or more" in capsys.readouterr().err
 
 
 def test_unknown_policy_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

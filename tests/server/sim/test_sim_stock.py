@@ -122,7 +122,7 @@ def test_prefix_cache_evicts_the_least_recently_used_tail_first() -> None:
 
 def test_stock_memory_is_free_or_cached_never_lost() -> None:
     fleet = FleetSpec(prefills=2, decodes=2, decode_blocks=900)
-    for name in ("stock-pd", "stock-cond", "stock-cond-offload"):
+    for name in ("stock-pd", "stock-cond", "stock-cond-offload", "stock-cond-2k-offload"):
         sim = Simulation(SimSettings(fleet=fleet, policy=standard_policies()[name]),
                          _crowd(8, gap=3.0))
         sim.run()

@@ -111,7 +111,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "--budget, still read)")
     add_alias(g, "--budget", "--retention-budget", "retention_budget", float)
     g.add_argument("--kv-offload-gib", type=float, default=HOST_GIB, metavar="GIB",
-                   help="the host KV tier of stock-cond-offload and kvturn-host on every "
+                   help="the host KV tier of the offload policies and kvturn-host on every "
                         "instance, GiB (vLLM's CPU offloading, read back over PCIe; default: "
                         "%(default)s; formerly --host-gib, still read)")
     add_alias(g, "--host-gib", "--kv-offload-gib", "kv_offload_gib", float)
@@ -122,11 +122,12 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_alias(g, "--lease-ttl", "--retention-ttl", "retention_ttl", float)
     router = RouterSpec()
     g.add_argument("--decode-continue-tokens", type=int, default=router.decode_continue_tokens,
-                   metavar="N", help="the router's decode_continue_tokens for the kvturn "
-                                     "policies (default: the router's, %(default)s)")
+                   metavar="N", help="the router's decode_continue_tokens for the policies "
+                                     "that retain (kvturn's and the other lease policies; "
+                                     "default: the router's, %(default)s)")
     g.add_argument("--decode-continue-budget", type=int, default=router.decode_continue_budget,
-                   metavar="N", help="the router's decode_continue_budget for the kvturn "
-                                     "policies (default: the router's, %(default)s)")
+                   metavar="N", help="the router's decode_continue_budget for the policies "
+                                     "that retain (default: the router's, %(default)s)")
     g.add_argument("--sweep-budgets", type=_floats, default=(0.1, 0.25, 0.5, 1.0),
                    metavar="B,...", help="budgets of the sweep; empty: no sweep "
                                          "(default: 0.1,0.25,0.5,1)")

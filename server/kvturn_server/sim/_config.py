@@ -43,8 +43,9 @@ class CostProfile:
     token at context ``c``) at ``compute_tokens_per_s`` units per second; a read (prefill reading
     a retention, or a decode pulling a prefill's KV) costs ``read_fixed_ms`` plus its bytes at
     ``read_gbps``; every decoded token ``itl_ms``; every leg ``leg_overhead_ms`` (HTTP, scheduling).
-    A host tier (``stock-cond-offload``) reads back at ``host_read_gbps``. The same form is what
-    the connector's ``CostModel`` is configured with, so a profile can be given to it as is.
+    A host tier (the offload policies, ``kvturn-host``) reads back at ``host_read_gbps``. The
+    same form is what the connector's ``CostModel`` is configured with, so a profile can be
+    given to it as is.
     """
 
     name: str
@@ -264,7 +265,7 @@ CONTINUE_TOKENS: int = _ROUTER["decode_continue_tokens"]
 DYNAMO_THRESHOLD = 2048
 """Dynamo's conditional disaggregation default (``isl_bounding``)."""
 HOST_GIB = 128.0
-"""stock-cond-offload's host tier per instance: llm-d's guides give each rank 100-150 GiB."""
+"""The offload policies' host tier per instance: llm-d's guides give each rank 100-150 GiB."""
 
 _STOCK_COND = ("llm-d's prefix-based-pd-decider (llm-d-router pkg/epp/framework/plugins/"
                "scheduling/profilehandler/disagg/prefix_based_pd_decider.go, nonCachedTokens) "
@@ -277,7 +278,7 @@ _STOCK_COND = ("llm-d's prefix-based-pd-decider (llm-d-router pkg/epp/framework/
 def standard_policies(*, budget: float = RETENTION_BUDGET, ttl_s: float = RETENTION_TTL,
                       host_gib: float = HOST_GIB) -> dict[str, Policy]:
     """The policies every comparison runs (``budget``/``ttl_s``: kvturn's lease; ``host_gib``:
-    stock-cond-offload's host tier per instance)."""
+    the host tier per instance of the offload policies and kvturn-host)."""
     return {p.name: p for p in (
         Policy("vllm-ttl-480", ttl_s=VLLM_DECODER_KV_BLOCKS_TTL,
                max_hold_s=VLLM_DECODER_KV_BLOCKS_TTL, budget=1.0,
@@ -302,8 +303,8 @@ def standard_policies(*, budget: float = RETENTION_BUDGET, ttl_s: float = RETENT
                     "always-disagg-pd-decider, vLLM's disaggregated proxy); every turn takes "
                     "a prefill leg, least loaded instances, plain LRU prefix caches"),
         Policy("stock-cond", retain=False, conditional_disagg=CONTINUE_TOKENS,
-               peer=f"stock conditional disaggregation at N = {CONTINUE_TOKENS} (kvturn's own "
-                    f"continuation threshold; llm-d's docs use 8 or 512): {_STOCK_COND}"),
+               peer=f"stock conditional disaggregation at N = {CONTINUE_TOKENS} (the router's "
+                    f"default continuation threshold; llm-d's docs use 8 or 512): {_STOCK_COND}"),
         Policy("stock-cond-2k", retain=False, conditional_disagg=DYNAMO_THRESHOLD,
                peer=f"the same at N = {DYNAMO_THRESHOLD}, Dynamo's default: {_STOCK_COND}"),
         Policy("stock-cond-offload", retain=False, conditional_disagg=CONTINUE_TOKENS,

@@ -72,7 +72,6 @@ from kvturn_server.bench._fleet_agents import (
     run_mode,
 )
 from kvturn_server.bench._fleet_plan import (
-    CPU_BLOCK_SIZE,
     KVTURN,
     MODE_TABLE,
     MODES,
@@ -86,7 +85,7 @@ from kvturn_server.bench._fleet_plan import (
     scenarios,
 )
 from kvturn_server.bench._fleet_report import build_results, scenario_result, table, write_plot
-from kvturn_server.bench._profiles import ProfileFleets
+from kvturn_server.bench._profiles import CPU_BLOCK_SIZE, ProfileFleets
 from kvturn_server.bench._sampling import loadavg
 from kvturn_server.bench.agent._kinds import PROMPT_DETAILS_ARGS
 from kvturn_server.bench.agent._loop import Live

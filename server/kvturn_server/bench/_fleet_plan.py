@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvturn_server.bench._profiles import CPU_BLOCK_SIZE as CPU_BLOCK_SIZE
 from kvturn_server.bench._profiles import (
+    CPU_BLOCK_SIZE,
     HOST_TIER,
     HOST_TIER_PEERS,
     OFFLOAD,

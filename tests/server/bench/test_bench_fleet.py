@@ -26,7 +26,6 @@ from kvturn_server.bench._fleet_agents import (
     run_mode,
 )
 from kvturn_server.bench._fleet_plan import (
-    CPU_BLOCK_SIZE,
     DEFAULT_MODES,
     IDS,
     KVTURN,
@@ -50,6 +49,7 @@ from kvturn_server.bench._fleet_report import (
     turn2plus_p50,
     write_plot,
 )
+from kvturn_server.bench._profiles import CPU_BLOCK_SIZE
 from kvturn_server.bench.agent._records import AgentOutcome
 from kvturn_server.local import free_port
 from tests.fakes.bench_router import FleetBenchProbe, failing_turn, mock_client

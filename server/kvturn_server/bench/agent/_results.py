@@ -14,6 +14,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvturn_server.bench._host import host_info
+from kvturn_server.bench._profiles import CPU_BLOCK_SIZE
 from kvturn_server.bench._stats import STRONGEST_RULE, distribution, ratio, strongest
 from kvturn_server.bench.agent._modes import (
     KVTURN_MODE,
@@ -38,7 +39,6 @@ from kvturn_server.bench.agent._summary import (
     summarize,
 )
 from kvturn_server.bench.agent._workload import (
-    CPU_BLOCK_SIZE,
     DECODES,
     ORDER_RATIONALE,
     PREFILLS,

@@ -55,8 +55,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvturn_server._cli_common import write_json
 from kvturn_server.bench._cli import bench_client, say_results
 from kvturn_server.bench._host import describe_cpu, host_info
+from kvturn_server.bench._profiles import (
+    CPU_BLOCK_SIZE,
+    ProfileFleets,
+    describe_host_tier,
+    needed,
+)
 from kvturn_server.bench._profiles import PLAIN as PLAIN_PROFILE
-from kvturn_server.bench._profiles import ProfileFleets, describe_host_tier, needed
 from kvturn_server.bench._sampling import PeriodicSampler, loadavg, retained_bytes, wait_released
 from kvturn_server.bench.agent._kinds import IDS
 from kvturn_server.bench.agent._loop import Live, chunk_gaps_ms, progress
@@ -67,7 +72,6 @@ from kvturn_server.bench.agent._records import AgentOutcome, ModeRun, Sample, Tu
 from kvturn_server.bench.agent._report import table
 from kvturn_server.bench.agent._results import build_results
 from kvturn_server.bench.agent._workload import (
-    CPU_BLOCK_SIZE,
     DECODES,
     PREFILLS,
     AgentBenchSettings,

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvturn.wire import Route
+from kvturn_server.bench._profiles import CPU_BLOCK_SIZE
 from kvturn_server.bench._stats import (
     MIB,
     at_path,
@@ -46,9 +47,6 @@ from kvturn_server.bench.agent._modes import (
     MODES_BY_NAME,
 )
 from kvturn_server.bench.agent._records import ModeRun, TurnRecord
-from kvturn_server.bench.agent._workload import (
-    CPU_BLOCK_SIZE,
-)
 from kvturn_server.local import PromptSources
 
 # The bar for the decode's inter-token latency with kvturn on: p99 within 10 % of off.

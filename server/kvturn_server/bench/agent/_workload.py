@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvturn_server._defaults import KEEPALIVES_PER_TTL, RETENTION_TTL
-from kvturn_server.bench._profiles import CPU_BLOCK_SIZE as CPU_BLOCK_SIZE
 from kvturn_server.bench._profiles import (
+    CPU_BLOCK_SIZE,
     HOST_TIER_MULTIPLE,
     host_tier,
     needed,

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from kvturn_server.bench._fleet_plan import (
-    CPU_BLOCK_SIZE,
     IDS,
     KVTURN,
     PLAIN,
@@ -25,6 +24,7 @@ from kvturn_server.bench._fleet_plan import (
     rotated,
 )
 from kvturn_server.bench._profiles import (
+    CPU_BLOCK_SIZE,
     HOST_TIER,
     HOST_TIER_PEERS,
     OFFLOAD,

@@ -20,9 +20,9 @@ from kvturn_server._cli_common import write_json
 from kvturn_server.bench._cli import say_results
 from kvturn_server.bench._fleet import run_on_router, warm_up
 from kvturn_server.bench._fleet_agents import HttpFleetProbe, ModeRun
-from kvturn_server.bench._fleet_plan import CPU_BLOCK_SIZE
 from kvturn_server.bench._host import describe_cpu, host_info
 from kvturn_server.bench._profiles import (
+    CPU_BLOCK_SIZE,
     ProfileFleets,
     describe_host_tier,
     host_tier,

@@ -267,9 +267,12 @@ class ErrorBody(TypedDict):
 
 class GoneBody(ErrorBody, total=False):
     """A describe's ``404``: with ``cached_tokens`` when the decode remembers the key's last
-    dropped retention (how much of that history its prefix cache still holds)."""
+    dropped retention (how much of that history its prefix cache still holds). A pin's
+    ``404 evicted``: with ``host_tokens`` when the retention lives on in the decode's host tier
+    alone (how much of the history, from its start, the decode can load from host memory)."""
 
     cached_tokens: int
+    host_tokens: int
 
 
 # -- The router's conversation endpoints -----------------------------------------------------

@@ -62,11 +62,14 @@ class BlockPool(Protocol):
 @dataclass(frozen=True)
 class Gone:
     """A control answer for a key with no live retention; ``cached_tokens``: for a describe,
-    what its last dropped retention left in the prefix cache (``_freed.py``; None: unknown)."""
+    what its last dropped retention left in the prefix cache (``_freed.py``; None: unknown);
+    ``host_tokens``: for a pin, a live retention's tokens the host tier alone holds from its
+    start (no device blocks to pin; None: not that case)."""
 
     key: str
     reason: GoneReason
     cached_tokens: int | None = None
+    host_tokens: int | None = None
 
 
 class RetentionKeeper:
@@ -272,8 +275,18 @@ class RetentionKeeper:
             before = self._snapshot(table)
             pinned = table.pin(key, ttl)
             self._count(table, before)
-            if pinned is None:
+            host_only = table.get(key) if pinned is None else None
+            if pinned is None and (host_only is None or host_only.on_device):
                 return Gone(key, table.gone_reason(key))
+        if host_only is not None:
+            # Nothing a prefill could read, but this decode can still load it for a turn it
+            # continues itself (the router's choice: plan_host_route).
+            placed = self._placed(host_only, {})
+            if isinstance(placed, Gone):
+                return placed
+            return Gone(key, GoneReason.EVICTED, host_tokens=placed["host_tokens"])
+        assert pinned is not None
+        with self._lock:
             retention, pin = pinned
             # The prefill declines a read close to this deadline (vLLM's expiry guard), and the
             # pin is what keeps the blocks, so the pin's end is the deadline it must see.

@@ -5,7 +5,8 @@ Names are imported on first use, so that ``kvturn``'s argument parser can take
 ``add_router_args`` without loading the HTTP stack.
 
 Besides the server, the face exports the turn planner (``_plan.py``: ``plan_probe``,
-``plan_route``, ``plan_pin``, ``refuse_pin``, ``pin_gone``, ``settle_prefill``,
+``plan_route``, ``plan_pin``, ``refuse_pin``, ``pin_gone``, ``plan_host_route``,
+``settle_prefill``,
 ``settle_continued``, ``recorded_prefill``, ``moved_from``, ``lost_record``, ``marked_lost``
 and their typed inputs and decisions),
 the backend choices (``choose_prefill``, ``choose_decode``, ``served_tokens``) and the state
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
         marked_lost,
         moved_from,
         pin_gone,
+        plan_host_route,
         plan_pin,
         plan_probe,
         plan_route,
@@ -79,7 +81,8 @@ _WHERE = {
     "served_tokens": "_placement",
     **dict.fromkeys(("NO_PIN", "PinPlan", "Refusal", "RoutePlan", "Settled", "TurnPolicy",
                      "TurnPath", "gone_reuse", "lost_record", "marked_lost", "moved_from",
-                     "pin_gone", "plan_pin", "plan_probe", "plan_route", "recorded_prefill",
+                     "pin_gone", "plan_host_route", "plan_pin", "plan_probe", "plan_route",
+                     "recorded_prefill",
                      "refuse_pin",
                      "settle_continued", "settle_prefill"),
                     "_plan"),
@@ -120,6 +123,7 @@ __all__ = [
     "marked_lost",
     "moved_from",
     "pin_gone",
+    "plan_host_route",
     "plan_pin",
     "plan_probe",
     "plan_route",

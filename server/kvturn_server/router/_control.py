@@ -55,11 +55,14 @@ class Gone:
     not know (a newer connector's) is read as ``no_retention``: it goes on to clients and
     into metric labels, where only known words may (``message`` keeps the decode's text).
     ``cached_tokens``: a describe's, what the dropped retention left in the decode's prefix
-    cache from its start (None: the decode does not know, or did not say)."""
+    cache from its start (None: the decode does not know, or did not say). ``host_tokens``:
+    a pin's, what the decode's host tier alone holds of a retention whose lease goes on
+    there (no device blocks to read; None: not that case)."""
 
     code: GoneReason
     message: str
     cached_tokens: int | None = None
+    host_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,11 +178,13 @@ def _gone(reply: Reply) -> Gone:
     error = data.get("error")
     cached = data.get("cached_tokens")
     cached_tokens = _int(cached) if isinstance(cached, int) else None
+    host = data.get("host_tokens")
+    host_tokens = _int(host) if isinstance(host, int) else None
     if isinstance(error, dict):
         message = error.get("message")
         return Gone(gone_reason(error.get("code")), message if isinstance(message, str) else "",
-                    cached_tokens)
-    return Gone(GoneReason.NO_RETENTION, "", cached_tokens)
+                    cached_tokens, host_tokens)
+    return Gone(GoneReason.NO_RETENTION, "", cached_tokens, host_tokens)
 
 
 def _retention_or_gone(reply: Reply) -> Retention | Gone:

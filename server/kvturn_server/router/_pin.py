@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable
+from dataclasses import dataclass
 
 from kvturn.wire import ReuseReason
 from kvturn_server.router._control import ControlError, Gone, Retention
@@ -22,6 +23,15 @@ from kvturn_server.router._state import Placement, StoreError
 from kvturn_server.router._tracing import TurnTrace
 
 log = logging.getLogger("kvturn.router")
+
+
+@dataclass(frozen=True, slots=True)
+class HostHeld:
+    """A pin's answer that the decode keeps the retention in its host tier alone: nothing a
+    prefill could read, ``tokens`` of the history (from its start) it can load itself. The
+    lease goes on, so the record stays."""
+
+    tokens: int
 
 
 class Pins:
@@ -51,8 +61,9 @@ class Pins:
         return placement, holder
 
     async def take(self, placement: Placement, holder: Backend,
-                   trace: TurnTrace) -> Retention | ReuseReason:
-        """Pin the placement's retention on ``holder``; on any failure the reuse reason."""
+                   trace: TurnTrace) -> Retention | ReuseReason | HostHeld:
+        """Pin the placement's retention on ``holder``; on any failure the reuse reason, and
+        :class:`HostHeld` when ``holder`` keeps it in its host tier alone."""
         ctx, key = self.ctx, self.ctx.conversation
         refused = refuse_pin(placement, holder)
         if refused is not None:
@@ -70,6 +81,8 @@ class Pins:
             return ReuseReason.STALE
         if isinstance(result, Gone):
             services.decodes.control_answered(holder)
+            if result.host_tokens:
+                return HostHeld(result.host_tokens)
             gone = pin_gone(result.code)
             if gone.drop is not None:
                 self.drop(placement, gone.drop)

@@ -12,7 +12,9 @@ still holds that prompt in its prefix cache unless other work pushed it out. Per
    between its other requests' steps, so the estimated tokens of continued turns in progress
    on one decode are capped (``decode_continue_budget``); past it a turn takes the prefill
    path. Conditional disaggregation (Dynamo, llm-d) does this for short prompts; kvturn's
-   retention makes the next turn of a conversation short.
+   retention makes the next turn of a conversation short. A longer turn continues there too
+   when the decode keeps the history in its host tier alone (:func:`host_continuation`):
+   a prefill could read none of it and would recompute it all.
 2. Otherwise **a prefill** is chosen by policy (:func:`choose_prefill`), and the decode's
    retention is pinned for it only when the retention holds more than that prefill is known to
    hold (:func:`read_gain`): the prefill's connector then reads the verified blocks it lacks
@@ -147,6 +149,32 @@ def continuation(*, placement: Placement, holder: Backend, transcript: Transcrip
         if estimate > max_tokens:
             return 0, gone
     if holder.continuing + estimate > budget:
+        return 0, "busy"
+    return estimate, ""
+
+
+def host_continuation(*, placement: Placement, holder: Backend, transcript: Transcript | None,
+                      host_tokens: int, max_tokens: int) -> tuple[int, str]:
+    """Whether ``holder``, which keeps the conversation's retention in its host tier alone
+    (``host_tokens`` of it from the start), should continue a turn that a prefill would
+    otherwise serve by recomputing the whole history (no device blocks to read).
+
+    The decode loads the host copy (vLLM's offloading connector, PCIe-fast next to a
+    recompute) and computes what it lacks: the turn's new tokens and any history the host
+    tier no longer holds. That is allowed up to ``max_tokens`` together with the estimated
+    tokens of the decode's other continued turns in progress, so a few long continuations at
+    once cannot stall its other requests' decoding. Returns ``(estimated tokens to compute,
+    "")`` when it should, else ``(0, why not)`` (:func:`conditional_decode`'s words, or
+    ``busy``).
+    """
+    if host_tokens <= 0:
+        return 0, "lost"
+    estimate, why = conditional_decode(placement=placement, holder=holder,
+                                       transcript=transcript, max_tokens=max_tokens)
+    if why:
+        return 0, why
+    estimate += max(0, full_blocks(placement) - host_tokens)
+    if holder.continuing + estimate > max_tokens:
         return 0, "busy"
     return estimate, ""
 

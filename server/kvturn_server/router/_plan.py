@@ -19,7 +19,9 @@ In a turn's order:
    (:attr:`RoutePlan.fallback_reason`).
 2. :func:`plan_pin`: whether the chosen prefill gets the retention pinned for it (a round trip
    to the decode, worth it only for what that prefill lacks), and what the turn reports when
-   not; :func:`refuse_pin` and :func:`pin_gone`: a pin refused before or by the decode.
+   not; :func:`refuse_pin` and :func:`pin_gone`: a pin refused before or by the decode;
+   :func:`plan_host_route`: a pin that found the retention in the decode's host tier alone
+   (nothing a prefill could read) may move the turn to that decode instead.
 3. :func:`plan_retry`: a failed prefill leg's second attempt, and what becomes of its pin.
 4. :func:`settle_prefill` / :func:`settle_continued`: the reuse value the turn reports
    (``X-KVTurn-Reuse``), from the prefill's report or the decode's usage.
@@ -50,6 +52,7 @@ from kvturn_server.router._placement import (
     conditional_decode,
     continuation,
     gone_from_lease,
+    host_continuation,
     read_floor,
     read_gain,
 )
@@ -73,6 +76,9 @@ class TurnPolicy:
             (0: off).
         decode_continue_tokens: the holder continues a turn that lacks at most this many tokens.
         decode_continue_budget: estimated tokens of continued turns one decode may hold at once.
+        decode_continue_host_tokens: a turn whose retention its holder keeps in the host tier
+            alone continues there when it lacks at most this many tokens, the holder's other
+            continued turns included (:func:`plan_host_route`; 0: never).
         min_read_tokens: a pin must offer at least this many tokens beyond the prefill's own.
     """
 
@@ -81,6 +87,7 @@ class TurnPolicy:
     conditional_disagg: int = 0
     decode_continue_tokens: int = 0
     decode_continue_budget: int = 0
+    decode_continue_host_tokens: int = 0
     min_read_tokens: int = 1
 
     @classmethod
@@ -89,6 +96,7 @@ class TurnPolicy:
                    conditional_disagg=config.conditional_disagg,
                    decode_continue_tokens=config.decode_continue_tokens,
                    decode_continue_budget=config.decode_continue_budget,
+                   decode_continue_host_tokens=config.decode_continue_host_tokens,
                    min_read_tokens=config.min_read_tokens)
 
     @property
@@ -274,6 +282,23 @@ def pin_gone(code: GoneReason) -> Refusal:
     """The decode answered that the retention is gone, for ``code``: the record is dropped,
     counted among the stale handles under that code."""
     return Refusal(gone_reuse(code), code)
+
+
+def plan_host_route(policy: TurnPolicy, *, placement: Placement, holder: Backend,
+                    transcript: Transcript | None, host_tokens: int) -> RoutePlan | None:
+    """After a pin answered that ``holder`` keeps the retention in its host tier alone
+    (``host_tokens`` of it from the start, nothing on the device for a prefill to read): the
+    turn continues on ``holder``, which loads that history from host memory and computes the
+    rest, when :func:`host_continuation` allows it; None: the prefill path, which recomputes
+    the history (the record stays: the lease goes on in host memory)."""
+    if not policy.reuse:
+        return None
+    estimate, why = host_continuation(placement=placement, holder=holder, transcript=transcript,
+                                      host_tokens=host_tokens,
+                                      max_tokens=policy.decode_continue_host_tokens)
+    if why:
+        return None
+    return RoutePlan(TurnPath.CONTINUE, estimate=estimate)
 
 
 @dataclass(frozen=True, slots=True)

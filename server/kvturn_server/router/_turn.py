@@ -5,7 +5,8 @@ reports) are ``_plan.py``'s pure functions, which the simulator runs too; here a
 and how every fault degrades:
 
 - **Pin** the conversation's retention on the decode that holds it (``_pin.py``); any
-  failure means "nothing to reuse this turn" (reported in ``X-KVTurn-Reuse``).
+  failure means "nothing to reuse this turn" (reported in ``X-KVTurn-Reuse``). A decode that
+  keeps the retention in its host tier alone says so: the turn may continue there instead.
 - **Prefill leg** on the prefill ``_placement.py`` chooses; a failure (transport, timeout,
   5xx, 408/429, an answer without transfer params) is retried once on another prefill; if
   that fails too, the decode computes the prompt itself. A 4xx is the client's mistake and is
@@ -29,7 +30,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from kvturn.wire import HEADER_REQUEST_ID, ReuseReason, Route
+from kvturn.wire import HEADER_REQUEST_ID, GoneReason, ReuseReason, Route
 from kvturn_server.router import _json
 from kvturn_server.router._apis import CHAT, Api
 from kvturn_server.router._attempts import PREFILL_GONE, Attempts, Failed
@@ -40,7 +41,7 @@ from kvturn_server.router._history import Transcript
 from kvturn_server.router._identity import Identity
 from kvturn_server.router._legs import decode_body, reuse_report
 from kvturn_server.router._log import event
-from kvturn_server.router._pin import Pins
+from kvturn_server.router._pin import HostHeld, Pins
 from kvturn_server.router._placement import choose_prefill
 from kvturn_server.router._plan import (
     NOT_CONTINUED_FAILED,
@@ -48,6 +49,8 @@ from kvturn_server.router._plan import (
     TurnPath,
     TurnPolicy,
     gave_up_reason,
+    gone_reuse,
+    plan_host_route,
     plan_pin,
     plan_probe,
     plan_retry,
@@ -139,7 +142,11 @@ class Turn:
             svc.prefills, svc.config.prefill_policy, self.placement,
             slack=svc.config.prefill_affinity_slack)
         if self._plan_pin(first):
-            await self._take_pin()
+            host_held = await self._take_pin()
+            if host_held is not None:
+                alone = await self._host_continue(host_held)
+                if alone is not None:
+                    return alone
         params = await self._prefill(first)
         if isinstance(params, Response):
             return params
@@ -183,6 +190,17 @@ class Turn:
         report.count()
         return result
 
+    async def _host_continue(self, held: HostHeld) -> Response | None:
+        """The pin found the retention in the holder's host tier alone: continue the turn
+        there when ``plan_host_route`` allows it (the decode loads the history from host
+        memory); None: the prefill path, which recomputes it."""
+        assert self.placement is not None and self.holder is not None
+        route = plan_host_route(self.policy, placement=self.placement, holder=self.holder,
+                                transcript=self.transcript, host_tokens=held.tokens)
+        if route is None:
+            return None
+        return await self._decode_alone(route)
+
     def _end_continuation(self) -> None:
         """The continued turn's prompt is computed (first token out) or abandoned."""
         if self.continued and self.holder is not None:
@@ -208,14 +226,20 @@ class Turn:
         elif found is not None:
             self.placement, self.holder = found
 
-    async def _take_pin(self) -> None:
-        """Pin the placement's retention; on any failure set the reason and leave no pin."""
+    async def _take_pin(self) -> HostHeld | None:
+        """Pin the placement's retention; on any failure set the reason and leave no pin.
+        Returns what the decode said it keeps in its host tier alone, if that was the
+        failure."""
         assert self.placement is not None and self.holder is not None
         result = await self.pins.take(self.placement, self.holder, self.trace)
+        if isinstance(result, HostHeld):
+            self.report.reason = gone_reuse(GoneReason.EVICTED)
+            return result
         if isinstance(result, ReuseReason):
             self.report.reason = result
         else:
             self.pin = result
+        return None
 
     # Step 2: the prefill leg (and step 3, unpin).
 

@@ -17,6 +17,7 @@ from kvturn_server.router import (
     DecodeUsage,
     Placement,
     ReuseReport,
+    RoutePlan,
     RouterConfig,
     Transcript,
     TurnPath,
@@ -25,6 +26,7 @@ from kvturn_server.router import (
     marked_lost,
     moved_from,
     pin_gone,
+    plan_host_route,
     plan_pin,
     plan_probe,
     plan_route,
@@ -36,7 +38,8 @@ from kvturn_server.router import (
 from kvturn_server.router._plan import gave_up_reason, plan_retry
 
 KVTURN = TurnPolicy(reuse=True, retain=True, decode_continue_tokens=512,
-                    decode_continue_budget=1024, min_read_tokens=1)
+                    decode_continue_budget=1024, decode_continue_host_tokens=4096,
+                    min_read_tokens=1)
 STOCK_COND = TurnPolicy(reuse=False, retain=False, conditional_disagg=512)
 STOCK_PD = TurnPolicy(reuse=False, retain=False)
 NOW = 1000.0
@@ -71,6 +74,7 @@ def test_the_policy_is_the_routers_settings() -> None:
     assert policy == TurnPolicy(reuse=True, retain=True, conditional_disagg=0,
                                 decode_continue_tokens=config.decode_continue_tokens,
                                 decode_continue_budget=config.decode_continue_budget,
+                                decode_continue_host_tokens=config.decode_continue_host_tokens,
                                 min_read_tokens=config.min_read_tokens)
     # A client's opt-out stops reuse, not the retention its turn leaves.
     opted_out = TurnPolicy.of(config, no_reuse=True)
@@ -111,6 +115,32 @@ def test_why_the_holder_does_not_continue(placement: Placement, transcript: list
     plan = plan_route(KVTURN, placement=placement, holder=holder,
                       transcript=Transcript(transcript), now=NOW)
     assert (plan.where, plan.not_continued, plan.reason) == (TurnPath.PREFILL, why, None)
+
+
+def test_a_long_turn_continues_where_the_host_tier_alone_holds_the_history() -> None:
+    def route(policy: TurnPolicy = KVTURN, *, host: int = 512, busy: int = 0,
+              transcript: list[Any] = LONG, **record: Any) -> RoutePlan | None:
+        holder = _decode()
+        holder.continuing = busy
+        return plan_host_route(policy, placement=_record(**record), holder=holder,
+                               transcript=Transcript(transcript), host_tokens=host)
+
+    # Too long to continue from the device's threshold, a prefill would recompute it all.
+    assert plan_route(KVTURN, placement=_record(), holder=_decode(),
+                      transcript=Transcript(LONG), now=NOW).not_continued == "too_long"
+    whole = route()
+    assert whole is not None and whole.where is TurnPath.CONTINUE
+    assert 512 < whole.estimate <= 4096
+    # History the host tier no longer holds is computed on the decode too.
+    partial = route(host=256)
+    assert partial is not None and partial.estimate == whole.estimate + 256
+    assert route(busy=4096 - whole.estimate) == whole
+    assert route(busy=4096 - whole.estimate + 1) is None  # past the cap with the others
+    assert route(host=0) is None  # nothing left there: a prefill recomputes
+    assert route(replace(KVTURN, decode_continue_host_tokens=0)) is None  # off
+    assert route(replace(KVTURN, decode_continue_host_tokens=whole.estimate - 1)) is None
+    assert route(replace(KVTURN, reuse=False)) is None  # the client opted out
+    assert route(history=None) is None
 
 
 GONE = [_record(lost="evicted", retained=False), _record(lost="expired", retained=False),

@@ -2,9 +2,10 @@
 summary against each stock mode, and the plot (``_demo.py`` runs the agent).
 
 The modes are the benchmarks' (``kvturn bench agent``): stock P/D, stock conditional
-disaggregation (what llm-d and NVIDIA Dynamo ship, and the strongest stock setup on one prefill
-and one decode: a short follow-up runs on the decode that served the conversation, whose plain
-prefix cache still holds it), and kvturn. Both stock modes talk to a stock router
+disaggregation (what llm-d and NVIDIA Dynamo ship: a short follow-up runs on the decode that
+served the conversation, whose plain prefix cache still holds it; on the demo's one agent, whose
+later turns are all short, on a roomy decode, as strong as any stock setup, host tier or higher
+threshold included), and kvturn. Both stock modes talk to a stock router
 (``kvturn router --no-kv-reuse --conditional-disagg N``): without a conversation id every turn
 is plain P/D there; with one (a stock client's default header) it decides per turn.
 """

@@ -21,8 +21,9 @@ still holds that prompt in its prefix cache unless other work pushed it out. Per
    and computes the rest.
 
 With ``kv_reuse`` off the router is stock P/D, and with ``conditional_disagg`` set it is the
-strongest stock setup kvturn is measured against (:func:`conditional_decode`): conditional
-disaggregation as llm-d and Dynamo ship it, with no retention behind it.
+stock baseline kvturn is measured against (:func:`conditional_decode`; on instances with vLLM's
+CPU KV offloading, the strongest stock setup): conditional disaggregation as llm-d and Dynamo
+ship it, with no retention behind it.
 
 Nothing here changes an answer: every path computes or reads exactly the prompt's KV.
 """

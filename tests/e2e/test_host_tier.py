@@ -274,3 +274,49 @@ def test_a_released_conversation_leaves_host_memory_too(host_stack: Stack) -> No
         <= host["blocks_used"] - blocks
     status, gone = describe(cfg, conversation)
     assert status == 404 and gone["error"]["code"] == "released", gone
+
+
+def test_a_long_turn_whose_history_only_host_memory_holds_continues_on_the_decode(
+        host_stack: Stack) -> None:
+    """A prefill could read nothing of a host-only retention (no device blocks to pin) and
+    would recompute the whole history; the router continues the turn on the decode instead,
+    though it is longer than the device's threshold (``decode_continue_host_tokens``)."""
+    cfg = host_stack.config
+    client = OpenAI(base_url=f"{cfg.router_url}/v1", api_key=API_KEY, max_retries=0)
+    words = Words(seed=28)
+    e = f"host-e-{uuid.uuid4().hex[:8]}"
+    history: list[dict[str, Any]] = [{"role": "user", "content": words.text(e, SHORT_WORDS)}]
+    turn(cfg, client, e, history)
+    # A short turn the decode continues: the prefill's own cache lacks it from now on (as in
+    # an agent loop, where most turns never reach a prefill), so a pin is worth asking for.
+    history.append({"role": "user", "content": words.text("and", 20)})
+    assert turn(cfg, client, e, history).headers["x-kvturn-route"] == "decode"
+    e_tokens = describe(cfg, e)[1]["num_tokens"]
+    wait_until(lambda: describe(cfg, e)[1].get("host_tokens") == e_tokens, 10,
+               "E's whole turn in host memory")
+    conversation_call(cfg, e, "POST", "/keepalive")
+    f = f"host-f-{uuid.uuid4().hex[:8]}"
+    turn(cfg, client, f, [{"role": "user", "content": words.text(f, LONG_WORDS)}])
+    status, spilled = describe(cfg, e)
+    assert status == 200 and spilled["where"] == "host", spilled
+    assert spilled["host_tokens"] == e_tokens, spilled
+
+    # Twice as long as E's history: well past decode_continue_tokens (512).
+    history.append({"role": "user", "content": words.text("then read", 2 * SHORT_WORDS)})
+    router_before = scrape(cfg.router_url)
+    before = decode_counters(cfg)
+    with Delta(cfg.decode_url) as d, Delta(cfg.prefill_url) as p:
+        second = turn(cfg, client, e, history)
+    too_long = total(scrape(cfg.router_url), "kvturn_router_not_continued_total",
+                     why="too_long") - total(router_before, "kvturn_router_not_continued_total",
+                                             why="too_long")
+    assert (too_long, second.headers["x-kvturn-route"]) == (1, "decode"), second.headers
+    assert p.value is not None and p.value.computed == 0 and p.value.transferred == 0, p.value
+    sources = d.value
+    assert sources is not None
+    # The decode loaded E's history from host memory and computed the new part itself.
+    assert sources.local_cache + sources.transferred >= e_tokens - BLOCK, sources
+    assert sources.transferred > 0 and sources.computed > 512, sources
+    assert second.reused == sources.local_cache + sources.transferred, (second.headers, sources)
+    wait_until(lambda: decode_counters(cfg)["host_loaded"] - before["host_loaded"]
+               == sources.transferred, 10, "kvturn's count of host-loaded tokens")

@@ -110,6 +110,8 @@ class FakeBackend:
         # turn finds it (unset: the decode does not say, and its turn finds nothing).
         self.left_cached: dict[str, int] = {}
         self.pins: dict[str, str] = {}
+        # Retentions held in the host tier alone: a pin answers 404 evicted with these tokens.
+        self.host_only: dict[str, int] = {}
         self.unpinned: list[str] = []
         self._pin_ids = itertools.count(1)
         self._turns = itertools.count(1)
@@ -301,6 +303,11 @@ class FakeBackend:
                 self.gone[key] = "released"
                 return httpx2.Response(200, json={"key": key, "released": True})
             if route[2] == "pin":
+                if key in self.host_only:
+                    return httpx2.Response(404, json={
+                        "error": {"message": f"{key}: evicted", "type": "not_found",
+                                  "code": "evicted"},
+                        "host_tokens": self.host_only[key]})
                 if key not in self.retentions:
                     return self._gone(key)
                 pin_id = f"{self.name}-pin-{next(self._pin_ids)}"

@@ -741,12 +741,17 @@ def test_an_evicted_retention_keeps_its_lease_in_the_host_tier(
     assert isinstance(view, dict) and view["where"] == "host" and view["num_blocks"] == 0
     assert view["host_tokens"] == 16 and view["params"]["remote_block_ids"] == [[]]
     assert view["params"]["kvturn"]["block_hashes"] == []  # nothing a prefill could read
-    assert keeper.pin("a", 5) == Gone("a", GoneReason.EVICTED)
+    # No pin, but the decode can load it itself: the router may continue the turn there.
+    assert keeper.pin("a", 5) == Gone("a", GoneReason.EVICTED, host_tokens=16)
+    assert not keeper.has_pins()
     keepalive = keeper.keepalive("a")
     assert isinstance(keepalive, dict) and keepalive["where"] == "host"
     assert keeper.stats()["host_only"] == 2 and keeper.stats()["host"] == host.usage()
     assert keeper.gauges()[3] == 2
     assert keeper.standings().keys() == {"a", "b"}
+    # One the host tier holds none of any more is gone: nothing to load either.
+    assert keeper.pin("b", 5) == Gone("b", GoneReason.EVICTED)
+    assert keeper.standings().keys() == {"a"}
 
 
 def test_a_host_only_retention_the_host_tier_lost_is_gone_as_evicted(

@@ -219,6 +219,45 @@ async def test_edited_or_long_turns_take_the_prefill_path(
     assert metric(h, "kvturn_router_not_continued_total", why=why) == 1
 
 
+LONG_TOOL = {"role": "tool", "tool_call_id": "call-2", "content": "x" * 600}  # ~1,000 tokens
+
+
+async def test_a_long_turn_continues_where_the_host_tier_alone_holds_the_history(
+        make_harness: MakeHarness) -> None:
+    cluster = Cluster()
+    h = await make_harness(cluster, decode_continue_tokens=512)  # host: the default 4,096
+    await h.chat("c", messages=[U1])
+    cluster.decodes[0].host_only[KEY] = 64
+    resp = await h.chat("c", messages=turn2(LONG_TOOL))
+    assert resp.status_code == 200
+    # Too long for the device's threshold; the pin says the decode can load the history.
+    assert metric(h, "kvturn_router_not_continued_total", why="too_long") == 1
+    assert [e.path.rsplit("/", 1)[-1] for e in cluster.calls("decode0.control", "POST")] == \
+        ["pin"]
+    assert resp.headers["X-KVTurn-Route"] == "decode"
+    assert len(cluster.legs("prefill0")) == 1  # the first turn's only
+    assert resp.headers["X-KVTurn-Reuse"] == "hit"  # what the decode's usage reported
+    assert h.router.decodes.members[0].continuing == 0
+
+
+@pytest.mark.parametrize(("host_tokens", "busy"), [(0, 0), (4096, 3500)])
+async def test_a_host_only_history_not_continued_is_recomputed_and_kept(
+        make_harness: MakeHarness, host_tokens: int, busy: int) -> None:
+    cluster = Cluster()
+    h = await make_harness(cluster, decode_continue_tokens=512,
+                           decode_continue_host_tokens=host_tokens)
+    await h.chat("c", messages=[U1])
+    cluster.decodes[0].host_only[KEY] = 64
+    h.router.decodes.members[0].continuing = busy  # other continued turns are computing
+    resp = await h.chat("c", messages=turn2(LONG_TOOL))
+    assert resp.headers["X-KVTurn-Route"] == "prefill"
+    assert resp.headers["X-KVTurn-Reuse"] == "stale"  # nothing on the device to read
+    assert len(cluster.legs("prefill0")) == 2
+    # The lease goes on in the host tier: the record is not dropped as a stale handle.
+    assert metric(h, "kvturn_router_stale_handles_total", reason="evicted") == 0
+    assert await h.router.store.get(KEY) is not None
+
+
 async def test_a_busy_decode_sends_the_turn_to_the_prefill(make_harness: MakeHarness) -> None:
     cluster = Cluster()
     h = await make_harness(cluster, decode_continue_tokens=512, decode_continue_budget=600)

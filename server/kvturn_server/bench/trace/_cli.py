@@ -135,7 +135,8 @@ def add_trace_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--scale-thresholds", action=argparse.BooleanOptionalAction,
                    default=d.scale_thresholds,
                    help="divide the routers' token thresholds (--conditional-disagg, "
-                        "--decode-continue-tokens, --decode-continue-budget) by "
+                        "--decode-continue-tokens, --decode-continue-budget, "
+                        "--decode-continue-host-tokens) by "
                         "--token-divisor, so that the same follow-ups fall under them as in "
                         "the traces (default: on)")
     p.add_argument("--prefills", type=int, default=d.prefills,

@@ -160,7 +160,9 @@ class TraceBenchSettings(InstanceRunSettings):
             args[at] = str(self.threshold(int(args[at])))
         if m.kvturn:
             for flag, name in (("--decode-continue-tokens", "decode_continue_tokens"),
-                               ("--decode-continue-budget", "decode_continue_budget")):
+                               ("--decode-continue-budget", "decode_continue_budget"),
+                               ("--decode-continue-host-tokens",
+                                "decode_continue_host_tokens")):
                 if flag in args:
                     at = args.index(flag) + 1
                     args[at] = str(self.threshold(int(args[at])))

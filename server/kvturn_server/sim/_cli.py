@@ -128,6 +128,12 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--decode-continue-budget", type=int, default=router.decode_continue_budget,
                    metavar="N", help="the router's decode_continue_budget for the policies "
                                      "that retain (default: the router's, %(default)s)")
+    g.add_argument("--decode-continue-host-tokens", type=int,
+                   default=router.decode_continue_host_tokens, metavar="N",
+                   help="the router's decode_continue_host_tokens for the policies that retain: "
+                        "a longer turn whose retention its decode keeps in the host tier alone "
+                        "(kvturn-host) continues there when it lacks at most N tokens, else a "
+                        "prefill recomputes it; 0: never (default: the router's, %(default)s)")
     g.add_argument("--sweep-budgets", type=_floats, default=(0.1, 0.25, 0.5, 1.0),
                    metavar="B,...", help="budgets of the sweep; empty: no sweep "
                                          "(default: 0.1,0.25,0.5,1)")
@@ -166,9 +172,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                           weights_gib=args.weights_gib,
                           kv_bytes_per_token=args.kv_bytes_per_token,
                           block_size=args.block_size, max_num_seqs=args.max_num_seqs)
-        if args.decode_continue_tokens < 0 or args.decode_continue_budget < 0:
-            raise ValueError("--decode-continue-tokens and --decode-continue-budget must be "
-                             "0 or more")
+        if min(args.decode_continue_tokens, args.decode_continue_budget,
+               args.decode_continue_host_tokens) < 0:
+            raise ValueError("--decode-continue-tokens, --decode-continue-budget and "
+                             "--decode-continue-host-tokens must be 0 or more")
         known = standard_policies(budget=args.retention_budget, ttl_s=args.retention_ttl,
                                   host_gib=args.kv_offload_gib)
         wanted = [n for n in args.policies.split(",") if n]
@@ -183,8 +190,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sys.stderr.write(f"kvturn simulate: {exc}\n")
         return 2
     base = SimSettings(fleet=fleet, cost=profile, ttft_slo_s=args.ttft_slo,
-                       router=RouterSpec(decode_continue_tokens=args.decode_continue_tokens,
-                                         decode_continue_budget=args.decode_continue_budget))
+                       router=RouterSpec(
+                           decode_continue_tokens=args.decode_continue_tokens,
+                           decode_continue_budget=args.decode_continue_budget,
+                           decode_continue_host_tokens=args.decode_continue_host_tokens))
     progress = None if args.quiet else sys.stderr
     turns = sum(c.turns for c in conversations)
     if progress is not None:

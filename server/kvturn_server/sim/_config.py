@@ -186,6 +186,9 @@ class RouterSpec:
     decode_affinity_slack: int = _ROUTER["decode_affinity_slack"]
     decode_continue_tokens: int = _ROUTER["decode_continue_tokens"]
     decode_continue_budget: int = _ROUTER["decode_continue_budget"]
+    decode_continue_host_tokens: int = _ROUTER["decode_continue_host_tokens"]
+    """A longer turn whose retention its decode keeps in the host tier alone continues there
+    up to this many tokens to compute (``plan_host_route``; 0: a prefill recomputes it)."""
     min_read_tokens: int = _ROUTER["min_read_tokens"]
     pin_ttl_s: float = 30.0
     recompute_threshold: int = 0

@@ -2,19 +2,21 @@
 
 Every decision is kvturn's own code, imported through the package faces: the router's turn
 planner (``router/_plan.py``: :func:`plan_route`, :func:`plan_pin`, :func:`pin_gone`,
-:func:`settle_prefill`, :func:`settle_continued`, :func:`moved_from`, the same calls its
-``Turn`` makes) and backend choices (:func:`choose_prefill`, :func:`choose_decode`); the
-prefill's verified reuse and read-or-compute choice (:func:`decide_reuse` with the connector's
-:class:`CostModel`); the decode's retention table (:class:`RetentionTable`, on the simulator's
-clock). This file moves time and stands in for the calls: a pin is the table's pin, a prefill
-leg's reuse report is what ``decide_reuse`` decided.
+:func:`plan_host_route`, :func:`settle_prefill`, :func:`settle_continued`, :func:`moved_from`,
+the same calls its ``Turn`` makes) and backend choices (:func:`choose_prefill`,
+:func:`choose_decode`); the prefill's verified reuse and read-or-compute choice
+(:func:`decide_reuse` with the connector's :class:`CostModel`); the decode's retention table
+(:class:`RetentionTable`, on the simulator's clock). This file moves time and stands in for the
+calls: a pin is the table's pin, a prefill leg's reuse report is what ``decide_reuse`` decided.
 
 A turn runs the router's steps (``router/_turn.py``): the record looked up, the route planned
-(the decode alone, or a prefill chosen and the retention pinned for it or not), the prefill's
-hit, read and compute (FIFO behind its other work), a decode chosen, its blocks allocated
-(evicting retentions rather than starving) and the missing KV pulled, the reply decoded, the
-turn retained (or left in the decode's prefix cache) and recorded, an older retention on
-another decode released; then the agent's tool gap, with its clients' keepalives and release.
+(the decode alone, or a prefill chosen and the retention pinned for it or not; a pin that finds
+the retention in the decode's host tier alone may move the turn to that decode:
+:func:`plan_host_route`), the prefill's hit, read and compute (FIFO behind its other work), a
+decode chosen, its blocks allocated (evicting retentions rather than starving) and the missing
+KV pulled, the reply decoded, the turn retained (or left in the decode's prefix cache) and
+recorded, an older retention on another decode released; then the agent's tool gap, with its
+clients' keepalives and release.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from kvturn.wire import ReuseReason, Route
+from kvturn.wire import GoneReason, ReuseReason, Route
 from kvturn_server import router as routing
 from kvturn_server.connector import CostModel, CostSettings, decide_reuse
 from kvturn_server.router import (
@@ -90,6 +92,7 @@ class Simulation:
             conditional_disagg=policy.conditional_disagg,
             decode_continue_tokens=settings.router.decode_continue_tokens,
             decode_continue_budget=settings.router.decode_continue_budget,
+            decode_continue_host_tokens=settings.router.decode_continue_host_tokens,
             min_read_tokens=settings.router.min_read_tokens)
         self._prefill_of = {p.name: p for p in self.prefills}
         self._decode_of = {d.name: d for d in self.decodes}
@@ -240,6 +243,24 @@ class Simulation:
         turn.ready_at = self.now + self.s.cost.leg_overhead_ms / 1e3
         self._admit(turn)
 
+    def _host_continue(self, turn: Turn, host_tokens: int) -> bool:
+        """The pin found the retention in the holder's host tier alone (``host_tokens`` of it):
+        the turn continues there when ``plan_host_route`` allows it, the prefill leg undone
+        (chosen and counted in flight; nothing was sent or computed). False: the prefill
+        path, which recomputes the history."""
+        assert turn.placement is not None and turn.holder is not None \
+            and turn.prefill is not None
+        route = routing.plan_host_route(self.plan, placement=turn.placement,
+                                        holder=turn.holder, transcript=turn.transcript,
+                                        host_tokens=host_tokens)
+        if route is None:
+            return False
+        self.prefill_pool.leg_ended(turn.prefill)
+        turn.prefill = None
+        turn.where = route.where
+        self._continue(turn, route.estimate)
+        return True
+
     # The prefill leg.
 
     def _host_load_s(self, blocks: int) -> float:
@@ -255,16 +276,6 @@ class Simulation:
         assert prefill is not None
         sim = self._prefill_of[prefill.url]
         key, hashes = turn.conv.cid, turn.hashes
-        full = len(hashes)
-        own = sim.cached_blocks(key, hashes)
-        load_s = 0.0
-        if sim.host is not None:
-            held = sim.host.lookup(key, hashes)
-            if held > own:
-                load_s, own = self._host_load_s(held - own), held
-        system = system_blocks(turn.conv, self.block_size)
-        shared = min(sim.held_blocks(SHARED_SYSTEM), system, full) if system else 0
-        local = max(own, shared) * bs
         pin = None
         decode = None
         placement = turn.placement
@@ -279,12 +290,30 @@ class Simulation:
             if refused is None:
                 decode = self._decode_of[placement.decode]
                 pin = decode.table.pin(key, s.router.pin_ttl_s)
-                if pin is None:
+                host_tokens = 0 if pin is not None else decode.host_tokens(key, bs)
+                if host_tokens:
+                    # The pin's 404 says the decode keeps the retention in its host tier
+                    # alone: the record stays (its lease goes on), and the turn may run on
+                    # that decode instead (router/_turn.py, _take_pin and _host_continue).
+                    turn.reason = routing.gone_reuse(GoneReason.EVICTED)
+                    if self._host_continue(turn, host_tokens):
+                        return
+                elif pin is None:
                     refused = routing.pin_gone(decode.table.gone_reason(key))
             if refused is not None:
                 turn.reason = refused.reason
                 if refused.drop is not None:
                     self.placements.pop(key, None)
+        full = len(hashes)
+        own = sim.cached_blocks(key, hashes)
+        load_s = 0.0
+        if sim.host is not None:
+            held = sim.host.lookup(key, hashes)
+            if held > own:
+                load_s, own = self._host_load_s(held - own), held
+        system = system_blocks(turn.conv, self.block_size)
+        shared = min(sim.held_blocks(SHARED_SYSTEM), system, full) if system else 0
+        local = max(own, shared) * bs
         turn.pinned = pin is not None
         read_tokens = 0
         read_s = 0.0
@@ -419,8 +448,7 @@ class Simulation:
         self.decode_pool.leg_ended(turn.decode)
         tokens = turn.prompt + turn.conv.replies[turn.index] - 1
         hashes = retained_block_hashes(turn, tokens, bs)
-        if decode.host is not None:
-            decode.host.store(key, hashes)
+        lost_in_host = decode.keep_in_host(key, hashes)
         if self.plan.retain:
             freed = decode.table.retain(key, f"r{next(self._request_ids)}", turn.blocks,
                                         hashes, tokens)
@@ -438,6 +466,9 @@ class Simulation:
             if moved_from is not None:
                 moved = self._decode_of[moved_from]
                 moved.give_back(moved.table.release(key)[1])
+            # The host tier's room for this copy may have cost other conversations theirs
+            # (and this one its own, when too large to keep).
+            decode.host_lost([*lost_in_host, key])
         else:
             decode.finish(key, turn.blocks, hashes)
             if s.policy.conversation_ids:

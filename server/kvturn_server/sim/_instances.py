@@ -7,7 +7,10 @@ retained blocks out of that cache under a lease; a dropped retention's blocks fa
 the cache, as the connector's freed blocks fall back into vLLM's free queue with their hashes.
 A prefill computes first-in first-out; a decode computes the prompts it continues first-in
 first-out too (one GPU). A host tier (:class:`HostTier`, vLLM's CPU offloading) keeps copies of
-finished requests' blocks in host memory, least recently used first.
+finished requests' blocks in host memory, least recently used first. On a decode that retains,
+the table then runs with ``host_tier``: a retention live requests evict keeps its lease
+host-only (no device blocks) until the host tier drops the conversation's first block; then it
+is dropped and logged lost, as the connector's keeper does.
 
 Block hashes are synthetic for drawn conversations and the trace's hash ids for replayed ones
 (:func:`trace_hashes`); either way equal exactly where two prompts share history.
@@ -139,21 +142,23 @@ class HostTier:
         self._entries: OrderedDict[str, tuple[bytes, ...]] = OrderedDict()
         self.blocks = 0
 
-    def store(self, key: str, hashes: Sequence[bytes]) -> None:
+    def store(self, key: str, hashes: Sequence[bytes]) -> list[str]:
+        """Keep a copy of ``key``'s latest blocks (replacing its older one), evicting the least
+        recently used conversations' copies to make room; returns the conversations whose copy
+        is gone now (evicted, or ``key``'s when too large to keep)."""
         old = self._entries.pop(key, None)
         if old is not None:
             self.blocks -= len(old)
         if not hashes or len(hashes) > self.capacity:
-            return
+            return [key]
+        gone = []
         while self.blocks + len(hashes) > self.capacity and self._entries:
-            _, dropped = self._entries.popitem(last=False)
+            evicted, dropped = self._entries.popitem(last=False)
             self.blocks -= len(dropped)
+            gone.append(evicted)
         self._entries[key] = tuple(hashes)
         self.blocks += len(hashes)
-
-    def holds(self, key: str) -> bool:
-        """Whether a copy of ``key``'s latest blocks is here (no use)."""
-        return key in self._entries
+        return gone
 
     def lookup(self, key: str, hashes: Sequence[bytes]) -> int:
         """Verified blocks of ``hashes`` held here (a use: most recently used now)."""
@@ -162,6 +167,12 @@ class HostTier:
             return 0
         self._entries.move_to_end(key)
         return verified_prefix_blocks(hashes, held)
+
+    def resident(self, key: str, hashes: Sequence[bytes]) -> int:
+        """Verified blocks of ``hashes`` held here, from the start (no use: what the connector
+        asks of its host tier, ``resident_tokens``)."""
+        held = self._entries.get(key)
+        return 0 if held is None else verified_prefix_blocks(hashes, held)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,10 +196,13 @@ class SimDecode:
         self.capacity = capacity
         self.max_num_seqs = max_num_seqs
         budget = int(capacity * policy.budget) if policy.retain else 0
-        self.table = RetentionTable(budget_blocks=budget, ttl=policy.ttl_s,
-                                    max_hold=policy.max_hold_s, clock=clock)
-        self.cache = PrefixCache()
         self.host = HostTier(host_blocks) if host_blocks else None
+        # With a host tier a retention live requests evict keeps its lease there, host-only
+        # (the connector's table with ``host_tier``), until the host tier drops its copy too.
+        self.table = RetentionTable(budget_blocks=budget, ttl=policy.ttl_s,
+                                    max_hold=policy.max_hold_s, clock=clock,
+                                    host_tier=self.host is not None and policy.retain)
+        self.cache = PrefixCache()
         self._free = list(range(capacity - 1, -1, -1))
         # Blocks held by more than one owner (a live request extending the retention it
         # continues shares its blocks, as vLLM's prefix cache does): id -> owners.
@@ -212,6 +226,8 @@ class SimDecode:
         """Dropped retentions' blocks fall back into the prefix cache (what the connector's
         freed blocks do in vLLM's free queue); blocks another owner still holds stay held."""
         for retention in retentions:
+            if not retention.on_device:
+                continue  # a host-only lease ended: no device blocks (and none of the cache's)
             unowned = self._release(retention.block_ids)
             if len(unowned) == len(retention.block_ids):
                 self._free.extend(self.cache.put(retention.key, unowned,
@@ -247,11 +263,48 @@ class SimDecode:
         return out
 
     def peek(self, key: str, hashes: Sequence[bytes]) -> int:
-        """Leading blocks of ``hashes`` this decode holds now (retention or prefix cache)."""
+        """Leading blocks of ``hashes`` this decode holds now on the device (retention or
+        prefix cache)."""
         retention = self.table.get(key)
-        if retention is not None:
+        if retention is not None and retention.on_device:
             return verified_prefix_blocks(hashes, retention.block_hashes)
         return self.cache.peek(key, hashes)
+
+    def host_tokens(self, key: str, block_size: int) -> int:
+        """What a pin's 404 says of ``key``'s live retention when it is host-only: the tokens
+        of it the host tier holds from its start (the keeper's ``_placed``, capped at the
+        retention's tokens); 0 when it is not host-only, or its host copy is gone (then it is
+        dropped and logged lost, as the keeper does)."""
+        retention = self._host_only(key)
+        if retention is None:
+            return 0
+        assert self.host is not None
+        return min(self.host.resident(key, retention.block_hashes) * block_size,
+                   retention.num_tokens)
+
+    def keep_in_host(self, key: str, hashes: Sequence[bytes]) -> list[str]:
+        """A finished request's blocks copied to the host tier (vLLM's offloading stores every
+        computed block); returns the conversations whose host copy went (:meth:`host_lost`)."""
+        return [] if self.host is None else self.host.store(key, hashes)
+
+    def host_lost(self, keys: Sequence[str]) -> None:
+        """The host tier no longer holds these conversations' first blocks: a host-only
+        retention of one promises nothing now, and is dropped and logged lost (the keeper's
+        ``lost_in_host``, then ``_placed``: ``RetentionTable.drop_lost``); the router reads it
+        in the lost log."""
+        for key in keys:
+            self._host_only(key)
+
+    def _host_only(self, key: str) -> Retention | None:
+        """``key``'s live host-only retention while the host tier holds its first block; one
+        whose host copy is gone is dropped and logged lost (``drop_lost``)."""
+        retention = self.table.get(key)
+        if retention is None or retention.on_device or self.host is None:
+            return None
+        if self.host.resident(key, retention.block_hashes):
+            return retention
+        self.table.drop_lost(key, retention.request_id)
+        return None
 
     def admit(self, key: str, hashes: Sequence[bytes], blocks: int) -> Admission | None:
         """Blocks for a live request of ``blocks`` blocks whose prompt has ``hashes``: the
@@ -261,6 +314,10 @@ class SimDecode:
         if self.live >= self.max_num_seqs or blocks > self.capacity:
             return None
         retention = self.table.touch(key)
+        if retention is not None and not retention.on_device:
+            # Host-only: nothing on the device to share; what the evicted blocks left in the
+            # prefix cache still hits, and the host tier loads the rest (the engine's lookup).
+            retention = None
         shared: tuple[int, ...] = ()
         cached: list[int] = []
         if retention is not None:

@@ -36,13 +36,12 @@ class Records:
             del self.placements[key]
             return None
         if placement is not None and placement.retained and self.router.follow_evictions:
+            # With a host tier an evicted retention lives on there, host-only: the decode logs
+            # it lost only once the host tier drops it too (``SimDecode.host_lost``).
             lost = self._lost_log(placement.decode).get(key)
-            host = self._decodes[placement.decode].host
             marked = None if lost is None else marked_lost(
                 placement, decode=placement.decode, read_id=lost[0], reason=lost[1])
-            # With a host tier an evicted retention stays there (the connector logs it only
-            # once the host tier drops it too), and the decode loads it back.
-            if marked is not None and not (host is not None and host.holds(key)):
+            if marked is not None:
                 placement = self.placements[key] = marked
         return placement
 

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvturn_server.cli import build_parser, main
+from kvturn_server.router import RouterConfig
+from kvturn_server.sim import RouterSpec
 
 
 def test_help_names_the_policies_and_the_doc(capsys: pytest.CaptureFixture[str]) -> None:
@@ -41,12 +43,16 @@ def test_the_router_s_continuation_settings_reach_the_kvturn_policies(
     assert main(["simulate", "--conversations", "10", "--window", "20", "--prefills", "1",
                  "--decodes", "1", "--sweep-budgets", "", "--policies", "kvturn-lease",
                  "--decode-continue-tokens", "2048", "--decode-continue-budget", "4096",
-                 "--json", str(out), "--quiet"]) == 0
+                 "--decode-continue-host-tokens", "0", "--json", str(out), "--quiet"]) == 0
     router = json.loads(out.read_text())["config"]["router"]
-    assert (router["decode_continue_tokens"], router["decode_continue_budget"]) == (2048, 4096)
-    assert main(["simulate", "--decode-continue-tokens", "-1",
-                 "--json", str(tmp_path / "x.json")]) == 2
-    assert "must be 0 or more" in capsys.readouterr().err
+    assert (router["decode_continue_tokens"], router["decode_continue_budget"],
+            router["decode_continue_host_tokens"]) == (2048, 4096, 0)
+    for flag in ("--decode-continue-tokens", "--decode-continue-host-tokens"):
+        assert main(["simulate", flag, "-1", "--json", str(tmp_path / "x.json")]) == 2
+        assert "must be 0 or more" in capsys.readouterr().err
+    # The router's own default otherwise.
+    config = RouterConfig(prefill=("http://p0",), decode=("http://d0",))
+    assert RouterSpec().decode_continue_host_tokens == config.decode_continue_host_tokens == 4096
 
 
 def test_unknown_policy_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

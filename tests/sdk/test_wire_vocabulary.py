@@ -273,11 +273,15 @@ def test_the_docs_control_api_is_the_modules() -> None:
     assert _keys(rows[f"DELETE {wire.API_PREFIX}/{wire.PINS}/{{pin_id}}"]) == \
         _fields(wire.UnpinBody)
     assert _keys(rows[f"DELETE {retention}"]) == _fields(wire.RetentionReleased)
-    assert all(f'"{field}"' in rows[f"GET {retention}"]
-               for field in _fields(wire.GoneBody) - _fields(wire.ErrorBody))
-    # The pin's answer: a Retention plus the pin (its request body is the ttl).
-    pin = rows[f"POST {retention}/{wire.PIN}"].split("Retention + ")[1]
+    # A Gone's extra fields: a describe's (what the prefix cache kept), a pin's (what the host
+    # tier alone holds).
+    gone_extras = _fields(wire.GoneBody) - _fields(wire.ErrorBody)
+    assert {field for field in gone_extras if f'"{field}"' in rows[f"GET {retention}"]} == \
+        {"cached_tokens"}
+    # The pin's answer: a Retention plus the pin (its request body is the ttl), or a Gone.
+    pin, pin_gone = rows[f"POST {retention}/{wire.PIN}"].split("Retention + ")[1].split(" or ")
     assert _keys(pin) == _fields(wire.PinBody) - _fields(wire.RetentionBody)
+    assert {field for field in gone_extras if f'"{field}"' in pin_gone} == {"host_tokens"}
     lost = rows[f"GET {wire.LOST_PATH}?{wire.LOST_AFTER}=N&{wire.LOST_WAIT}=S"]
     lost_body, entry = lost.split("[", 1)
     assert _keys(lost_body) == _fields(wire.LostBody)

@@ -59,8 +59,8 @@ def _post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None
 def _tool_result(turn: int) -> str:
     if turn < 6:
         return f"{10 * turn} boxes."
-    # Past decode_continue_tokens (512): this turn takes a prefill leg.
-    return "Boxes: " + " ".join(f"box {i} ok." for i in range(250))
+    # Past decode_continue_tokens (2,048): this turn takes a prefill leg.
+    return "Boxes: " + " ".join(f"box {i} ok." for i in range(800))
 
 
 def _check_reuse(turn: int, headers: httpx2.Headers, p: Delta, cached: int | None) -> None:

@@ -1,8 +1,8 @@
 """Turns the decode continues itself, through the real stack (router/_placement.py).
 
 A second router over the session's prefill and decode runs with the defaults a user gets
-(kv-aware placement, decode continuation of turns up to 512 new tokens). Every answer is held to
-the plain reference run, text and logprobs.
+(kv-aware placement, decode continuation of turns up to 2,048 new tokens). Every answer is
+held to the plain reference run, text and logprobs.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_short_turns_run_on_the_decode_alone_and_long_ones_read_what_the_prefill
         messages.append({"role": "assistant", "content": text})
     # A long tool result: past the continuation bound, so a prefill leg computes it, reading
     # from the decode the blocks its own cache lacks (the turns it never saw).
-    messages.append({"role": "user", "content": " ".join(["file"] * 700)})
+    messages.append({"role": "user", "content": " ".join(["file"] * 3000)})
     reference = plain_chat(cfg.reference_url, cfg.served_model_name, messages, MAX_TOKENS)
     with Delta(cfg.prefill_url) as p:
         turn = chat_turn(client, cfg.served_model_name, conversation, messages, stream,

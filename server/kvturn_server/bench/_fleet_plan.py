@@ -26,7 +26,7 @@ from kvturn_server.bench._run_settings import InstanceRunSettings
 from kvturn_server.bench.agent._kinds import IDS as IDS
 from kvturn_server.bench.agent._kinds import KVTURN as KVTURN
 from kvturn_server.bench.agent._kinds import PLAIN as PLAIN
-from kvturn_server.bench.agent._modes import DYNAMO_CONDITIONAL_TOKENS, KVTURN_CONTINUE_TOKENS
+from kvturn_server.bench.agent._modes import DYNAMO_CONDITIONAL_TOKENS, LLMD_CONDITIONAL_TOKENS
 from kvturn_server.bench.agent._workload import (
     FRAMING_TOKENS,
     AgentBenchSettings,
@@ -86,18 +86,18 @@ MODE_TABLE: tuple[FleetMode, ...] = (
     FleetMode("stock-affinity", ("--no-kv-reuse", "--prefill-policy", "affinity"), IDS,
               "stock P/D with session affinity to a prefill (what Dynamo, llm-d and "
               "production-stack offer)"),
-    FleetMode("stock-cond", _stock_cond(KVTURN_CONTINUE_TOKENS), IDS,
+    FleetMode("stock-cond", _stock_cond(LLMD_CONDITIONAL_TOKENS), IDS,
               "stock conditional disaggregation: a follow-up whose new messages are estimated "
-              f"at most {KVTURN_CONTINUE_TOKENS} tokens (kvturn's own continuation threshold) "
+              f"at most {LLMD_CONDITIONAL_TOKENS} tokens (the value llm-d's docs use) "
               "runs on the decode that served the conversation, alone, on whatever its plain "
               "prefix cache still holds; other turns stock P/D, prefill by load-aware "
               "affinity (llm-d's prefix-based-pd-decider, nonCachedTokens "
-              f"{KVTURN_CONTINUE_TOKENS}; NVIDIA Dynamo's --router-conditional-disagg)"),
+              f"{LLMD_CONDITIONAL_TOKENS}; NVIDIA Dynamo's --router-conditional-disagg)"),
     FleetMode("stock-cond-2k", _stock_cond(DYNAMO_CONDITIONAL_TOKENS), IDS,
               "stock conditional disaggregation at NVIDIA Dynamo's default threshold "
               f"({DYNAMO_CONDITIONAL_TOKENS} tokens, isl_bounding), otherwise as stock-cond",
               by_default=False),
-    FleetMode("stock-cond-offload", _stock_cond(KVTURN_CONTINUE_TOKENS), IDS,
+    FleetMode("stock-cond-offload", _stock_cond(LLMD_CONDITIONAL_TOKENS), IDS,
               "stock-cond on instances with " + HOST_TIER_PEERS + " (sources: vLLM "
               "vllm/v1/kv_offload, OffloadingConnector; llm-d's P2P KV sharing and tiered "
               "prefix cache guides; LMCache's CPU backend)",

@@ -6,11 +6,12 @@ vLLM's default settings (prefix caching on), in the modes of ``_demo_report.py``
 (a stock ``ChatOpenAI`` without conversation ids, through a stock router: stock P/D),
 **stock-cond** (the same stock client sending ``X-Conversation-ID`` as a default header, through
 the same stock router, ``--no-kv-reuse --conditional-disagg 512``: stock conditional
-disaggregation, on this workload as strong as any stock setup) and **kvturn** (``KVTurnChatOpenAI`` through the
-stack's kvturn router). The stock router is started beside the stack's for the run
-(``_demo_router.py``). Per model turn it measures the time to the first token and where the
-prompt's KV came from (the instances' metrics: the prefill's cache, the decode, or computed on
-either), then prints a table and a summary, writes a PNG plot and stops what it started.
+disaggregation, on this workload as strong as any stock setup) and **kvturn**
+(``KVTurnChatOpenAI`` through the stack's kvturn router). The stock router is started beside the
+stack's for the run (``_demo_router.py``). Per model turn it measures the time to the first
+token and where the prompt's KV came from (the instances' metrics: the prefill's cache, the
+decode, or computed on either), then prints a table and a summary, writes a PNG plot and stops
+what it started.
 
 ``--api`` picks the API the agent talks through the routers: ``chat`` (Chat Completions, the
 default), ``responses`` (the same LangGraph agent with ``use_responses_api=True``: turns go to

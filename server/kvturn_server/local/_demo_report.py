@@ -13,14 +13,13 @@ is plain P/D there; with one (a stock client's default header) it decides per tu
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from kvturn.wire import Route
 from kvturn_server._plot import pyplot, save
 from kvturn_server.local._metrics import PromptSources
-from kvturn_server.router import RouterConfig
 
 Api = Literal["chat", "responses", "messages"]
 API_NAMES: dict[str, str] = {"chat": "Chat Completions", "responses": "Responses",
@@ -30,10 +29,9 @@ API_NAMES: dict[str, str] = {"chat": "Chat Completions", "responses": "Responses
 STOCK, KVTURN = "stock", "kvturn"
 PLAIN, IDS = "plain", "ids"
 
-CONTINUE_TOKENS = next(f.default for f in fields(RouterConfig)
-                       if f.name == "decode_continue_tokens")
-"""kvturn's own continuation threshold (512): the stock router decides on the same bound, as
-``kvturn bench agent``'s ``stock-cond`` does (llm-d's ``nonCachedTokens``)."""
+CONTINUE_TOKENS = 512
+"""The stock router's threshold, as ``kvturn bench agent``'s ``stock-cond`` (llm-d's
+``nonCachedTokens``); the demo's later turns are far shorter, so 2,048 would decide alike."""
 STOCK_ROUTER_ARGS: tuple[str, ...] = ("--no-kv-reuse", "--conditional-disagg",
                                       str(CONTINUE_TOKENS))
 

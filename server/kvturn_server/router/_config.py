@@ -304,11 +304,11 @@ class RouterConfig:
         "keep conversations' KV on the decodes and reuse it; off (--no-kv-reuse) runs stock "
         "P/D: no pins, no retention, no decode continuation (conversation ids then only give "
         "affinity)", check=_switch))
-    decode_continue_tokens: int = field(default=512, metadata=setting(
+    decode_continue_tokens: int = field(default=2048, metadata=setting(
         "a turn whose holding decode lacks at most about this many prompt tokens runs on that "
         "decode alone (no prefill leg, no transfer); 0: never", unit="tokens",
         check=_WHOLE_0))
-    decode_continue_budget: int = field(default=1024, metadata=setting(
+    decode_continue_budget: int = field(default=4096, metadata=setting(
         "estimated prompt tokens of such turns one decode may compute at once; past it turns "
         "take the prefill path (protects its other requests' inter-token latency)",
         unit="tokens", check=_WHOLE_0))

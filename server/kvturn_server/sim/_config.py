@@ -263,8 +263,8 @@ class Policy:
                 "peer": self.peer}
 
 
-CONTINUE_TOKENS: int = _ROUTER["decode_continue_tokens"]
-"""kvturn's own continuation threshold, which stock-cond's N equals (issue: the same N)."""
+LLMD_THRESHOLD = 512
+"""stock-cond's N: llm-d's prefix-based-pd-decider at the nonCachedTokens its docs use."""
 DYNAMO_THRESHOLD = 2048
 """Dynamo's conditional disaggregation default (``isl_bounding``)."""
 HOST_GIB = 128.0
@@ -305,12 +305,12 @@ def standard_policies(*, budget: float = RETENTION_BUDGET, ttl_s: float = RETENT
                peer="stock P/D: kvturn router --no-kv-reuse, no conversation id (llm-d's "
                     "always-disagg-pd-decider, vLLM's disaggregated proxy); every turn takes "
                     "a prefill leg, least loaded instances, plain LRU prefix caches"),
-        Policy("stock-cond", retain=False, conditional_disagg=CONTINUE_TOKENS,
-               peer=f"stock conditional disaggregation at N = {CONTINUE_TOKENS} (the router's "
-                    f"default continuation threshold; llm-d's docs use 8 or 512): {_STOCK_COND}"),
+        Policy("stock-cond", retain=False, conditional_disagg=LLMD_THRESHOLD,
+               peer=f"stock conditional disaggregation at N = {LLMD_THRESHOLD} (llm-d's docs use 8 "
+                    f"or 512): {_STOCK_COND}"),
         Policy("stock-cond-2k", retain=False, conditional_disagg=DYNAMO_THRESHOLD,
                peer=f"the same at N = {DYNAMO_THRESHOLD}, Dynamo's default: {_STOCK_COND}"),
-        Policy("stock-cond-offload", retain=False, conditional_disagg=CONTINUE_TOKENS,
+        Policy("stock-cond-offload", retain=False, conditional_disagg=LLMD_THRESHOLD,
                host_gib=host_gib,
                peer=f"stock-cond with vLLM's CPU KV offloading on every instance, {host_gib:g} "
                     "GiB of host memory each, least recently used out, read back over PCIe "

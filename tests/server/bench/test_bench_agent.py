@@ -101,9 +101,10 @@ def test_the_mode_table_gives_each_mode_its_router_flags_client_and_peer() -> No
     assert any("LMCache" in x for x in offload.sources)
     assert any("prefix_based_pd_decider" in x for x in offload.sources)
     assert MODES_BY_NAME["off"].describe()["profile"] == "plain"
-    # stock-cond decides on kvturn's own threshold: the router's decode_continue_tokens.
+    # stock-cond decides on llm-d's 512, stock-cond-2k on Dynamo's 2,048: kvturn's own default.
     default = next(f.default for f in fields(RouterConfig) if f.name == "decode_continue_tokens")
-    assert MODES_BY_NAME["stock-cond"].router_args[-1] == str(default)
+    assert MODES_BY_NAME["stock-cond"].router_args[-1] == "512"
+    assert MODES_BY_NAME["stock-cond-2k"].router_args[-1] == str(default) == "2048"
     for mode in MODE_TABLE:
         assert mode.stands_for and mode.sources
     assert "prefix-based-pd-decider" in MODES_BY_NAME["stock-cond"].stands_for

@@ -254,31 +254,31 @@ def test_the_routers_thresholds_scale_with_the_tokens() -> None:
     assert s.router_args("stock-pd") == ("--no-kv-reuse", "--x")
     assert s.router_args("stock-cond") == ("--no-kv-reuse", "--conditional-disagg", "20", "--x")
     assert s.router_args("stock-cond-2k")[:3] == ("--no-kv-reuse", "--conditional-disagg", "82")
-    assert s.router_args("kvturn") == ("--decode-continue-tokens", "20",
-                                       "--decode-continue-budget", "41",
+    assert s.router_args("kvturn") == ("--decode-continue-tokens", "82",
+                                       "--decode-continue-budget", "164",
                                        "--decode-continue-host-tokens", "164", "--x")
     deployed = TraceBenchSettings(scale_thresholds=False)
     assert deployed.router_args("stock-cond-2k") == ("--no-kv-reuse", "--conditional-disagg",
                                                      "2048")
-    assert deployed.router_args("kvturn") == ("--decode-continue-tokens", "512",
-                                              "--decode-continue-budget", "1024",
+    assert deployed.router_args("kvturn") == ("--decode-continue-tokens", "2048",
+                                              "--decode-continue-budget", "4096",
                                               "--decode-continue-host-tokens", "4096")
     assert {m: (MODES[m].client, MODES[m].profile) for m in MODES} == {
         "stock-pd": ("plain", "plain"), "stock-cond": ("ids", "plain"),
         "stock-cond-2k": ("ids", "plain"), "stock-cond-offload": ("ids", "offload"),
         "stock-cond-2k-offload": ("ids", "offload"),
         "kvturn": ("kvturn", "plain"), "kvturn-offload": ("kvturn", "host-tier"),
-        "kvturn-2k-offload": ("kvturn", "host-tier")}
+        "kvturn-512-offload": ("kvturn", "host-tier")}
     # The offload modes are stock-cond and kvturn as they are, on instances with a host tier.
     assert s.router_args("stock-cond-offload") == s.router_args("stock-cond")
     assert s.router_args("stock-cond-2k-offload") == s.router_args("stock-cond-2k")
     assert s.router_args("kvturn-offload") == s.router_args("kvturn")
-    # kvturn at Dynamo's threshold: its own flags scaled in place, the defaults after them.
-    assert s.router_args("kvturn-2k-offload") == ("--decode-continue-tokens", "82",
-                                                  "--decode-continue-budget", "164",
-                                                  "--decode-continue-host-tokens", "164", "--x")
-    assert deployed.router_args("kvturn-2k-offload") == (
-        "--decode-continue-tokens", "2048", "--decode-continue-budget", "4096",
+    # kvturn at llm-d's threshold: its own flags scaled in place, the defaults after them.
+    assert s.router_args("kvturn-512-offload") == ("--decode-continue-tokens", "20",
+                                                   "--decode-continue-budget", "41",
+                                                   "--decode-continue-host-tokens", "164", "--x")
+    assert deployed.router_args("kvturn-512-offload") == (
+        "--decode-continue-tokens", "512", "--decode-continue-budget", "1024",
         "--decode-continue-host-tokens", "4096")
     offload = MODES["stock-cond-offload"].stands_for
     assert "llm-d's P2P KV sharing" in offload and "LMCache" in offload

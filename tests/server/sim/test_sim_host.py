@@ -37,6 +37,7 @@ class _Watched(Simulation):
     def __init__(self, host_gib: float, host_tokens: int = 4096) -> None:
         policy = standard_policies(host_gib=host_gib)["kvturn-host"]
         super().__init__(SimSettings(fleet=FLEET, policy=policy, router=RouterSpec(
+            decode_continue_tokens=512, decode_continue_budget=1024,
             decode_continue_host_tokens=host_tokens)), [A, B])
         self.turns: dict[str, Turn] = {}
         self.a_after_b: tuple[bool, int, int] | None = None

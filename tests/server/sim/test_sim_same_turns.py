@@ -36,7 +36,8 @@ from tests.fakes.router_harness import MakeHarness
 CONVERSATION = Conversation(
     "c", 0.0, 1000, messages=(100, 40, 900, 600, 30, 700, 800, 20),
     replies=(200, 90, 1, 60, 64, 100, 20, 5), gaps_s=(2.0,) * 7)
-ROUTER = RouterSpec(min_read_tokens=100)
+# The script's turns are sized for a continuation threshold of 512 (the default until session 16).
+ROUTER = RouterSpec(min_read_tokens=100, decode_continue_tokens=512, decode_continue_budget=1024)
 FLEET = FleetSpec(prefills=1, decodes=1)
 
 

@@ -16,25 +16,16 @@ ran, and headlined against the strongest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from kvturn_server.bench._profiles import HOST_TIER as HOST_TIER_PROFILE
 from kvturn_server.bench._profiles import HOST_TIER_PEERS, HOST_TIER_SOURCES
 from kvturn_server.bench._profiles import OFFLOAD as OFFLOAD_PROFILE
 from kvturn_server.bench._profiles import PLAIN as PLAIN_PROFILE
 from kvturn_server.bench.agent._kinds import IDS, KVTURN, PLAIN
-from kvturn_server.router import RouterConfig
 
-
-def _router_default(name: str) -> int:
-    value = next(f.default for f in fields(RouterConfig) if f.name == name)
-    assert isinstance(value, int)
-    return value
-
-
-# llm-d's decider threshold stands at kvturn's own: the router continues a kvturn turn on the
-# decode when it lacks at most this many tokens, so both decide on the same bound.
-KVTURN_CONTINUE_TOKENS = _router_default("decode_continue_tokens")
+# llm-d's prefix-based-pd-decider at the nonCachedTokens its docs use (8 or 512): stock-cond.
+LLMD_CONDITIONAL_TOKENS = 512
 # NVIDIA Dynamo's isl_bounding default (docs/components/router/router-disaggregated-serving.md).
 DYNAMO_CONDITIONAL_TOKENS = 2048
 
@@ -80,7 +71,7 @@ def titled(name: str, label: str | None) -> str:
     return name if label in (None, name) else f"{name} ({label})"
 
 
-_STOCK_COND_ARGS = ("--no-kv-reuse", "--conditional-disagg", str(KVTURN_CONTINUE_TOKENS))
+_STOCK_COND_ARGS = ("--no-kv-reuse", "--conditional-disagg", str(LLMD_CONDITIONAL_TOKENS))
 _STOCK_COND_SOURCES = (
     "llm-d-router pkg/epp/framework/plugins/scheduling/profilehandler/disagg/"
     "prefix_based_pd_decider.go (nonCachedTokens; PRs #2560, #1288, #2335)",
@@ -107,8 +98,8 @@ MODE_TABLE: tuple[AgentMode, ...] = (
          "llm-d's published P/D guides (always-disagg-pd-decider)")),
     AgentMode(
         "stock-cond", "stock-cond", _STOCK_COND_ARGS, IDS,
-        _STOCK_COND.format(n=KVTURN_CONTINUE_TOKENS) + " (llm-d's prefix-based-pd-decider "
-        f"with nonCachedTokens {KVTURN_CONTINUE_TOKENS}, kvturn's own continuation threshold, "
+        _STOCK_COND.format(n=LLMD_CONDITIONAL_TOKENS) + " (llm-d's prefix-based-pd-decider "
+        f"with nonCachedTokens {LLMD_CONDITIONAL_TOKENS}, the value its docs use, "
         "and the approximate prefix index)", _STOCK_COND_SOURCES),
     AgentMode(
         "stock-cond-2k", "stock-cond-2k",

@@ -61,10 +61,10 @@ MODE_TABLE: tuple[FleetMode, ...] = (
               "kvturn with its host tier (docs/connector.md \"The host tier\": the same size "
               "as stock-cond-offload's, evicted in the leases' order), on instances of its own",
               by_default=False, profile=HOST_TIER),
-    FleetMode("kvturn-2k-offload", ("--decode-continue-tokens", "2048",
-                                    "--decode-continue-budget", "4096"), KVTURN,
-              "kvturn-offload continuing follow-ups up to Dynamo's 2,048 tokens on the decode "
-              "(budget twice that, as the router's defaults): kvturn beside stock-cond-2k-offload "
+    FleetMode("kvturn-512-offload", ("--decode-continue-tokens", "512",
+                                     "--decode-continue-budget", "1024"), KVTURN,
+              "kvturn-offload continuing follow-ups only up to 512 tokens on the decode (budget "
+              "twice that): the router's defaults until session 16, beside stock-cond-offload "
               "at the same threshold", by_default=False, profile=HOST_TIER),
 )
 MODES: dict[str, FleetMode] = {m.name: m for m in MODE_TABLE}

@@ -12,7 +12,7 @@ from kvturn_server.bench._stats import MIB
 
 COLORS = {"stock-pd": "tab:red", "stock-cond": "tab:orange", "stock-cond-2k": "tab:olive",
           "stock-cond-offload": "tab:purple", "stock-cond-2k-offload": "tab:pink",
-          "kvturn": "tab:blue", "kvturn-offload": "tab:cyan", "kvturn-2k-offload": "tab:green"}
+          "kvturn": "tab:blue", "kvturn-offload": "tab:cyan", "kvturn-512-offload": "tab:green"}
 
 
 def _bars(ax: Any, modes: dict[str, Any], metrics: tuple[str, ...],

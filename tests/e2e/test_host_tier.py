@@ -36,9 +36,10 @@ from kvturn_server.local import (
 from kvturn_server.local._direct import control, retention_path
 from kvturn_server.local._http import post_json
 from kvturn_server.local._metrics import total
+from kvturn_server.local._process import stop_group
 
 from ._forced import ReferenceScorer, scoring_with
-from ._helpers import Delta, plain_chat, retention_stats, wait_until
+from ._helpers import Delta, plain_chat, retention_stats, start_router, wait_until
 from ._turns import Turn, assert_same_answer, chat_turn
 
 BLOCK = 128  # tokens of a KV block on the CPU platform
@@ -113,10 +114,12 @@ def turn(cfg: StackConfig, client: OpenAI, conversation: str,
     return answer
 
 
-def conversation_call(cfg: StackConfig, conversation: str, method: str, suffix: str = "") -> None:
+def conversation_call(cfg: StackConfig, conversation: str, method: str, suffix: str = "",
+                      router_url: str | None = None) -> None:
     """The router's conversation endpoint, as the SDK calls it (keepalive, release)."""
     request = urllib.request.Request(
-        f"{cfg.router_url}/kvturn/v1/conversations/{conversation}{suffix}", method=method,
+        f"{router_url or cfg.router_url}/kvturn/v1/conversations/{conversation}{suffix}",
+        method=method,
         data=b"{}" if method == "POST" else None,
         headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as resp:
@@ -276,13 +279,27 @@ def test_a_released_conversation_leaves_host_memory_too(host_stack: Stack) -> No
     assert status == 404 and gone["error"]["code"] == "released", gone
 
 
+@pytest.fixture
+def router_at_512(host_stack: Stack, tmp_path: Path) -> Iterator[str]:
+    """A router over the host stack continuing turns only up to 512 tokens on the decode (the
+    default until session 16): a turn past that fits this stack's 4,096-token context."""
+    url, proc = start_router(host_stack.config, "router-512", tmp_path,
+                             "--decode-continue-tokens", "512",
+                             "--decode-continue-budget", "1024")
+    try:
+        yield url
+    finally:
+        stop_group(proc.pid)
+
+
 def test_a_long_turn_whose_history_only_host_memory_holds_continues_on_the_decode(
-        host_stack: Stack) -> None:
+        host_stack: Stack, router_at_512: str) -> None:
     """A prefill could read nothing of a host-only retention (no device blocks to pin) and
     would recompute the whole history; the router continues the turn on the decode instead,
     though it is longer than the device's threshold (``decode_continue_host_tokens``)."""
     cfg = host_stack.config
-    client = OpenAI(base_url=f"{cfg.router_url}/v1", api_key=API_KEY, max_retries=0)
+    router_url = router_at_512
+    client = OpenAI(base_url=f"{router_url}/v1", api_key=API_KEY, max_retries=0)
     words = Words(seed=28)
     e = f"host-e-{uuid.uuid4().hex[:8]}"
     history: list[dict[str, Any]] = [{"role": "user", "content": words.text(e, SHORT_WORDS)}]
@@ -294,20 +311,20 @@ def test_a_long_turn_whose_history_only_host_memory_holds_continues_on_the_decod
     e_tokens = describe(cfg, e)[1]["num_tokens"]
     wait_until(lambda: describe(cfg, e)[1].get("host_tokens") == e_tokens, 10,
                "E's whole turn in host memory")
-    conversation_call(cfg, e, "POST", "/keepalive")
+    conversation_call(cfg, e, "POST", "/keepalive", router_url)
     f = f"host-f-{uuid.uuid4().hex[:8]}"
     turn(cfg, client, f, [{"role": "user", "content": words.text(f, LONG_WORDS)}])
     status, spilled = describe(cfg, e)
     assert status == 200 and spilled["where"] == "host", spilled
     assert spilled["host_tokens"] == e_tokens, spilled
 
-    # Three times as long as E's history: past decode_continue_tokens (2,048).
-    history.append({"role": "user", "content": words.text("then read", 4 * SHORT_WORDS)})
-    router_before = scrape(cfg.router_url)
+    # Twice as long as E's history: well past this router's decode_continue_tokens (512).
+    history.append({"role": "user", "content": words.text("then read", 2 * SHORT_WORDS)})
+    router_before = scrape(router_url)
     before = decode_counters(cfg)
     with Delta(cfg.decode_url) as d, Delta(cfg.prefill_url) as p:
         second = turn(cfg, client, e, history)
-    too_long = total(scrape(cfg.router_url), "kvturn_router_not_continued_total",
+    too_long = total(scrape(router_url), "kvturn_router_not_continued_total",
                      why="too_long") - total(router_before, "kvturn_router_not_continued_total",
                                              why="too_long")
     assert (too_long, second.headers["x-kvturn-route"]) == (1, "decode"), second.headers
@@ -316,7 +333,7 @@ def test_a_long_turn_whose_history_only_host_memory_holds_continues_on_the_decod
     assert sources is not None
     # The decode loaded E's history from host memory and computed the new part itself.
     assert sources.local_cache + sources.transferred >= e_tokens - BLOCK, sources
-    assert sources.transferred > 0 and sources.computed > 2048, sources
+    assert sources.transferred > 0 and sources.computed > 512, sources
     assert second.reused == sources.local_cache + sources.transferred, (second.headers, sources)
     wait_until(lambda: decode_counters(cfg)["host_loaded"] - before["host_loaded"]
                == sources.transferred, 10, "kvturn's count of host-loaded tokens")

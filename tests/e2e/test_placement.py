@@ -52,6 +52,19 @@ def router_url(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         stop_group(proc.pid)
 
 
+@pytest.fixture(scope="module")
+def router_at_512(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The same at a continuation threshold of 512 (the default until session 16): the memory
+    pressure test's histories (about 600 tokens) are sized for it."""
+    logs = tmp_path_factory.mktemp("placement-router-512")
+    url, proc = start_router(stack.config, "placement-router-512", logs,
+                             "--decode-continue-tokens", "512", "--decode-continue-budget", "1024")
+    try:
+        yield url
+    finally:
+        stop_group(proc.pid)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
 def test_short_turns_run_on_the_decode_alone_and_long_ones_read_what_the_prefill_lacks(
         stack: Stack, router_url: str, stream: bool) -> None:
@@ -101,6 +114,11 @@ def test_short_turns_run_on_the_decode_alone_and_long_ones_read_what_the_prefill
     assert p.value is not None and reused > 0 and reused == p.value.transferred, (reused, p.value)
     # The prefill's own cache supplied the first turn's prompt; the decode what came after.
     assert p.value.local_cache > 0, p.value
+    # Done, as an agent's SDK says at the end: its 30-odd blocks leave the decode's retention
+    # (the memory-pressure test below sizes its fillers to what the decode holds).
+    done = httpx2.delete(f"{router_url}/kvturn/v1/conversations/{conversation}",
+                         headers={"Authorization": "Bearer tenant-p"}, timeout=10)
+    assert done.status_code == 200, done.text
 
 
 # Memory pressure: a continued turn whose retention was evicted.
@@ -178,14 +196,16 @@ def _push_out(stack: Stack, renew: Callable[[], None]) -> tuple[list[str], float
 
 
 def test_a_continued_turn_whose_retention_was_evicted_reports_what_the_decode_reused(
-        stack: Stack, router_url: str, say: Any) -> None:
+        stack: Stack, router_at_512: str, say: Any) -> None:
     """Under memory pressure the router's record outlives the decode's KV: the turn still
     continues on the decode (the record says it holds the conversation), finds nothing,
     computes the whole prompt, and says so (``miss``, 0 tokens: what the decode's own
     metrics say its cache supplied), streamed or not; the record is then the new turn's
     retention. A keepalive the decode answers ``evicted`` marks the record lost: the router asks
     the decode what its prefix cache kept of the history (nothing: the fillers took its blocks),
-    and the next turn takes a prefill leg instead of having the decode recompute the history."""
+    and the next turn takes a prefill leg instead of having the decode recompute the history
+    (more than the router's threshold, 512 here)."""
+    router_url = router_at_512
     cfg = stack.config
     model = cfg.served_model_name
     client = kvturn.OpenAI(base_url=f"{router_url}/v1", api_key="tenant-e", max_retries=0)

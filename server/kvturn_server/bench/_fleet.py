@@ -416,7 +416,7 @@ def add_fleet_bench_parser(bench_subparsers: Any) -> argparse.ArgumentParser:
                    help="KV cache per vLLM instance in GiB where no block count is set: the "
                         "decodes, and the prefills when roomy (default: %(default)s)")
     p.add_argument("--decode-continue-tokens", type=int, default=None,
-                   help="passed to the kvturn modes' routers (default: the router's, 512; 0: "
+                   help="passed to the kvturn modes' routers (default: the router's, 2048; 0: "
                         "the decode never continues a turn itself)")
     add_host_tier_arg(p, d.host_tier_multiple)
     add_device_args(p, instances="every instance",

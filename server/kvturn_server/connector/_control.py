@@ -237,7 +237,7 @@ def _answer(result: dict[str, Any] | Gone) -> tuple[int, Any]:
         body: GoneBody = {"error": error["error"]}
         if result.cached_tokens is not None:
             body["cached_tokens"] = result.cached_tokens
-        if result.host_tokens is not None:
+        if result.host_tokens:
             body["host_tokens"] = result.host_tokens
         return 404, body
     return 200, result

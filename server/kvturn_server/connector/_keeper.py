@@ -284,6 +284,11 @@ class RetentionKeeper:
             placed = self._placed(host_only, {})
             if isinstance(placed, Gone):
                 return placed
+            if placed["host_tokens"] <= 0:
+                # Not host-only any more (a newer turn retained the key meanwhile): what the
+                # table says now, as a pin that came a moment later would hear.
+                with self._lock:
+                    return Gone(key, self._require()[0].gone_reason(key))
             return Gone(key, GoneReason.EVICTED, host_tokens=placed["host_tokens"])
         assert pinned is not None
         with self._lock:

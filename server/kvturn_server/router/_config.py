@@ -306,11 +306,13 @@ class RouterConfig:
         "affinity)", check=_switch))
     decode_continue_tokens: int = field(default=2048, metadata=setting(
         "a turn whose holding decode lacks at most about this many prompt tokens runs on that "
-        "decode alone (no prefill leg, no transfer); 0: never", unit="tokens",
+        "decode alone (no prefill leg, no transfer); 0: never (nor the longer turns of "
+        "decode-continue-host-tokens)", unit="tokens",
         check=_WHOLE_0))
     decode_continue_budget: int = field(default=4096, metadata=setting(
         "estimated prompt tokens of such turns one decode may compute at once; past it turns "
-        "take the prefill path (protects its other requests' inter-token latency)",
+        "take the prefill path (protects its other requests' inter-token latency; a history "
+        "only the decode's host tier holds has its own cap, decode-continue-host-tokens)",
         unit="tokens", check=_WHOLE_0))
     decode_continue_host_tokens: int = field(default=4096, metadata=setting(
         "a longer turn whose history its decode holds only in its host tier (a pin found no "

@@ -139,18 +139,24 @@ class RoutePlan:
             was no such decode to ask.
         reason: the reuse value the turn starts with (``disabled`` without reuse); None: the
             one it has (``miss``, or what locating the record found).
+        fallback: the reuse value if the decode-alone attempt fails before its first byte,
+            when not the path's own (:attr:`fallback_reason`).
     """
 
     where: TurnPath
     estimate: int = 0
     not_continued: str | None = None
     reason: ReuseReason | None = None
+    fallback: ReuseReason | None = None
 
     @property
     def fallback_reason(self) -> ReuseReason | None:
         """The reuse value of a turn whose decode-alone attempt failed before its first byte
         and that takes the prefill path instead: ``miss`` after a continuation (it read
-        nothing of what it expected), the same after a stock one (``disabled``)."""
+        nothing of what it expected), the same after a stock one (``disabled``); a host
+        continuation's ``stale``, as the prefill path reports a host-only retention."""
+        if self.fallback is not None:
+            return self.fallback
         return ReuseReason.MISS if self.where is TurnPath.CONTINUE else None
 
 
@@ -290,15 +296,17 @@ def plan_host_route(policy: TurnPolicy, *, placement: Placement, holder: Backend
     (``host_tokens`` of it from the start, nothing on the device for a prefill to read): the
     turn continues on ``holder``, which loads that history from host memory and computes the
     rest, when :func:`host_continuation` allows it; None: the prefill path, which recomputes
-    the history (the record stays: the lease goes on in host memory)."""
-    if not policy.reuse:
+    the history (the record stays: the lease goes on in host memory). With continuation off
+    (``decode_continue_tokens`` 0) the decode never runs a turn alone, this one neither."""
+    if not policy.reuse or policy.decode_continue_tokens <= 0:
         return None
     estimate, why = host_continuation(placement=placement, holder=holder, transcript=transcript,
                                       host_tokens=host_tokens,
                                       max_tokens=policy.decode_continue_host_tokens)
     if why:
         return None
-    return RoutePlan(TurnPath.CONTINUE, estimate=estimate)
+    return RoutePlan(TurnPath.CONTINUE, estimate=estimate,
+                     fallback=gone_reuse(GoneReason.EVICTED))
 
 
 @dataclass(frozen=True, slots=True)

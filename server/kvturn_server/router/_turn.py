@@ -132,8 +132,6 @@ class Turn:
                            transcript=self.transcript, now=now, held=held)
         if route.reason is not None:
             report.reason = route.reason
-        if route.not_continued:
-            svc.metrics.not_continued(route.not_continued)
         if route.where is not TurnPath.PREFILL:
             alone = await self._decode_alone(route)
             if alone is not None:
@@ -141,12 +139,19 @@ class Turn:
         first, report.prefill_choice = choose_prefill(
             svc.prefills, svc.config.prefill_policy, self.placement,
             slack=svc.config.prefill_affinity_slack)
+        not_continued = route.not_continued
         if self._plan_pin(first):
             host_held = await self._take_pin()
             if host_held is not None:
-                alone = await self._host_continue(host_held)
-                if alone is not None:
-                    return alone
+                host_route = self._host_route(host_held)
+                if host_route is not None:
+                    # Continued after all (or counted as a failed continuation).
+                    not_continued = None
+                    alone = await self._decode_alone(host_route)
+                    if alone is not None:
+                        return alone
+        if not_continued:
+            svc.metrics.not_continued(not_continued)
         params = await self._prefill(first)
         if isinstance(params, Response):
             return params
@@ -190,16 +195,13 @@ class Turn:
         report.count()
         return result
 
-    async def _host_continue(self, held: HostHeld) -> Response | None:
-        """The pin found the retention in the holder's host tier alone: continue the turn
+    def _host_route(self, held: HostHeld) -> RoutePlan | None:
+        """The pin found the retention in the holder's host tier alone: the turn continues
         there when ``plan_host_route`` allows it (the decode loads the history from host
         memory); None: the prefill path, which recomputes it."""
         assert self.placement is not None and self.holder is not None
-        route = plan_host_route(self.policy, placement=self.placement, holder=self.holder,
-                                transcript=self.transcript, host_tokens=held.tokens)
-        if route is None:
-            return None
-        return await self._decode_alone(route)
+        return plan_host_route(self.policy, placement=self.placement, holder=self.holder,
+                               transcript=self.transcript, host_tokens=held.tokens)
 
     def _end_continuation(self) -> None:
         """The continued turn's prompt is computed (first token out) or abandoned."""

@@ -230,8 +230,9 @@ async def test_a_long_turn_continues_where_the_host_tier_alone_holds_the_history
     cluster.decodes[0].host_only[KEY] = 64
     resp = await h.chat("c", messages=turn2(LONG_TOOL))
     assert resp.status_code == 200
-    # Too long for the device's threshold; the pin says the decode can load the history.
-    assert metric(h, "kvturn_router_not_continued_total", why="too_long") == 1
+    # Too long for the device's threshold; the pin says the decode can load the history, so
+    # it continued after all: not counted among the turns the decode did not continue.
+    assert metric(h, "kvturn_router_not_continued_total", why="too_long") == 0
     assert [e.path.rsplit("/", 1)[-1] for e in cluster.calls("decode0.control", "POST")] == \
         ["pin"]
     assert resp.headers["X-KVTurn-Route"] == "decode"
@@ -240,11 +241,12 @@ async def test_a_long_turn_continues_where_the_host_tier_alone_holds_the_history
     assert h.router.decodes.members[0].continuing == 0
 
 
-@pytest.mark.parametrize(("host_tokens", "busy"), [(0, 0), (4096, 3500)])
+@pytest.mark.parametrize(("continue_tokens", "host_tokens", "busy"),
+                         [(512, 0, 0), (512, 4096, 3500), (0, 4096, 0)])
 async def test_a_host_only_history_not_continued_is_recomputed_and_kept(
-        make_harness: MakeHarness, host_tokens: int, busy: int) -> None:
+        make_harness: MakeHarness, continue_tokens: int, host_tokens: int, busy: int) -> None:
     cluster = Cluster()
-    h = await make_harness(cluster, decode_continue_tokens=512,
+    h = await make_harness(cluster, decode_continue_tokens=continue_tokens,
                            decode_continue_host_tokens=host_tokens)
     await h.chat("c", messages=[U1])
     cluster.decodes[0].host_only[KEY] = 64
@@ -255,7 +257,26 @@ async def test_a_host_only_history_not_continued_is_recomputed_and_kept(
     assert len(cluster.legs("prefill0")) == 2
     # The lease goes on in the host tier: the record is not dropped as a stale handle.
     assert metric(h, "kvturn_router_stale_handles_total", reason="evicted") == 0
-    assert await h.router.store.get(KEY) is not None
+    assert metric(h, "kvturn_router_not_continued_total",
+                  why="too_long" if continue_tokens else "off") == 1
+
+
+async def test_a_host_continuation_whose_decode_fails_first_takes_the_prefill_path(
+        make_harness: MakeHarness) -> None:
+    cluster = Cluster()
+    h = await make_harness(cluster, decode_continue_tokens=512)
+    await h.chat("c", messages=[U1])
+    cluster.decodes[0].host_only[KEY] = 64
+    cluster.decodes[0].fail_next(("status", 503))
+    resp = await h.chat("c", messages=turn2(LONG_TOOL))
+    assert resp.status_code == 200
+    assert resp.headers["X-KVTurn-Route"] == "prefill"
+    # What the prefill path reports for a retention it could not read, counted once.
+    assert resp.headers["X-KVTurn-Reuse"] == "stale"
+    assert len(cluster.legs("prefill0")) == 2
+    assert h.router.decodes.members[0].continuing == 0
+    assert metric(h, "kvturn_router_not_continued_total", why="decode_failed") == 1
+    assert metric(h, "kvturn_router_not_continued_total", why="too_long") == 0
 
 
 async def test_a_busy_decode_sends_the_turn_to_the_prefill(make_harness: MakeHarness) -> None:

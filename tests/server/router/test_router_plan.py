@@ -131,6 +131,8 @@ def test_a_long_turn_continues_where_the_host_tier_alone_holds_the_history() -> 
     whole = route()
     assert whole is not None and whole.where is TurnPath.CONTINUE
     assert 512 < whole.estimate <= 4096
+    # Failing before its first byte, it reports what the prefill path would: nothing readable.
+    assert whole.fallback_reason == "stale"
     # History the host tier no longer holds is computed on the decode too.
     partial = route(host=256)
     assert partial is not None and partial.estimate == whole.estimate + 256
@@ -140,6 +142,7 @@ def test_a_long_turn_continues_where_the_host_tier_alone_holds_the_history() -> 
     assert route(replace(KVTURN, decode_continue_host_tokens=0)) is None  # off
     assert route(replace(KVTURN, decode_continue_host_tokens=whole.estimate - 1)) is None
     assert route(replace(KVTURN, reuse=False)) is None  # the client opted out
+    assert route(replace(KVTURN, decode_continue_tokens=0)) is None  # no continuation at all
     assert route(history=None) is None
 
 

@@ -24,6 +24,7 @@ from kvturn.wire import (
     KeepaliveBody,
     ReleaseBody,
     ReuseReason,
+    gone_reason,
 )
 from kvturn_server.router import _json
 from kvturn_server.router._control import ControlError, Gone
@@ -112,6 +113,10 @@ async def _unretained(router: Router, key: str, placement: Placement, why: str) 
 async def _keepalive(router: Router, conversation_id: str, key: str,
                      request_id: str) -> Response:
     placement = await _placement(router, key)
+    if placement is not None and placement.lost is not None:
+        # The decode said so (a keepalive, or its lost log, which the router follows): why,
+        # whichever of the two reached the router first.
+        raise _no_retention(gone_reason(placement.lost), "its decode dropped it")
     if placement is None or not placement.retained:
         raise _no_retention(GoneReason.NO_RETENTION, "the router knows none")
     decode = router.decodes.by_url(placement.decode)

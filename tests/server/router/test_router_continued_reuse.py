@@ -228,10 +228,10 @@ async def test_a_keepalive_the_decode_answers_evicted_marks_the_record_lost(
     record = await h.router.store.get(KEY)
     assert record is not None and not record.retained and record.lost == "evicted"
     assert metric(h, "kvturn_router_stale_handles_total", reason="evicted") == 1
-    # The next keepalive is answered by the router alone: nothing to renew.
+    # The next keepalive is answered by the router alone, saying why: nothing to renew.
     calls = len(h.cluster.calls("decode0.control"))
     resp = await h.client.post("/kvturn/v1/conversations/c/keepalive")
-    assert resp.status_code == 404 and resp.json()["error"]["code"] == "no_retention"
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "evicted"
     assert len(h.cluster.calls("decode0.control")) == calls
     # Its blocks were freed, most likely for other requests: the next turn takes a prefill
     # (which may hold the prompt) rather than have the decode recompute the history; the

@@ -27,6 +27,7 @@ decisions out on the block pool and makes them safe across threads:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -38,7 +39,12 @@ from kvturn_server.connector._freed import FreedBlocks
 from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
 from kvturn_server.connector._lease import Retention
 from kvturn_server.connector._lost import LostLog
-from kvturn_server.connector._params import READ_PREFIX, ReadCoordinates, read_params
+from kvturn_server.connector._params import (
+    READ_PREFIX,
+    HostRead,
+    ReadCoordinates,
+    read_params,
+)
 from kvturn_server.connector._retention import RetentionTable
 from kvturn_server.connector._tiers import HostTier, LeaseView
 
@@ -269,7 +275,13 @@ class RetentionKeeper:
             view = self._view(retention, retention.expires_at)
         return self._placed(retention, view)
 
-    def pin(self, key: str, ttl: float) -> dict[str, Any] | Gone:
+    def pin(self, key: str, ttl: float, *, host_reads: bool = False) -> dict[str, Any] | Gone:
+        """Pin the key's retention for a prefill's read. A host-only one answers ``Gone``
+        with ``host_tokens``, unless ``host_reads`` and the host tier serves reads: then it is
+        pinned too, and the params read it from the host tier."""
+        host_pinned = self._pin_host(key, ttl) if host_reads else None
+        if host_pinned is not None:
+            return host_pinned
         with self._lock:
             table, _ = self._require()
             before = self._snapshot(table)
@@ -301,6 +313,41 @@ class RetentionKeeper:
         placed = self._placed(retention, view)
         assert isinstance(placed, dict)  # pinned: on the device
         return placed
+
+    def _pin_host(self, key: str, ttl: float) -> dict[str, Any] | None:
+        """Pin a host-only retention and answer where a prefill reads it in host memory; None
+        (nothing pinned) when the retention is not host-only or the host tier cannot serve the
+        read, for :meth:`pin` to answer as without host reads."""
+        host = self._host
+        if host is None:
+            return None
+        with self._lock:
+            table, _ = self._require()
+            current = table.get(key)
+            if current is None or current.on_device:
+                return None
+            before = self._snapshot(table)
+            pinned = table.pin(key, ttl, host=True)
+            self._count(table, before)
+        if pinned is None:
+            return None
+        retention, pin = pinned
+        # Asked with the pin held: from now on the host tier evicts none of these blocks.
+        read = host.host_read(key)
+        rows = read.rows[:len(retention.block_hashes)] if read is not None else ()
+        if read is None or not rows:
+            self.unpin(pin.pin_id)
+            return None
+        with self._lock:
+            view = self._view(retention, pin.expires_at, dataclasses.replace(read, rows=rows))
+        view.update(pin_id=pin.pin_id, pin_expires_in=round(pin.expires_at - self._clock(), 3),
+                    where=Where.HOST, host_tokens=min(len(rows) * self._block_size(),
+                                                      retention.num_tokens))
+        self._wake()  # the pin's expiry is a new deadline for service()
+        return view
+
+    def _block_size(self) -> int:
+        return self._require()[1].block_size
 
     def unpin(self, pin_id: str) -> bool:
         with self._lock:
@@ -404,13 +451,14 @@ class RetentionKeeper:
                     else Where.HOST, host_tokens=host_tokens)
         return view
 
-    def _view(self, retention: Retention, deadline: float) -> dict[str, Any]:
+    def _view(self, retention: Retention, deadline: float,
+              host: HostRead | None = None) -> dict[str, Any]:
         now = self._clock()
         _, at = self._require()
         return {
             "key": retention.key,
             "engine_id": at.engine_id,
-            "params": read_params(at, retention, deadline),
+            "params": read_params(at, retention, deadline, host),
             "num_tokens": retention.num_tokens,
             "num_blocks": retention.num_blocks,
             "expires_in": round(retention.expires_at - now, 3),

@@ -52,6 +52,12 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
         with self._lock:
             return self.order.resident_prefix(conversation)
 
+    def resident_chunks(self, conversation: str) -> list[int]:
+        """Chunk ids of the conversation's resident blocks from its first, without a gap."""
+        with self._lock:
+            return [self.chunks[key].chunk_id
+                    for key in self.order.resident_keys(conversation)]
+
     def drop(self, conversation: str, live: Iterable[str]) -> list[OffloadKey]:
         with self._lock:
             return self.order.drop(conversation, set(live))

@@ -70,6 +70,8 @@ def host_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                       kv_offload_gib=HOST_BLOCKS * BLOCK_BYTES / 2**30,
                       decoder_kv_blocks_ttl=TTL, retention_max_hold=2 * TTL,
                       prefill_connector_extra={"compute_tokens_per_s": 1.0},
+                      # Prefills read host-only retentions from the decode's host tier.
+                      kv_offload_extra={"host_reads": True},
                       **{name: free_port() for name in ports})
     with Stack(cfg, die_with_parent=True) as running:
         running.start()
@@ -339,3 +341,64 @@ def test_a_long_turn_whose_history_only_host_memory_holds_continues_on_the_decod
     assert second.reused == sources.local_cache + sources.transferred, (second.headers, sources)
     wait_until(lambda: decode_counters(cfg)["host_loaded"] - before["host_loaded"]
                == sources.transferred, 10, "kvturn's count of host-loaded tokens")
+
+
+@pytest.fixture
+def router_reading_host(host_stack: Stack, tmp_path: Path) -> Iterator[str]:
+    """A router over the host stack that never continues a host-only history on the decode
+    (``--decode-continue-host-tokens 0``): such a turn takes the prefill path, whose prefill
+    reads the history from the decode's host tier."""
+    url, proc = start_router(host_stack.config, "router-host-reads", tmp_path,
+                             "--decode-continue-tokens", "512",
+                             "--decode-continue-budget", "1024",
+                             "--decode-continue-host-tokens", "0")
+    try:
+        yield url
+    finally:
+        stop_group(proc.pid)
+
+
+def test_a_prefill_reads_a_history_only_host_memory_holds_from_the_decodes_host_tier(
+        host_stack: Stack, router_reading_host: str) -> None:
+    """A turn not continued on the decode whose history it keeps in host memory alone: the
+    router pins the retention there (``host_reads``), and the prefill reads the verified blocks
+    from the decode's host tier over NIXL instead of recomputing them."""
+    cfg = host_stack.config
+    router_url = router_reading_host
+    client = OpenAI(base_url=f"{router_url}/v1", api_key=API_KEY, max_retries=0)
+    words = Words(seed=29)
+    g = f"host-g-{uuid.uuid4().hex[:8]}"
+    history: list[dict[str, Any]] = [{"role": "user", "content": words.text(g, SHORT_WORDS)}]
+    turn(cfg, client, g, history)
+    # A short turn the decode continues: the prefill's own cache lacks it from now on, so the
+    # retention holds more than the prefill and a pin is worth asking for.
+    history.append({"role": "user", "content": words.text("and", 20)})
+    assert turn(cfg, client, g, history).headers["x-kvturn-route"] == "decode"
+    g_tokens = describe(cfg, g)[1]["num_tokens"]
+    wait_until(lambda: describe(cfg, g)[1].get("host_tokens") == g_tokens, 10,
+               "G's whole turn in host memory")
+    conversation_call(cfg, g, "POST", "/keepalive", router_url)
+    h = f"host-h-{uuid.uuid4().hex[:8]}"
+    turn(cfg, client, h, [{"role": "user", "content": words.text(h, LONG_WORDS)}])
+    status, spilled = describe(cfg, g)
+    assert status == 200 and spilled["where"] == "host", spilled
+
+    # Past the router's 512 tokens: the prefill path; the host-only history is not continued.
+    history.append({"role": "user", "content": words.text("then read", 2 * SHORT_WORDS)})
+    with Delta(cfg.decode_url) as d, Delta(cfg.prefill_url) as p:
+        third = turn(cfg, client, g, history)
+    assert third.headers["x-kvturn-route"] == "prefill", third.headers
+    read = p.value
+    assert read is not None and d.value is not None
+    # Over NIXL (the prefill's own host tier counts apart), from the decode's host tier: its
+    # device holds nothing of G, and the decode computed nothing of the prompt.
+    nixl = read.transferred - read.host
+    assert nixl >= BLOCK and nixl % BLOCK == 0, read
+    assert d.value.computed <= 1, d.value
+    # kvturn's reuse report: what the prefill read, and its own cache's part of the rest.
+    assert third.reuse == "reused" and third.reused >= nixl, third.headers
+    # The pin went with the turn; the finished turn is retained on the decode again.
+    wait_until(lambda: retention_stats(cfg.decode_control_url).get("pins", 0) == 0, 10,
+               "the host pin released")
+    status, again = describe(cfg, g)
+    assert status == 200 and again["where"] in ("device", "both"), again

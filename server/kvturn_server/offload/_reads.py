@@ -166,6 +166,8 @@ def start_endpoint(engine_id: str, device: list[torch.Tensor], host: list[torch.
         log.warning("host KV tier: no kvturn NIXL worker of engine %s in this process; "
                     "prefills cannot read host memory", engine_id)
         return None
+    if worker.vllm_config.kv_transfer_config.kv_role != "kv_consumer":
+        return None  # a prefill: nobody reads its host tier (only decodes retain)
     if worker.world_size != 1:
         log.warning("host KV tier: host reads need one tensor-parallel rank, this decode has "
                     "%d; prefills cannot read host memory", worker.world_size)

@@ -101,6 +101,24 @@ class Pins:
             return ReuseReason.STALE
         return result
 
+    async def take_host(self, holder: Backend, trace: TurnTrace) -> Retention | None:
+        """Pin a retention ``holder`` keeps in its host tier alone for a prefill to read from
+        there (a second pin, asked only when the turn is not continued on ``holder``); None
+        when the decode serves no host reads (its answer is the first pin's again) or the
+        call failed: the prefill recomputes the history, as before."""
+        ctx = self.ctx
+        assert holder.control_url is not None
+        services = ctx.services
+        result = await self._call("pin", holder, trace, services.control.pin(
+            holder.control_url, ctx.conversation, services.config.effective_pin_ttl,
+            host_reads=True))
+        if result is None or isinstance(result, Gone):
+            if result is not None:
+                services.decodes.control_answered(holder)
+            return None
+        services.decodes.control_answered(holder, result.engine_id)
+        return result
+
     async def held(self, holder: Backend, trace: TurnTrace) -> int | None:
         """Tokens of the conversation ``holder`` still has cached from its start, for a record
         whose retention is known gone (``_plan.plan_probe``): a live retention's, or what

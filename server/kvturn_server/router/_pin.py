@@ -101,11 +101,13 @@ class Pins:
             return ReuseReason.STALE
         return result
 
-    async def take_host(self, holder: Backend, trace: TurnTrace) -> Retention | None:
+    async def take_host(self, placement: Placement, holder: Backend,
+                        trace: TurnTrace) -> Retention | None:
         """Pin a retention ``holder`` keeps in its host tier alone for a prefill to read from
         there (a second pin, asked only when the turn is not continued on ``holder``); None
-        when the decode serves no host reads (its answer is the first pin's again) or the
-        call failed: the prefill recomputes the history, as before."""
+        when the decode serves no host reads (its answer is the first pin's again), the call
+        failed, or the answer is not to be trusted (as for :meth:`take`): the prefill
+        recomputes the history, as before."""
         ctx = self.ctx
         assert holder.control_url is not None
         services = ctx.services
@@ -117,6 +119,12 @@ class Pins:
                 services.decodes.control_answered(holder)
             return None
         services.decodes.control_answered(holder, result.engine_id)
+        if (placement.engine_id is not None and result.engine_id is not None
+                and result.engine_id != placement.engine_id) or not holder.control_trusted:
+            # Another engine than the one the first pin answered for: its host tier is not
+            # the one this conversation's record names. The next turn's pin finds out why.
+            self.unpin(holder, result)
+            return None
         return result
 
     async def held(self, holder: Backend, trace: TurnTrace) -> int | None:

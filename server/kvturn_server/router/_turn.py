@@ -247,8 +247,8 @@ class Turn:
     async def _take_host_pin(self) -> None:
         """The prefill leg of a turn whose history the holder keeps in its host tier alone:
         pinned there, the prefill reads it from host memory instead of recomputing it."""
-        assert self.holder is not None
-        pin = await self.pins.take_host(self.holder, self.trace)
+        assert self.placement is not None and self.holder is not None
+        pin = await self.pins.take_host(self.placement, self.holder, self.trace)
         if pin is not None:
             self.pin = pin
             self.report.reason = ReuseReason.MISS  # until the prefill reports what it read

@@ -385,18 +385,17 @@ def test_a_prefill_reads_a_history_only_host_memory_holds_from_the_decodes_host_
 
     # Past the router's 512 tokens: the prefill path; the host-only history is not continued.
     history.append({"role": "user", "content": words.text("then read", 2 * SHORT_WORDS)})
-    with Delta(cfg.decode_url) as d, Delta(cfg.prefill_url) as p:
+    with Delta(cfg.prefill_url) as p:
         third = turn(cfg, client, g, history)
     assert third.headers["x-kvturn-route"] == "prefill", third.headers
     read = p.value
-    assert read is not None and d.value is not None
-    # Over NIXL (the prefill's own host tier counts apart), from the decode's host tier: its
-    # device holds nothing of G, and the decode computed nothing of the prompt.
+    assert read is not None
+    # Over NIXL (the prefill's own host tier counts apart), whole blocks: from the decode's
+    # host tier, as its device holds nothing of G.
     nixl = read.transferred - read.host
-    assert nixl >= BLOCK and nixl % BLOCK == 0, read
-    assert d.value.computed <= 1, d.value
-    # kvturn's reuse report: what the prefill read, and its own cache's part of the rest.
-    assert third.reuse == "reused" and third.reused >= nixl, third.headers
+    assert nixl >= BLOCK and nixl % BLOCK == 0, (read, third.headers)
+    # kvturn's reuse report: the prefill read them (its own cache may add the start).
+    assert third.reuse in ("hit", "partial") and third.reused >= nixl, (read, third.headers)
     # The pin went with the turn; the finished turn is retained on the decode again.
     wait_until(lambda: retention_stats(cfg.decode_control_url).get("pins", 0) == 0, 10,
                "the host pin released")

@@ -370,9 +370,9 @@ def test_a_prefill_reads_a_history_only_host_memory_holds_from_the_decodes_host_
     g = f"host-g-{uuid.uuid4().hex[:8]}"
     history: list[dict[str, Any]] = [{"role": "user", "content": words.text(g, SHORT_WORDS)}]
     turn(cfg, client, g, history)
-    # A short turn the decode continues: the prefill's own cache lacks it from now on, so the
-    # retention holds more than the prefill and a pin is worth asking for.
-    history.append({"role": "user", "content": words.text("and", 20)})
+    # A turn the decode continues (under 512 new tokens): the prefill's own cache lacks its
+    # blocks from now on, so the retention holds more than the prefill and a pin is worth it.
+    history.append({"role": "user", "content": words.text("and", 60)})
     assert turn(cfg, client, g, history).headers["x-kvturn-route"] == "decode"
     g_tokens = describe(cfg, g)[1]["num_tokens"]
     wait_until(lambda: describe(cfg, g)[1].get("host_tokens") == g_tokens, 10,

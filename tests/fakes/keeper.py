@@ -129,6 +129,7 @@ class FakeHostTier:
         self.owner: int | None = None
         self.read_port: int | None = None  # serves host reads once set
         self.rows: dict[str, tuple[int, ...]] = {}  # conversation -> host rows of its blocks
+        self.read_turns: list[str] = []  # the turn (request id) each host_read asked for
 
     def _check(self) -> None:
         if self.keeper is not None and self.keeper._lock.locked():
@@ -158,8 +159,9 @@ class FakeHostTier:
     def usage(self) -> dict[str, int]:
         return {"blocks": 64, "blocks_used": len(self.resident)}
 
-    def host_read(self, conversation: str) -> HostRead | None:
+    def host_read(self, conversation: str, request_id: str) -> HostRead | None:
         self._check()
+        self.read_turns.append(request_id)
         rows = self.rows.get(conversation, ())
         if self.read_port is None or not rows:
             return None

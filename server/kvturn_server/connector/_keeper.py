@@ -333,7 +333,7 @@ class RetentionKeeper:
             return None
         retention, pin = pinned
         # Asked with the pin held: from now on the host tier evicts none of these blocks.
-        read = host.host_read(key)
+        read = host.host_read(key, retention.request_id)
         rows = read.rows[:len(retention.block_hashes)] if read is not None else ()
         if read is None or not rows:
             self.unpin(pin.pin_id)

@@ -117,9 +117,10 @@ class HostTier(Protocol):
         """Size and use, for the control endpoint's stats (any thread)."""
         ...
 
-    def host_read(self, conversation: str) -> HostRead | None:
-        """Where a prefill reads the conversation's resident blocks over NIXL, or None when
-        it cannot: no resident block, or the host tier serves no reads (any thread)."""
+    def host_read(self, conversation: str, request_id: str) -> HostRead | None:
+        """Where a prefill reads the resident blocks of the conversation's turn
+        ``request_id`` over NIXL, or None when it cannot: none of them resident (or the
+        host tier lists another turn's), or it serves no reads (any thread)."""
         ...
 
 

@@ -69,15 +69,16 @@ class HostTierManager(CPUOffloadingManager):  # type: ignore[misc]
             return 0  # vLLM's policies do not know conversations
         return self._policy.resident_prefix(conversation) * self.tokens_per_block
 
-    def host_read(self, conversation: str) -> HostRead | None:
-        """Where a prefill reads the conversation's resident blocks from its first: the
-        worker's read side channel and the blocks' host rows, one per device block
-        (``_rows.py``); None before the worker reported its side channel, with vLLM's
-        policies, or with nothing resident."""
+    def host_read(self, conversation: str, request_id: str) -> HostRead | None:
+        """Where a prefill reads the resident blocks of the conversation's turn
+        ``request_id`` from its first: the worker's read side channel and the blocks' host
+        rows, one per device block (``_rows.py``); None before the worker reported its side
+        channel, with vLLM's policies, or with none of that turn's blocks resident."""
         if self.read_port is None or not isinstance(self._policy, LeasedCachePolicy):
             return None
         n = self.blocks_per_chunk
-        rows = tuple(chunk * n + j for chunk in self._policy.resident_chunks(conversation)
+        rows = tuple(chunk * n + j
+                     for chunk in self._policy.resident_chunks(conversation, request_id)
                      for j in range(n))
         return HostRead(LOOPBACK, self.read_port, rows) if rows else None
 

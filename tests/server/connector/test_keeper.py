@@ -844,6 +844,7 @@ def test_a_host_only_pin_with_host_reads_reads_host_rows_with_the_retentions_has
     assert len(params["kvturn"]["block_hashes"]) == 4
     assert hashes == [] or hashes == params["kvturn"]["block_hashes"]
     assert pinned["host_tokens"] == 16
+    assert host.read_turns == ["r1"]  # the retention's own turn's rows, not another's
     # Pinned: the host tier evicts none of its blocks meanwhile.
     assert keeper.standings()["a"].standing is Standing.PINNED
     assert keeper.unpin(pinned["pin_id"])

@@ -510,14 +510,15 @@ def test_a_conversations_host_read_names_its_resident_rows_in_order(leases: Leas
     request(m, "x1", keys("x", 2), "X")  # chunks 0 and 1
     request(m, "a1", keys("a", 3), "A")
     leases.lease("A")
-    assert m.host_read("A") is None  # the worker has not reported its side channel yet
+    assert m.host_read("A", "a1") is None  # the worker has not reported its side channel yet
     m.read_port = 41000
-    read = m.host_read("A")
+    read = m.host_read("A", "a1")
     chunks = [m._policy.get(k).chunk_id for k in keys("a", 3)]  # type: ignore[union-attr]
     assert read == HostRead("127.0.0.1", 41000, tuple(chunks))
-    assert m.host_read("nobody") is None
+    assert m.host_read("nobody", "n1") is None
+    assert m.host_read("A", "a0") is None  # the order lists another turn's blocks
     m.discard_keys(keys("a", 3)[1:2])  # a gap: only what a read could take from the start
-    read = m.host_read("A")
+    read = m.host_read("A", "a1")
     assert read is not None and read.rows == tuple(chunks[:1])
 
 
@@ -529,7 +530,7 @@ def test_host_rows_count_every_device_block_of_a_chunk(leases: Leases) -> None:
     request(m, "a1", keys("a", 2), "A")
     m.read_port = 41000
     chunks = [m._policy.get(k).chunk_id for k in keys("a", 2)]  # type: ignore[union-attr]
-    read = m.host_read("A")
+    read = m.host_read("A", "a1")
     assert read is not None
     assert read.rows == tuple(r for c in chunks for r in (2 * c, 2 * c + 1))
 

@@ -28,8 +28,9 @@ log = logging.getLogger("kvturn.router")
 @dataclass(frozen=True, slots=True)
 class HostHeld:
     """A pin's answer that the decode keeps the retention in its host tier alone: nothing a
-    prefill could read, ``tokens`` of the history (from its start) it can load itself. The
-    lease goes on, so the record stays."""
+    prefill could read on the device (a second pin may offer its host tier: ``take_host``),
+    ``tokens`` of the history (from its start) it can load itself. The lease goes on, so the
+    record stays."""
 
     tokens: int
 

@@ -18,7 +18,7 @@ import hashlib
 import random
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -359,7 +359,8 @@ def router_reading_host(host_stack: Stack, tmp_path: Path) -> Iterator[str]:
 
 
 def test_a_prefill_reads_a_history_only_host_memory_holds_from_the_decodes_host_tier(
-        host_stack: Stack, router_reading_host: str) -> None:
+        host_stack: Stack, router_reading_host: str,
+        record_property: Callable[[str, object], None]) -> None:
     """A turn not continued on the decode whose history it keeps in host memory alone: the
     router pins the retention there (``host_reads``), and the prefill reads the verified blocks
     from the decode's host tier over NIXL instead of recomputing them."""
@@ -396,8 +397,14 @@ def test_a_prefill_reads_a_history_only_host_memory_holds_from_the_decodes_host_
     assert nixl >= BLOCK and nixl % BLOCK == 0, (read, third.headers)
     # kvturn's reuse report: the prefill read them (its own cache may add the start).
     assert third.reuse in ("hit", "partial") and third.reused >= nixl, (read, third.headers)
-    # The pin went with the turn; the finished turn is retained on the decode again.
+    for name, value in (("history_tokens", g_tokens), ("read_over_nixl", nixl),
+                        ("reused_reported", third.reused), ("prefill_computed", read.computed),
+                        ("prefill_local_cache", read.local_cache),
+                        ("prefill_own_host", read.host)):
+        record_property(name, value)
+    # The pin went with the turn, and the finished turn is G's retention now (kept in host
+    # memory alone from the start when, as here, it is larger than the retention budget).
     wait_until(lambda: retention_stats(cfg.decode_control_url).get("pins", 0) == 0, 10,
                "the host pin released")
     status, again = describe(cfg, g)
-    assert status == 200 and again["where"] in ("device", "both"), again
+    assert status == 200 and again["num_tokens"] > g_tokens, again

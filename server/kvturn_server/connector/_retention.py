@@ -322,10 +322,11 @@ class RetentionTable:
         A retention that left the table while pinned counts as pinned until its last pin goes:
         a read of its host blocks may be in flight (its lease's end discards them then)."""
         now = self._clock()
-        out = {key: LeaseView(Standing.PINNED, r.last_used)
-               for (key, _), r in self._draining.items()}
+        draining = {key: r for (key, _), r in self._draining.items()}
+        out = {key: LeaseView(Standing.PINNED, r.last_used) for key, r in draining.items()}
+        # A newer turn's lease does not lower a read in flight of the older one's blocks.
         out.update({key: LeaseView(Standing.PINNED if (key, r.request_id) in self._pin_counts
-                                   else Standing.LEASED, r.last_used)
+                                   or key in draining else Standing.LEASED, r.last_used)
                     for key, r in self._entries.items() if r.is_live(now)})
         return out
 

@@ -915,3 +915,15 @@ def test_a_host_pin_lapses_like_a_device_pin(
     keeper.service()
     assert not keeper.has_pins()
     assert keeper.standings()["a"].standing is Standing.LEASED
+
+
+def test_a_newer_turn_does_not_unpin_the_host_blocks_a_read_of_the_older_one_holds(
+        pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
+    keeper = host_only(pool, clock, host)
+    host.read_port = 41000
+    pinned = keeper.pin("a", 5, host_reads=True)
+    assert isinstance(pinned, dict)
+    finish(pool, keeper, "a", "r2", 2)  # the next turn replaces the pinned retention
+    assert keeper.standings()["a"].standing is Standing.PINNED
+    assert keeper.unpin(pinned["pin_id"])
+    assert keeper.standings()["a"].standing is Standing.LEASED

@@ -9,6 +9,9 @@ them for retentions, and ``HOST_BLOCKS`` in host memory: another conversation's 
 the others out of its device KV, and out of host memory the least recently used lease goes,
 not the one an agent kept alive.
 
+The decode serves host reads (``host_reads``): a turn the router does not continue on the decode
+whose history the decode keeps in host memory alone is read by the prefill from there.
+
 Every answer is held to the plain reference run (``_greedy``), text and logprobs.
 """
 

@@ -28,8 +28,10 @@ from kvturn_server.offload._worker import HostCopyWorker
 
 
 def host_reads(extra: dict[str, Any]) -> bool:
-    """Whether prefills may read this host tier over NIXL (``_reads.py``)."""
-    value = extra.get("host_reads", False)
+    """Whether prefills may read this host tier over NIXL (``_reads.py``; decodes only).
+    On by default: a router asks for it per pin (``host_reads``), so one that does not gets
+    the answers it always got."""
+    value = extra.get("host_reads", True)
     if not isinstance(value, bool):
         raise ValueError(f"kv_connector_extra_config.host_reads must be true or false, "
                          f"got {value!r}")

@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgent
 
 from kvturn_server.offload._reads import host_engine_id, host_handshake, tensor_pairs
 from kvturn_server.offload._regions import TensorPair, host_regions
+from kvturn_server.offload._spec import host_reads
 
 PAGE = 4096
 
@@ -69,3 +70,9 @@ def test_the_handshake_is_the_decodes_but_for_where_the_host_tier_differs() -> N
         "engine_id", "agent_metadata", "kv_caches_base_addr", "num_blocks",
         "region_num_blocks", "block_lens", "block_strides", "region_mem_types", "device_id"}
     assert all(getattr(host, name) == getattr(decode, name) for name in same)
+
+
+def test_host_reads_are_on_unless_the_host_tier_says_false() -> None:
+    assert host_reads({}) and not host_reads({"host_reads": False})
+    with pytest.raises(ValueError, match="true or false"):
+        host_reads({"host_reads": "no"})

@@ -125,9 +125,14 @@ class HostReadEndpoint:
                     identity, _, message = sock.recv_multipart()
                 except zmq.Again:
                     continue
-                request = msgspec.msgpack.decode(message)
+                try:
+                    request = msgspec.msgpack.decode(message)
+                except msgspec.DecodeError:
+                    request = None
                 if not isinstance(request, list) or not request or request[0] != GET_META_MSG:
-                    log.warning("host KV tier: unexpected handshake message %r", request)
+                    # Whoever sent it gets no answer (a REQ peer times out), the channel
+                    # serves on.
+                    log.warning("host KV tier: unexpected handshake message %r", message[:64])
                     continue
                 sock.send_multipart((identity, b"", self._reply,
                                      msgspec.msgpack.encode(time.perf_counter())))

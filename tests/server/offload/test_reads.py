@@ -76,3 +76,53 @@ def test_host_reads_are_on_unless_the_host_tier_says_false() -> None:
     assert host_reads({}) and not host_reads({"host_reads": False})
     with pytest.raises(ValueError, match="true or false"):
         host_reads({"host_reads": "no"})
+
+
+def test_the_side_channel_answers_vllms_handshake_and_survives_garbage() -> None:
+    """A real NIXL agent over real tensors, asked the way vLLM's prefill asks
+    (``NixlConnectorWorker._nixl_handshake``): the reply is the payload and a clock."""
+    import time
+
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        GET_META_MSG,
+        NixlHandshakePayload,
+    )
+
+    from kvturn_server.offload._reads import HostReadEndpoint
+
+    device = [torch.zeros((4, PAGE), dtype=torch.int8) for _ in range(2)]
+    host = [torch.zeros((6, PAGE), dtype=torch.int8) for _ in range(2)]
+    decode = NixlAgentMetadata(
+        engine_id="dec", agent_metadata=b"device-agent",
+        kv_caches_base_addr=[t.data_ptr() for t in device], device_id=0, num_blocks=4,
+        block_lens=[PAGE, PAGE], block_strides=[PAGE, PAGE], kv_cache_layout="NHD",
+        block_size=16, ssm_sizes=(0, 0), attn_backend_name="CPU_ATTN",
+        physical_blocks_per_logical_kv_block=1, region_num_blocks=[4, 4])
+    payload = NixlHandshakePayload(compatibility_hash="abc", agent_metadata_bytes=
+                                   msgspec.msgpack.encode(decode))
+    endpoint = HostReadEndpoint(payload, ["UCX"], device, host, [PAGE, PAGE])
+    context = zmq.Context()
+    try:
+        garbage = context.socket(zmq.DEALER)
+        garbage.connect(f"tcp://127.0.0.1:{endpoint.port}")
+        garbage.send_multipart([b"", b"\xc1not msgpack"])
+        ask = context.socket(zmq.REQ)
+        ask.setsockopt(zmq.RCVTIMEO, 5000)
+        ask.connect(f"tcp://127.0.0.1:{endpoint.port}")
+        ask.send(msgspec.msgpack.encode((GET_META_MSG, 0, 0)))
+        reply, clock = ask.recv_multipart()
+        assert abs(msgspec.msgpack.decode(clock) - time.perf_counter()) < 5
+        answer = msgspec.msgpack.Decoder(NixlHandshakePayload).decode(reply)
+        assert answer.compatibility_hash == "abc"
+        meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(answer.agent_metadata_bytes)
+        assert meta.engine_id == "dec-host" and meta.agent_metadata != b"device-agent"
+        assert meta.kv_caches_base_addr == [t.data_ptr() for t in host]
+        assert meta.num_blocks == 6 and meta.region_num_blocks == [6, 6]
+        assert endpoint.drain() == 0
+        garbage.close(linger=0)
+        ask.close(linger=0)
+    finally:
+        endpoint.close()
+        context.term()

@@ -44,7 +44,8 @@ from kvturn.wire import (
     UnpinBody,
 )
 from kvturn_server._control_secret import is_loopback, secret_matches
-from kvturn_server.connector._keeper import Gone, RetentionKeeper
+from kvturn_server.connector._keeper import RetentionKeeper
+from kvturn_server.connector._lease import Gone
 
 log = logging.getLogger("kvturn.connector")
 

@@ -292,9 +292,8 @@ class RetentionTable:
 
     def pin(self, key: str, ttl: float, *, host: bool = False) -> tuple[Retention, Pin] | None:
         """Pin the key's live retention for ``ttl`` seconds (capped at ``max_pin``); None if
-        there is no live retention on the device, or with ``host`` none at all (a prefill reads
-        a host-only one from the host tier, whose order never evicts a pinned conversation's
-        blocks). A pin does not extend the lease and is not a use."""
+        there is none on the device (with ``host``: none at all, the host tier holding a
+        host-only one). A pin does not extend the lease and is not a use."""
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
             raise ValueError(f"pin ttl must be a positive number of seconds, got {ttl!r}")
         now = self._clock()
@@ -318,9 +317,8 @@ class RetentionTable:
         return True, self._unpin(pin)
 
     def standings(self) -> dict[str, LeaseView]:
-        """Every live lease, pinned or not, with its last use: the host tier's eviction order.
-        A retention that left the table while pinned counts as pinned until its last pin goes:
-        a read of its host blocks may be in flight (its lease's end discards them then)."""
+        """Every live lease, pinned or not, with its last use: the host tier's eviction order;
+        one that left the table pinned stays pinned until its last pin goes (a host read)."""
         now = self._clock()
         draining = {key: r for (key, _), r in self._draining.items()}
         out = {key: LeaseView(Standing.PINNED, r.last_used) for key, r in draining.items()}
@@ -454,8 +452,7 @@ class RetentionTable:
         if retention is None:
             return []  # still in the table, unpinned now
         self._draining_blocks -= retention.num_blocks
-        # Its lease ended while pinned, and the host tier kept its blocks for the pin
-        # (standings): they may go now.
+        # Its lease ended while pinned; the host tier kept its blocks for the pin: now they go.
         self._end(pin.key)
         return [retention]
 

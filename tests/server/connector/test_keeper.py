@@ -18,7 +18,8 @@ import pytest
 
 from kvturn.wire import GoneReason
 from kvturn_server.connector._hashing import block_hashes
-from kvturn_server.connector._keeper import Gone, RetentionKeeper
+from kvturn_server.connector._keeper import RetentionKeeper
+from kvturn_server.connector._lease import Gone
 from kvturn_server.connector._params import read_params
 from kvturn_server.connector._tiers import Standing
 from tests.fakes.keeper import (

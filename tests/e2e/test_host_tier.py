@@ -9,6 +9,9 @@ them for retentions, and ``HOST_BLOCKS`` in host memory: another conversation's 
 the others out of its device KV, and out of host memory the least recently used lease goes,
 not the one an agent kept alive.
 
+The decode serves host reads (``host_reads``): a turn the router does not continue on the decode
+whose history the decode keeps in host memory alone is read by the prefill from there.
+
 Every answer is held to the plain reference run (``_greedy``), text and logprobs.
 """
 
@@ -18,7 +21,7 @@ import hashlib
 import random
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +73,8 @@ def host_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                       kv_offload_gib=HOST_BLOCKS * BLOCK_BYTES / 2**30,
                       decoder_kv_blocks_ttl=TTL, retention_max_hold=2 * TTL,
                       prefill_connector_extra={"compute_tokens_per_s": 1.0},
+                      # Prefills read host-only retentions from the decode's host tier.
+                      kv_offload_extra={"host_reads": True},
                       **{name: free_port() for name in ports})
     with Stack(cfg, die_with_parent=True) as running:
         running.start()
@@ -339,3 +344,70 @@ def test_a_long_turn_whose_history_only_host_memory_holds_continues_on_the_decod
     assert second.reused == sources.local_cache + sources.transferred, (second.headers, sources)
     wait_until(lambda: decode_counters(cfg)["host_loaded"] - before["host_loaded"]
                == sources.transferred, 10, "kvturn's count of host-loaded tokens")
+
+
+@pytest.fixture
+def router_reading_host(host_stack: Stack, tmp_path: Path) -> Iterator[str]:
+    """A router over the host stack that never continues a host-only history on the decode
+    (``--decode-continue-host-tokens 0``): such a turn takes the prefill path, whose prefill
+    reads the history from the decode's host tier."""
+    url, proc = start_router(host_stack.config, "router-host-reads", tmp_path,
+                             "--decode-continue-tokens", "512",
+                             "--decode-continue-budget", "1024",
+                             "--decode-continue-host-tokens", "0")
+    try:
+        yield url
+    finally:
+        stop_group(proc.pid)
+
+
+def test_a_prefill_reads_a_history_only_host_memory_holds_from_the_decodes_host_tier(
+        host_stack: Stack, router_reading_host: str,
+        record_property: Callable[[str, object], None]) -> None:
+    """A turn not continued on the decode whose history it keeps in host memory alone: the
+    router pins the retention there (``host_reads``), and the prefill reads the verified blocks
+    from the decode's host tier over NIXL instead of recomputing them."""
+    cfg = host_stack.config
+    router_url = router_reading_host
+    client = OpenAI(base_url=f"{router_url}/v1", api_key=API_KEY, max_retries=0)
+    words = Words(seed=29)
+    g = f"host-g-{uuid.uuid4().hex[:8]}"
+    history: list[dict[str, Any]] = [{"role": "user", "content": words.text(g, SHORT_WORDS)}]
+    turn(cfg, client, g, history)
+    # A turn the decode continues (under 512 new tokens): the prefill's own cache lacks its
+    # blocks from now on, so the retention holds more than the prefill and a pin is worth it.
+    history.append({"role": "user", "content": words.text("and", 60)})
+    assert turn(cfg, client, g, history).headers["x-kvturn-route"] == "decode"
+    g_tokens = describe(cfg, g)[1]["num_tokens"]
+    wait_until(lambda: describe(cfg, g)[1].get("host_tokens") == g_tokens, 10,
+               "G's whole turn in host memory")
+    conversation_call(cfg, g, "POST", "/keepalive", router_url)
+    h = f"host-h-{uuid.uuid4().hex[:8]}"
+    turn(cfg, client, h, [{"role": "user", "content": words.text(h, LONG_WORDS)}])
+    status, spilled = describe(cfg, g)
+    assert status == 200 and spilled["where"] == "host", spilled
+
+    # Past the router's 512 tokens: the prefill path; the host-only history is not continued.
+    history.append({"role": "user", "content": words.text("then read", 2 * SHORT_WORDS)})
+    with Delta(cfg.prefill_url) as p:
+        third = turn(cfg, client, g, history)
+    assert third.headers["x-kvturn-route"] == "prefill", third.headers
+    read = p.value
+    assert read is not None
+    # Over NIXL (the prefill's own host tier counts apart), whole blocks: from the decode's
+    # host tier, as its device holds nothing of G.
+    nixl = read.transferred - read.host
+    assert nixl >= BLOCK and nixl % BLOCK == 0, (read, third.headers)
+    # kvturn's reuse report: the prefill read them (its own cache may add the start).
+    assert third.reuse in ("hit", "partial") and third.reused >= nixl, (read, third.headers)
+    for name, value in (("history_tokens", g_tokens), ("read_over_nixl", nixl),
+                        ("reused_reported", third.reused), ("prefill_computed", read.computed),
+                        ("prefill_local_cache", read.local_cache),
+                        ("prefill_own_host", read.host)):
+        record_property(name, value)
+    # The pin went with the turn, and the finished turn is G's retention now (kept in host
+    # memory alone from the start when, as here, it is larger than the retention budget).
+    wait_until(lambda: retention_stats(cfg.decode_control_url).get("pins", 0) == 0, 10,
+               "the host pin released")
+    status, again = describe(cfg, g)
+    assert status == 200 and again["num_tokens"] > g_tokens, again

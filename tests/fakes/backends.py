@@ -112,6 +112,8 @@ class FakeBackend:
         self.pins: dict[str, str] = {}
         # Retentions held in the host tier alone: a pin answers 404 evicted with these tokens.
         self.host_only: dict[str, int] = {}
+        # Decodes: a pin asking host_reads pins a host-only retention, read from the host tier.
+        self.host_reads = False
         self.unpinned: list[str] = []
         self._pin_ids = itertools.count(1)
         self._turns = itertools.count(1)
@@ -303,6 +305,16 @@ class FakeBackend:
                 self.gone[key] = "released"
                 return httpx2.Response(200, json={"key": key, "released": True})
             if route[2] == "pin":
+                if key in self.host_only and body.get("host_reads") and self.host_reads \
+                        and key in self.retentions:
+                    pin_id = f"{self.name}-pin-{next(self._pin_ids)}"
+                    self.pins[pin_id] = key
+                    view = self.retentions[key].view()
+                    params = {**view["params"], "remote_engine_id": f"{self.engine_id}-host",
+                              "remote_port": 41000}
+                    return httpx2.Response(200, json={**view, "params": params,
+                                                      "pin_id": pin_id, "where": "host",
+                                                      "pin_expires_in": body.get("ttl")})
                 if key in self.host_only:
                     return httpx2.Response(404, json={
                         "error": {"message": f"{key}: evicted", "type": "not_found",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from kvturn_server.connector._keeper import RetentionKeeper
 from kvturn_server.connector._lease import Retention
-from kvturn_server.connector._params import ReadCoordinates
+from kvturn_server.connector._params import HostRead, ReadCoordinates
 from kvturn_server.connector._tiers import HostCounters, HostLoad
 
 BS = 4
@@ -127,6 +127,9 @@ class FakeHostTier:
         self.counters = HostCounters()
         self.keeper: RetentionKeeper | None = None
         self.owner: int | None = None
+        self.read_port: int | None = None  # serves host reads once set
+        self.rows: dict[str, tuple[int, ...]] = {}  # conversation -> host rows of its blocks
+        self.read_turns: list[str] = []  # the turn (request id) each host_read asked for
 
     def _check(self) -> None:
         if self.keeper is not None and self.keeper._lock.locked():
@@ -155,6 +158,14 @@ class FakeHostTier:
 
     def usage(self) -> dict[str, int]:
         return {"blocks": 64, "blocks_used": len(self.resident)}
+
+    def host_read(self, conversation: str, request_id: str) -> HostRead | None:
+        self._check()
+        self.read_turns.append(request_id)
+        rows = self.rows.get(conversation, ())
+        if self.read_port is None or not rows:
+            return None
+        return HostRead("127.0.0.1", self.read_port, rows)
 
 
 def coordinates(engine_id: str = "decode-engine",

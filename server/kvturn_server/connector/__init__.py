@@ -21,7 +21,7 @@ from kvturn_server.connector._config import (
 from kvturn_server.connector._cost import CostModel, CostSettings
 from kvturn_server.connector._hashing import HASH_SIZE, verified_prefix_blocks
 from kvturn_server.connector._lease import Retention
-from kvturn_server.connector._params import conversation_key
+from kvturn_server.connector._params import HOST_ENGINE_SUFFIX, HostRead, conversation_key
 from kvturn_server.connector._retention import RetentionTable
 from kvturn_server.connector._reuse import decide_reuse
 from kvturn_server.connector._tiers import (
@@ -35,15 +35,18 @@ from kvturn_server.connector._tiers import (
 
 if TYPE_CHECKING:
     from kvturn_server.connector._connector import KVTurnConnector
+    from kvturn_server.connector._worker import registered_nixl_worker
 
 __all__ = [
     "HASH_SIZE",
+    "HOST_ENGINE_SUFFIX",
     "ConnectorConfig",
     "ConnectorConfigError",
     "CostModel",
     "CostSettings",
     "HostCounters",
     "HostLoad",
+    "HostRead",
     "KVTurnConnector",
     "LeaseView",
     "Retention",
@@ -52,6 +55,7 @@ __all__ = [
     "TierLink",
     "conversation_key",
     "decide_reuse",
+    "registered_nixl_worker",
     "settings_table",
     "tier_link",
     "verified_prefix_blocks",
@@ -63,4 +67,8 @@ def __getattr__(name: str) -> Any:
         from kvturn_server.connector._connector import KVTurnConnector
 
         return KVTurnConnector
+    if name == "registered_nixl_worker":
+        from kvturn_server.connector._worker import registered_nixl_worker
+
+        return registered_nixl_worker
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

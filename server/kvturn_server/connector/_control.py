@@ -44,7 +44,8 @@ from kvturn.wire import (
     UnpinBody,
 )
 from kvturn_server._control_secret import is_loopback, secret_matches
-from kvturn_server.connector._keeper import Gone, RetentionKeeper
+from kvturn_server.connector._keeper import RetentionKeeper
+from kvturn_server.connector._lease import Gone
 
 log = logging.getLogger("kvturn.connector")
 
@@ -172,7 +173,11 @@ class ControlServer:
                 if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
                     return 400, _error(f"ttl must be a positive number of seconds, got {ttl!r}",
                                        "invalid_request_error", ControlErrorCode.BAD_TTL)
-                return _answer(keeper.pin(key, float(ttl)))
+                host_reads = body.get("host_reads", False)
+                if not isinstance(host_reads, bool):
+                    return 400, _error(f"host_reads must be true or false, got {host_reads!r}",
+                                       "invalid_request_error", ControlErrorCode.BAD_BODY)
+                return _answer(keeper.pin(key, float(ttl), host_reads=host_reads))
         if len(route) == 2 and route[0] == PINS and method == "DELETE":
             return 200, UnpinBody(pin_id=route[1], unpinned=keeper.unpin(route[1]))
         if method == "GET" and route == [LOST]:

@@ -27,18 +27,18 @@ decisions out on the block pool and makes them safe across threads:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvturn.wire import GoneReason, Where
 from kvturn_server.connector._freed import FreedBlocks
 from kvturn_server.connector._hashing import DEFAULT_SEED, block_hashes
-from kvturn_server.connector._lease import Retention
+from kvturn_server.connector._lease import Gone, Retention
 from kvturn_server.connector._lost import LostLog
-from kvturn_server.connector._params import READ_PREFIX, ReadCoordinates, read_params
+from kvturn_server.connector._params import READ_PREFIX, HostRead, ReadCoordinates, read_params
 from kvturn_server.connector._retention import RetentionTable
 from kvturn_server.connector._tiers import HostTier, LeaseView
 
@@ -59,33 +59,12 @@ class BlockPool(Protocol):
     def get_num_free_blocks(self) -> int: ...
 
 
-@dataclass(frozen=True)
-class Gone:
-    """A control answer for a key with no live retention; ``cached_tokens``: for a describe,
-    what its last dropped retention left in the prefix cache (``_freed.py``; None: unknown);
-    ``host_tokens``: for a pin, a live retention's tokens the host tier alone holds from its
-    start (no device blocks to pin; None: not that case)."""
-
-    key: str
-    reason: GoneReason
-    cached_tokens: int | None = None
-    host_tokens: int | None = None
-
-
 class RetentionKeeper:
     """One decode's retentions: thread-safe front of a :class:`RetentionTable`."""
 
-    def __init__(
-        self,
-        *,
-        block_bytes: int,
-        budget: float,
-        ttl: float,
-        max_hold: float,
-        max_pin: float,
-        clock: Callable[[], float] = time.perf_counter,
-        hash_seed: bytes = DEFAULT_SEED,
-    ) -> None:
+    def __init__(self, *, block_bytes: int, budget: float, ttl: float, max_hold: float,
+                 max_pin: float, clock: Callable[[], float] = time.perf_counter,
+                 hash_seed: bytes = DEFAULT_SEED) -> None:
         self.hash_seed = hash_seed
         self.block_bytes = block_bytes
         self.budget = budget
@@ -269,7 +248,12 @@ class RetentionKeeper:
             view = self._view(retention, retention.expires_at)
         return self._placed(retention, view)
 
-    def pin(self, key: str, ttl: float) -> dict[str, Any] | Gone:
+    def pin(self, key: str, ttl: float, *, host_reads: bool = False) -> dict[str, Any] | Gone:
+        """Pin the key's retention for a prefill's read; a host-only one too with
+        ``host_reads``, when the host tier serves reads (else ``Gone`` with ``host_tokens``)."""
+        host_pinned = self._pin_host(key, ttl) if host_reads else None
+        if host_pinned is not None:
+            return host_pinned
         with self._lock:
             table, _ = self._require()
             before = self._snapshot(table)
@@ -301,6 +285,35 @@ class RetentionKeeper:
         placed = self._placed(retention, view)
         assert isinstance(placed, dict)  # pinned: on the device
         return placed
+
+    def _pin_host(self, key: str, ttl: float) -> dict[str, Any] | None:
+        """Pin a host-only retention for a read of the host tier; None (nothing pinned) when it
+        is not host-only or the host tier cannot serve it: :meth:`pin` answers as without."""
+        host = self._host
+        with self._lock:
+            table, _ = self._require()
+            current = table.get(key)
+            if host is None or current is None or current.on_device:
+                return None
+            before = self._snapshot(table)
+            pinned = table.pin(key, ttl, host=True)
+            self._count(table, before)
+        if pinned is None:
+            return None
+        retention, pin = pinned
+        # Asked with the pin held: from now on the host tier evicts none of these blocks.
+        read = host.host_read(key, retention.request_id)
+        rows = read.rows[:len(retention.block_hashes)] if read is not None else ()
+        if read is None or not rows:
+            self.unpin(pin.pin_id)
+            return None
+        with self._lock:
+            view = self._view(retention, pin.expires_at, dataclasses.replace(read, rows=rows))
+        view.update(pin_id=pin.pin_id, pin_expires_in=round(pin.expires_at - self._clock(), 3),
+                    where=Where.HOST, host_tokens=min(len(rows) * self._require()[1].block_size,
+                                                      retention.num_tokens))
+        self._wake()  # the pin's expiry is a new deadline for service()
+        return view
 
     def unpin(self, pin_id: str) -> bool:
         with self._lock:
@@ -404,13 +417,14 @@ class RetentionKeeper:
                     else Where.HOST, host_tokens=host_tokens)
         return view
 
-    def _view(self, retention: Retention, deadline: float) -> dict[str, Any]:
+    def _view(self, retention: Retention, deadline: float,
+              host: HostRead | None = None) -> dict[str, Any]:
         now = self._clock()
         _, at = self._require()
         return {
             "key": retention.key,
             "engine_id": at.engine_id,
-            "params": read_params(at, retention, deadline),
+            "params": read_params(at, retention, deadline, host),
             "num_tokens": retention.num_tokens,
             "num_blocks": retention.num_blocks,
             "expires_in": round(retention.expires_at - now, 3),

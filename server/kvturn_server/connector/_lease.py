@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvturn.wire import GoneReason
 from kvturn_server.connector._hashing import HASH_SIZE
 
 
@@ -136,3 +137,16 @@ def check_retain(
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
         raise ValueError(f"retention {key!r:.60} num_tokens must be a positive int, "
                          f"got {num_tokens!r}")
+
+
+@dataclass(frozen=True)
+class Gone:
+    """A control answer for a key with no live retention; ``cached_tokens``: for a describe,
+    what its last dropped retention left in the prefix cache (``_freed.py``; None: unknown);
+    ``host_tokens``: for a pin, a live retention's tokens the host tier alone holds from its
+    start (no device blocks to pin; None: not that case)."""
+
+    key: str
+    reason: GoneReason
+    cached_tokens: int | None = None
+    host_tokens: int | None = None

@@ -16,6 +16,9 @@ from kvturn_server.connector._lease import Retention
 
 KVTURN_FIELD = "kvturn"
 FORMAT = 1
+HOST_ENGINE_SUFFIX = "-host"
+"""A decode's host tier answers NIXL handshakes as engine ``<engine id>-host``
+(``kvturn_server.offload._reads``)."""
 READ_PREFIX = "kvturn-read/"
 """``remote_request_id`` of a retention: the prefill's read-done notification carries it back,
 and the decode's worker recognises (and drops) it instead of freeing a vLLM request."""
@@ -48,21 +51,36 @@ class ReadCoordinates:
     control_url: str | None
 
 
-def read_params(at: ReadCoordinates, retention: Retention, deadline: float) -> dict[str, Any]:
-    """The ``kv_transfer_params`` a prefill leg needs to read ``retention`` from ``at``.
+@dataclass(frozen=True)
+class HostRead:
+    """Where a prefill reads a retention from the decode's host tier: the host tier's NIXL
+    side channel (``host``, ``port``) and the host rows holding the retention's blocks from its
+    first, in order (they stand in for device block ids)."""
+
+    host: str
+    port: int
+    rows: tuple[int, ...]
+
+
+def read_params(at: ReadCoordinates, retention: Retention, deadline: float,
+                host: HostRead | None = None) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a prefill leg needs to read ``retention`` from ``at``, or,
+    with ``host``, from the decode's host tier (as many of its hashed blocks as rows).
 
     ``deadline`` is on the decode's ``perf_counter``: the prefill rebases it with the NIXL
     handshake's clock offset and declines a read that would end too close to it.
     """
+    blocks = retention.readable_block_ids if host is None \
+        else host.rows[:len(retention.block_hashes)]
     return {
         "do_remote_prefill": False,
         "do_remote_decode": True,
         # The readable (full, hashed) blocks, one KV-cache group.
-        "remote_block_ids": [list(retention.readable_block_ids)],
-        "remote_engine_id": at.engine_id,
+        "remote_block_ids": [list(blocks)],
+        "remote_engine_id": at.engine_id if host is None else at.engine_id + HOST_ENGINE_SUFFIX,
         "remote_request_id": READ_PREFIX + retention.request_id,
-        "remote_host": at.host,
-        "remote_port": at.port,
+        "remote_host": at.host if host is None else host.host,
+        "remote_port": at.port if host is None else host.port,
         "tp_size": at.tp_size,
         "dcp_size": at.dcp_size,
         "pp_size": at.pp_size,
@@ -75,8 +93,7 @@ def read_params(at: ReadCoordinates, retention: Retention, deadline: float) -> d
             # block_size: tokens per hashed block; the prefill must use the same
             "block_size": at.block_size,
             # block_hashes: hex chained hashes of each readable block, in order
-            "block_hashes": [h.hex() for h in
-                             retention.block_hashes[:len(retention.readable_block_ids)]],
+            "block_hashes": [h.hex() for h in retention.block_hashes[:len(blocks)]],
             # conversation: the (tenant-scoped) key this retention is kept under
             "conversation": retention.key,
             # control: this decode's control endpoint (pin, keepalive, release)

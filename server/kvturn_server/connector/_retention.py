@@ -290,15 +290,16 @@ class RetentionTable:
             freed.extend(self._unpin(pin))
         return freed
 
-    def pin(self, key: str, ttl: float) -> tuple[Retention, Pin] | None:
+    def pin(self, key: str, ttl: float, *, host: bool = False) -> tuple[Retention, Pin] | None:
         """Pin the key's live retention for ``ttl`` seconds (capped at ``max_pin``); None if
-        there is no live retention on the device (a host-only one has no blocks a prefill could
-        read). A pin does not extend the lease and is not a use."""
+        there is none on the device (with ``host``: none at all, the host tier holding a
+        host-only one). A pin does not extend the lease and is not a use."""
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
             raise ValueError(f"pin ttl must be a positive number of seconds, got {ttl!r}")
         now = self._clock()
         retention = self._entries.get(key)
-        if retention is None or not retention.is_live(now) or not retention.on_device:
+        if retention is None or not retention.is_live(now) \
+                or not (retention.on_device or (host and self.host_tier)):
             return None
         pin = Pin(f"pin-{next(self._pin_ids)}", key, retention.request_id,
                   now + min(float(ttl), self.max_pin))
@@ -316,11 +317,16 @@ class RetentionTable:
         return True, self._unpin(pin)
 
     def standings(self) -> dict[str, LeaseView]:
-        """Every live lease, pinned or not, with its last use: the host tier's eviction order."""
+        """Every live lease, pinned or not, with its last use: the host tier's eviction order;
+        one that left the table pinned stays pinned until its last pin goes (a host read)."""
         now = self._clock()
-        return {key: LeaseView(Standing.PINNED if (key, r.request_id) in self._pin_counts
-                               else Standing.LEASED, r.last_used)
-                for key, r in self._entries.items() if r.is_live(now)}
+        draining = {key: r for (key, _), r in self._draining.items()}
+        out = {key: LeaseView(Standing.PINNED, r.last_used) for key, r in draining.items()}
+        # A newer turn's lease does not lower a read in flight of the older one's blocks.
+        out.update({key: LeaseView(Standing.PINNED if (key, r.request_id) in self._pin_counts
+                                   or key in draining else Standing.LEASED, r.last_used)
+                    for key, r in self._entries.items() if r.is_live(now)})
+        return out
 
     def take_ended(self) -> list[str]:
         """Keys whose lease ended since the last call (released, expired, lost), oldest first;
@@ -446,6 +452,8 @@ class RetentionTable:
         if retention is None:
             return []  # still in the table, unpinned now
         self._draining_blocks -= retention.num_blocks
+        # Its lease ended while pinned; the host tier kept its blocks for the pin: now they go.
+        self._end(pin.key)
         return [retention]
 
     def take_lost(self) -> list[tuple[Retention, GoneReason]]:

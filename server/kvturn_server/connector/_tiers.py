@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Protocol
 
+from kvturn_server.connector._params import HostRead
+
 
 class Standing(IntEnum):
     """How a conversation with a live lease stands; a higher value is evicted later.
@@ -113,6 +115,12 @@ class HostTier(Protocol):
 
     def usage(self) -> dict[str, Any]:
         """Size and use, for the control endpoint's stats (any thread)."""
+        ...
+
+    def host_read(self, conversation: str, request_id: str) -> HostRead | None:
+        """Where a prefill reads the resident blocks of the conversation's turn
+        ``request_id`` over NIXL, or None when it cannot: none of them resident (or the
+        host tier lists another turn's), or it serves no reads (any thread)."""
         ...
 
 

@@ -20,6 +20,16 @@ vLLM would treat them as "this request's blocks may be freed now" for a request 
 knows; a retention outlives its request and is freed by its lease instead."""
 
 
+_registered: dict[str, KVTurnPullWorker] = {}
+
+
+def registered_nixl_worker(engine_id: str) -> KVTurnPullWorker | None:
+    """kvturn's NIXL worker of ``engine_id`` in this (worker) process, once it registered its
+    KV caches: the decode's host tier serves prefills a copy of its handshake metadata
+    (``kvturn_server.offload._reads``)."""
+    return _registered.get(engine_id)
+
+
 class KVTurnPullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
     """Reads remote KV like vLLM's pull worker, but never waits on a read forever.
 
@@ -38,6 +48,12 @@ class KVTurnPullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self.xfer_stats = KVTurnStats()
         self.nixl_wrapper.get_new_notifs = _drop_retention_reads(
             self.nixl_wrapper.get_new_notifs, self._count_read_served)
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        # vLLM's MultiConnector registers its children in order, kvturn's first: the host
+        # tier's worker, built next in this process, finds this one here.
+        _registered[self.engine_id] = self
 
     def _count_read_served(self) -> None:
         self.xfer_stats.record("kvturn_reads_served", 1)

@@ -44,13 +44,16 @@ class HostWorkerMetadata(OffloadingWorkerMetadata):  # type: ignore[misc]
     """vLLM's worker-to-scheduler note of completed jobs, plus those whose copy failed."""
 
     failed_jobs: set[int] = field(default_factory=set)
+    read_port: int | None = None
+    """The port of the worker's host read side channel (``_reads.py``), until reported."""
 
     def aggregate(self, other: Any) -> HostWorkerMetadata:
         merged = super().aggregate(other)
         return HostWorkerMetadata(completed_jobs=merged.completed_jobs,
                                   transfer_stats=merged.transfer_stats,
                                   failed_jobs=self.failed_jobs | getattr(other, "failed_jobs",
-                                                                         set()))
+                                                                         set()),
+                                  read_port=self.read_port or getattr(other, "read_port", None))
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,9 @@ class HostTierConnector(OffloadingConnector):  # type: ignore[misc]
         manager = self._host_manager()
         if manager is None:
             return
+        port = getattr(connector_output.kv_connector_worker_meta, "read_port", None)
+        if port is not None:
+            manager.read_port = port
         for job in failed:
             manager.discard_keys(job.keys)
             if not job.is_store:
@@ -120,12 +126,14 @@ class HostTierConnector(OffloadingConnector):  # type: ignore[misc]
         meta = super().build_connector_worker_meta()
         worker = self._host_worker()
         failed = worker.take_failed_jobs() if worker is not None else set()
-        if meta is None and not failed:
+        port = worker.take_read_port() if worker is not None else None
+        if meta is None and not failed and port is None:
             return None
         base = meta if meta is not None else OffloadingWorkerMetadata()
         # Always this class, so that aggregating several workers' notes keeps the failures.
         return HostWorkerMetadata(completed_jobs=base.completed_jobs,
-                                  transfer_stats=base.transfer_stats, failed_jobs=failed)
+                                  transfer_stats=base.transfer_stats, failed_jobs=failed,
+                                  read_port=port)
 
     # Internals.
 

@@ -34,8 +34,9 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from kvturn_server.connector import HostCounters, HostLoad, TierLink
+from kvturn_server.connector import HostCounters, HostLoad, HostRead, TierLink
 from kvturn_server.offload._policy import LeasedCachePolicy
+from kvturn_server.offload._reads import LOOPBACK
 
 log = logging.getLogger("kvturn.offload")
 
@@ -44,9 +45,13 @@ class HostTierManager(CPUOffloadingManager):  # type: ignore[misc]
     """vLLM's CPU offloading manager with discards, load notes and kvturn's link."""
 
     def __init__(self, *, link: TierLink, tokens_per_block: int, store_one_offs: bool = True,
-                 **kwargs: Any) -> None:
+                 blocks_per_chunk: int = 1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.tokens_per_block = tokens_per_block
+        self.blocks_per_chunk = blocks_per_chunk
+        # Where prefills read this host tier over NIXL: the worker reports its side channel's
+        # port once it serves reads (``_reads.py``, ``_connector.py``); None until then.
+        self.read_port: int | None = None
         self._loads: dict[str, HostLoad] = {}
         self._doomed: set[OffloadKey] = set()  # discarded while a copy used them
         self._counters = HostCounters()  # since take_counters
@@ -63,6 +68,19 @@ class HostTierManager(CPUOffloadingManager):  # type: ignore[misc]
         if not isinstance(self._policy, LeasedCachePolicy):
             return 0  # vLLM's policies do not know conversations
         return self._policy.resident_prefix(conversation) * self.tokens_per_block
+
+    def host_read(self, conversation: str, request_id: str) -> HostRead | None:
+        """Where a prefill reads the resident blocks of the conversation's turn
+        ``request_id`` from its first: the worker's read side channel and the blocks' host
+        rows, one per device block (``_rows.py``); None before the worker reported its side
+        channel, with vLLM's policies, or with none of that turn's blocks resident."""
+        if self.read_port is None or not isinstance(self._policy, LeasedCachePolicy):
+            return None
+        n = self.blocks_per_chunk
+        rows = tuple(chunk * n + j
+                     for chunk in self._policy.resident_chunks(conversation, request_id)
+                     for j in range(n))
+        return HostRead(LOOPBACK, self.read_port, rows) if rows else None
 
     def discard(self, conversations: Iterable[str]) -> int:
         """Free the host blocks of conversations whose lease ended, unless a live lease (a

@@ -215,12 +215,16 @@ class HostOrder:
     def resident_prefix(self, conversation: str) -> int:
         """How many of the conversation's blocks, from its first, are resident without a gap
         (what a load of its history could take)."""
-        count = 0
+        return len(self.resident_keys(conversation))
+
+    def resident_keys(self, conversation: str) -> list[Key]:
+        """The conversation's blocks from its first that are resident without a gap."""
+        keys: list[Key] = []
         for key in self._turns.get(conversation, ()):
             if key not in self._resident:
                 break
-            count += 1
-        return count
+            keys.append(key)
+        return keys
 
     # Internals.
 

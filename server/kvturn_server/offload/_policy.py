@@ -43,6 +43,8 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
         self.evicted: dict[str, int] = {}  # blocks evicted by standing, since taken
         self.evicted_total: dict[str, int] = {}
         self._running: dict[str, str] = {}  # request id -> conversation, turns in progress
+        # conversation -> the request whose blocks the order lists as its turn (last finished)
+        self._turn_of: dict[str, str] = {}
         self.store_one_offs = True  # the manager sets it from its config
         self._lock = threading.Lock()
 
@@ -52,8 +54,19 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
         with self._lock:
             return self.order.resident_prefix(conversation)
 
+    def resident_chunks(self, conversation: str, request_id: str) -> list[int]:
+        """Chunk ids of the conversation's resident blocks from its first, without a gap, when
+        they are those of its turn ``request_id`` (else none: a later turn that was not
+        retained may have listed other blocks, and a read must get the retention's own)."""
+        with self._lock:
+            if self._turn_of.get(conversation) != request_id:
+                return []
+            return [self.chunks[key].chunk_id
+                    for key in self.order.resident_keys(conversation)]
+
     def drop(self, conversation: str, live: Iterable[str]) -> list[OffloadKey]:
         with self._lock:
+            self._turn_of.pop(conversation, None)
             return self.order.drop(conversation, set(live))
 
     def take_evicted(self) -> dict[str, int]:
@@ -103,6 +116,8 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
         with self._lock:
             self._running.pop(req_context.req_id, None)
             self.order.finish(conversation, keys)
+            if conversation is not None:
+                self._turn_of[conversation] = req_context.req_id
 
     def evict(self, n: int,
               protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
@@ -131,6 +146,7 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
         with self._lock:
             self.chunks.clear()
             self._running.clear()
+            self._turn_of.clear()
             self.order = HostOrder()
 
     def mark_evictable(self, key: OffloadKey) -> None:

@@ -27,6 +27,17 @@ from kvturn_server.offload._manager import HostTierManager
 from kvturn_server.offload._worker import HostCopyWorker
 
 
+def host_reads(extra: dict[str, Any]) -> bool:
+    """Whether prefills may read this host tier over NIXL (``_reads.py``; decodes only).
+    On by default: a router asks for it per pin (``host_reads``), so one that does not gets
+    the answers it always got."""
+    value = extra.get("host_reads", True)
+    if not isinstance(value, bool):
+        raise ValueError(f"kv_connector_extra_config.host_reads must be true or false, "
+                         f"got {value!r}")
+    return value
+
+
 class HostOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
     """``CPUOffloadingSpec`` with kvturn's manager, and a worker for the CPU platform."""
 
@@ -45,7 +56,7 @@ class HostOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
             self._manager = HostTierManager(
                 link=tier_link(self.config.engine_id),
                 tokens_per_block=self.tokens_per_block[0] * self.blocks_per_chunk,
-                store_one_offs=store_one_offs,
+                store_one_offs=store_one_offs, blocks_per_chunk=self.blocks_per_chunk,
                 num_chunks=self.num_chunks, cache_policy=self.eviction_policy,
                 cache_policy_module_path=self.cache_policy_module_path,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
@@ -61,4 +72,6 @@ class HostOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
                 raise ValueError("HostOffloadingSpec copies the engine's own block layout; "
                                  "leave canonical_layout off on the CPU platform")
             self._worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+            if host_reads(self.extra_config):
+                self._worker.serve_reads(self.config.engine_id)
         return self._worker

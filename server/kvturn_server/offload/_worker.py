@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
+from kvturn_server.offload._reads import HostReadEndpoint, start_endpoint
 from kvturn_server.offload._rows import transfer_rows
 
 log = logging.getLogger("kvturn.offload")
@@ -54,6 +55,8 @@ class HostCopyWorker(OffloadingWorker):  # type: ignore[misc]
         self._refs: list[list[tuple[int, int]]] = [
             [(r.tensor_idx, r.page_size_bytes) for r in refs]
             for refs in kv_caches.group_data_refs]
+        self.read_endpoint: HostReadEndpoint | None = None  # set by the spec (host_reads)
+        self._port_reported = False
         self._finished: list[TransferResult] = []
         self._load_errors: set[int] = set()
         self._failed_jobs: set[int] = set()
@@ -70,8 +73,25 @@ class HostCopyWorker(OffloadingWorker):  # type: ignore[misc]
         return True
 
     def get_finished(self) -> list[TransferResult]:
+        if self.read_endpoint is not None:
+            self.read_endpoint.drain()
         done, self._finished = self._finished, []
         return done
+
+    def serve_reads(self, engine_id: str) -> HostReadEndpoint | None:
+        """Make the host tensors readable by prefills over NIXL (``_reads.py``)."""
+        # Bytes of each tensor's block that every copy writes: what a read may take.
+        pages = [min((p for refs in self._refs for i, p in refs if i == t), default=0)
+                 for t in range(len(self._host))]
+        self.read_endpoint = start_endpoint(engine_id, self._device, self._host, pages)
+        return self.read_endpoint
+
+    def take_read_port(self) -> int | None:
+        """The read endpoint's port, once: the scheduler side keeps it (``_connector.py``)."""
+        if self.read_endpoint is None or self._port_reported:
+            return None
+        self._port_reported = True
+        return self.read_endpoint.port
 
     def take_load_errors(self) -> set[int]:
         """Device blocks that failed loads left unwritten, since the last call."""
@@ -87,6 +107,9 @@ class HostCopyWorker(OffloadingWorker):  # type: ignore[misc]
         return  # every copy completed when it was submitted
 
     def shutdown(self) -> None:
+        if self.read_endpoint is not None:
+            self.read_endpoint.close()
+            self.read_endpoint = None
         for views in (self._host_np, self._device_np, self._host, self._device):
             views.clear()
 

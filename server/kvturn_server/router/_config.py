@@ -318,8 +318,9 @@ class RouterConfig:
         "a longer turn whose history its decode holds only in its host tier (a pin found no "
         "device blocks for a prefill to read) runs on that decode alone, which loads the "
         "history from host memory, when it lacks at most about this many prompt tokens, those "
-        "of the decode's other continued turns included; otherwise a prefill recomputes the "
-        "history; 0: never", unit="tokens", check=_WHOLE_0))
+        "of the decode's other continued turns included; otherwise a prefill reads the "
+        "history from the decode's host tier where the decode serves host reads, or "
+        "recomputes it; 0: never", unit="tokens", check=_WHOLE_0))
     conditional_disagg: int = field(default=0, metadata=setting(
         "with --no-kv-reuse: stock conditional disaggregation (the baseline: llm-d's "
         "prefix-based-pd-decider, Dynamo's --router-conditional-disagg): a turn whose uncached "

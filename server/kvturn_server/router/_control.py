@@ -85,11 +85,14 @@ class ControlClient:
         self.timeout = timeout
         self.headers = {HEADER_CONTROL_SECRET: secret} if secret else None
 
-    async def pin(self, control_url: str, key: str, ttl: float) -> Retention | Gone:
+    async def pin(self, control_url: str, key: str, ttl: float, *,
+                  host_reads: bool = False) -> Retention | Gone:
         """Hold the retention's blocks for ``ttl`` seconds; its params are safe to read until
-        then (or until unpinned)."""
-        reply = await self._call("POST", control_url + retention_path(key, PIN),
-                                 b'{"ttl":%s}' % repr(float(ttl)).encode())
+        then (or until unpinned). With ``host_reads`` a retention the decode keeps in its host
+        tier alone is pinned there, and its params read it from host memory."""
+        body = b'{"ttl":%s%s}' % (repr(float(ttl)).encode(),
+                                  b',"host_reads":true' if host_reads else b"")
+        reply = await self._call("POST", control_url + retention_path(key, PIN), body)
         result = _retention_or_gone(reply)
         if isinstance(result, Retention) and not result.pin_id:
             raise ControlError("bad_reply", f"{control_url}: pin answer without a pin_id")

@@ -28,8 +28,9 @@ log = logging.getLogger("kvturn.router")
 @dataclass(frozen=True, slots=True)
 class HostHeld:
     """A pin's answer that the decode keeps the retention in its host tier alone: nothing a
-    prefill could read, ``tokens`` of the history (from its start) it can load itself. The
-    lease goes on, so the record stays."""
+    prefill could read on the device (a second pin may offer its host tier: ``take_host``),
+    ``tokens`` of the history (from its start) it can load itself. The lease goes on, so the
+    record stays."""
 
     tokens: int
 
@@ -99,6 +100,32 @@ class Pins:
             ctx.engines_differ(holder)
             self.unpin(holder, result)
             return ReuseReason.STALE
+        return result
+
+    async def take_host(self, placement: Placement, holder: Backend,
+                        trace: TurnTrace) -> Retention | None:
+        """Pin a retention ``holder`` keeps in its host tier alone for a prefill to read from
+        there (a second pin, asked only when the turn is not continued on ``holder``); None
+        when the decode serves no host reads (its answer is the first pin's again), the call
+        failed, or the answer is not to be trusted (as for :meth:`take`): the prefill
+        recomputes the history, as before."""
+        ctx = self.ctx
+        assert holder.control_url is not None
+        services = ctx.services
+        result = await self._call("pin", holder, trace, services.control.pin(
+            holder.control_url, ctx.conversation, services.config.effective_pin_ttl,
+            host_reads=True))
+        if result is None or isinstance(result, Gone):
+            if result is not None:
+                services.decodes.control_answered(holder)
+            return None
+        services.decodes.control_answered(holder, result.engine_id)
+        if (placement.engine_id is not None and result.engine_id is not None
+                and result.engine_id != placement.engine_id) or not holder.control_trusted:
+            # Another engine than the one the first pin answered for: its host tier is not
+            # the one this conversation's record names. The next turn's pin finds out why.
+            self.unpin(holder, result)
+            return None
         return result
 
     async def held(self, holder: Backend, trace: TurnTrace) -> int | None:

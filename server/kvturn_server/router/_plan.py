@@ -21,7 +21,8 @@ In a turn's order:
    to the decode, worth it only for what that prefill lacks), and what the turn reports when
    not; :func:`refuse_pin` and :func:`pin_gone`: a pin refused before or by the decode;
    :func:`plan_host_route`: a pin that found the retention in the decode's host tier alone
-   (nothing a prefill could read) may move the turn to that decode instead.
+   (nothing a prefill could read on the device) may move the turn to that decode instead;
+   otherwise the turn pins it again for a read of the decode's host tier (``_pin.py``).
 3. :func:`plan_retry`: a failed prefill leg's second attempt, and what becomes of its pin.
 4. :func:`settle_prefill` / :func:`settle_continued`: the reuse value the turn reports
    (``X-KVTurn-Reuse``), from the prefill's report or the decode's usage.

@@ -150,6 +150,7 @@ class Turn:
                     alone = await self._decode_alone(host_route)
                     if alone is not None:
                         return alone
+                await self._take_host_pin()
         if not_continued:
             svc.metrics.not_continued(not_continued)
         params = await self._prefill(first)
@@ -242,6 +243,15 @@ class Turn:
         else:
             self.pin = result
         return None
+
+    async def _take_host_pin(self) -> None:
+        """The prefill leg of a turn whose history the holder keeps in its host tier alone:
+        pinned there, the prefill reads it from host memory instead of recomputing it."""
+        assert self.placement is not None and self.holder is not None
+        pin = await self.pins.take_host(self.placement, self.holder, self.trace)
+        if pin is not None:
+            self.pin = pin
+            self.report.reason = ReuseReason.MISS  # until the prefill reports what it read
 
     # Step 2: the prefill leg (and step 3, unpin).
 

@@ -152,6 +152,20 @@ def test_a_bad_pin_ttl_is_a_400_and_pins_nothing(server: ControlServer, keeper: 
     assert not keeper.has_pins()
 
 
+@pytest.mark.parametrize("host_reads", ["yes", 1, None])
+def test_a_pins_host_reads_must_be_true_or_false(server: ControlServer, keeper: RetentionKeeper,
+                                                 retained: list[int], host_reads: Any) -> None:
+    status, body = call(server, "POST", retention() + "/pin", {"ttl": 5, "host_reads": host_reads})
+    assert (status, body["error"]["code"]) == (400, "bad_body")
+    assert not keeper.has_pins()
+
+
+def test_a_device_retention_pinned_asking_host_reads_is_pinned_as_ever(
+        server: ControlServer, retained: list[int]) -> None:
+    status, body = call(server, "POST", retention() + "/pin", {"ttl": 5, "host_reads": True})
+    assert status == 200 and body["where"] == "device" and body["pin_id"]
+
+
 def test_keepalive_renews_the_lease(server: ControlServer, clock: FakeClock,
                                     retained: list[int]) -> None:
     clock.advance(20)

@@ -18,8 +18,10 @@ import pytest
 
 from kvturn.wire import GoneReason
 from kvturn_server.connector._hashing import block_hashes
-from kvturn_server.connector._keeper import Gone, RetentionKeeper
+from kvturn_server.connector._keeper import RetentionKeeper
+from kvturn_server.connector._lease import Gone
 from kvturn_server.connector._params import read_params
+from kvturn_server.connector._tiers import Standing
 from tests.fakes.keeper import (
     BS,
     FakeBlockPool,
@@ -810,3 +812,119 @@ def test_a_host_only_lease_whose_first_host_block_went_ends_at_the_next_service(
     assert keeper.lost.since(0).lost == [("a", "evicted", "kvturn-read/r-a")]
     assert why(keeper.describe("a")) == ("a", GoneReason.EVICTED)
     assert host.discarded == [["a"]]
+
+
+# Host reads: a prefill reads a host-only retention from the decode's host tier.
+
+
+def host_only(pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier,
+              rows: tuple[int, ...] = (7, 3, 9, 4)) -> RetentionKeeper:
+    """A keeper whose retention "a" (4 blocks) lives in the host tier alone, at ``rows``."""
+    keeper = host_keeper(pool, clock, host)
+    finish(pool, keeper, "a", "r1", 4)
+    host.resident["a"] = 4 * BS
+    host.rows["a"] = rows
+    keeper.make_room(pool.usable)
+    assert all_free(pool)
+    return keeper
+
+
+def test_a_host_only_pin_with_host_reads_reads_host_rows_with_the_retentions_hashes(
+        pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
+    keeper = host_only(pool, clock, host)
+    host.read_port = 41000
+    device_view = keeper.describe("a")
+    assert isinstance(device_view, dict)
+    hashes = device_view["params"]["kvturn"]["block_hashes"]
+    pinned = in_thread(lambda: keeper.pin("a", 5, host_reads=True))
+    assert isinstance(pinned, dict) and pinned["pin_id"] and pinned["where"] == "host"
+    params = pinned["params"]
+    assert params["remote_block_ids"] == [[7, 3, 9, 4]]
+    assert (params["remote_engine_id"], params["remote_host"], params["remote_port"]) == \
+        ("decode-engine-host", "127.0.0.1", 41000)
+    assert len(params["kvturn"]["block_hashes"]) == 4
+    assert hashes == [] or hashes == params["kvturn"]["block_hashes"]
+    assert pinned["host_tokens"] == 16
+    assert host.read_turns == ["r1"]  # the retention's own turn's rows, not another's
+    # Pinned: the host tier evicts none of its blocks meanwhile.
+    assert keeper.standings()["a"].standing is Standing.PINNED
+    assert keeper.unpin(pinned["pin_id"])
+    assert keeper.standings()["a"].standing is Standing.LEASED
+
+
+def test_a_host_pin_reads_no_more_blocks_than_the_retention_hashed(
+        pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
+    # A later turn of the conversation may hold more host blocks than the retention covers.
+    keeper = host_only(pool, clock, host, rows=(1, 2, 3, 4, 5, 6))
+    host.read_port = 41000
+    pinned = keeper.pin("a", 5, host_reads=True)
+    assert isinstance(pinned, dict)
+    assert pinned["params"]["remote_block_ids"] == [[1, 2, 3, 4]]
+
+
+def test_without_host_reads_a_host_only_pin_answers_host_tokens_as_before(
+        pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
+    keeper = host_only(pool, clock, host)
+    # The decode serves no host reads (no side channel reported), or the router did not ask.
+    assert keeper.pin("a", 5, host_reads=True) == Gone("a", GoneReason.EVICTED, host_tokens=16)
+    host.read_port = 41000
+    assert keeper.pin("a", 5) == Gone("a", GoneReason.EVICTED, host_tokens=16)
+    host.rows["a"] = ()  # nothing resident to read
+    assert keeper.pin("a", 5, host_reads=True) == Gone("a", GoneReason.EVICTED, host_tokens=16)
+    assert not keeper.has_pins()
+
+
+def test_a_device_retention_pinned_with_host_reads_is_read_from_the_device(
+        pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
+    keeper = host_keeper(pool, clock, host)
+    ids, _ = finish(pool, keeper, "a", "r1", 3)
+    host.resident["a"] = 3 * BS
+    host.rows["a"] = (7, 8, 9)
+    host.read_port = 41000
+    pinned = keeper.pin("a", 5, host_reads=True)
+    assert isinstance(pinned, dict)
+    assert pinned["params"]["remote_engine_id"] == "decode-engine"
+    assert pinned["params"]["remote_block_ids"] == [ids]
+
+
+def test_a_host_pinned_retention_released_mid_read_leaves_the_host_tier_at_its_unpin(
+        pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
+    keeper = host_only(pool, clock, host)
+    host.read_port = 41000
+    pinned = keeper.pin("a", 5, host_reads=True)
+    assert isinstance(pinned, dict)
+    assert in_thread(lambda: keeper.release("a")) is True
+    keeper.service()
+    # Released, but a read may be in flight: pinned as far as the host tier goes (its discard
+    # keeps what a pinned standing holds, its eviction never takes it) ...
+    assert keeper.standings()["a"].standing is Standing.PINNED
+    told = len(host.discarded)
+    # ... until the last pin goes: then the host tier hears the lease ended (again).
+    assert keeper.unpin(pinned["pin_id"])
+    keeper.service()
+    assert "a" not in keeper.standings()
+    assert len(host.discarded) == told + 1 and host.discarded[-1] == ["a"]
+
+
+def test_a_host_pin_lapses_like_a_device_pin(
+        pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
+    keeper = host_only(pool, clock, host)
+    host.read_port = 41000
+    pinned = keeper.pin("a", 5, host_reads=True)
+    assert isinstance(pinned, dict) and pinned["pin_expires_in"] == 5
+    clock.advance(6)
+    keeper.service()
+    assert not keeper.has_pins()
+    assert keeper.standings()["a"].standing is Standing.LEASED
+
+
+def test_a_newer_turn_does_not_unpin_the_host_blocks_a_read_of_the_older_one_holds(
+        pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
+    keeper = host_only(pool, clock, host)
+    host.read_port = 41000
+    pinned = keeper.pin("a", 5, host_reads=True)
+    assert isinstance(pinned, dict)
+    finish(pool, keeper, "a", "r2", 2)  # the next turn replaces the pinned retention
+    assert keeper.standings()["a"].standing is Standing.PINNED
+    assert keeper.unpin(pinned["pin_id"])
+    assert keeper.standings()["a"].standing is Standing.LEASED

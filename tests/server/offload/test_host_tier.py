@@ -34,6 +34,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 
+from kvturn_server.connector._params import HostRead
 from kvturn_server.connector._tiers import HostLoad, LeaseView, Standing, TierLink, tier_link
 from kvturn_server.offload import HostTierConnector
 from kvturn_server.offload._connector import FailedJob, HostWorkerMetadata, failed_jobs
@@ -499,3 +500,58 @@ def test_the_host_tier_connector_is_known_by_name_for_the_multiconnectors_stats(
         HostTierConnector
     rebuilt = MultiConnector.build_kv_connector_stats({"HostTierConnector": {}})
     assert rebuilt is not None and "HostTierConnector" in rebuilt.data
+
+
+# Host reads: where a prefill reads a conversation in host memory (``_reads.py``).
+
+
+def test_a_conversations_host_read_names_its_resident_rows_in_order(leases: Leases) -> None:
+    m = manager(16, leases)
+    request(m, "x1", keys("x", 2), "X")  # chunks 0 and 1
+    request(m, "a1", keys("a", 3), "A")
+    leases.lease("A")
+    assert m.host_read("A", "a1") is None  # the worker has not reported its side channel yet
+    m.read_port = 41000
+    read = m.host_read("A", "a1")
+    chunks = [m._policy.get(k).chunk_id for k in keys("a", 3)]  # type: ignore[union-attr]
+    assert read == HostRead("127.0.0.1", 41000, tuple(chunks))
+    assert m.host_read("nobody", "n1") is None
+    assert m.host_read("A", "a0") is None  # the order lists another turn's blocks
+    m.discard_keys(keys("a", 3)[1:2])  # a gap: only what a read could take from the start
+    read = m.host_read("A", "a1")
+    assert read is not None and read.rows == tuple(chunks[:1])
+
+
+def test_host_rows_count_every_device_block_of_a_chunk(leases: Leases) -> None:
+    link = tier_link(f"engine-{uuid.uuid4().hex}")
+    link.leases = leases
+    m = HostTierManager(link=link, tokens_per_block=2 * TOKENS, num_chunks=8,
+                        cache_policy="kvturn", blocks_per_chunk=2)
+    request(m, "a1", keys("a", 2), "A")
+    m.read_port = 41000
+    chunks = [m._policy.get(k).chunk_id for k in keys("a", 2)]  # type: ignore[union-attr]
+    read = m.host_read("A", "a1")
+    assert read is not None
+    assert read.rows == tuple(r for c in chunks for r in (2 * c, 2 * c + 1))
+
+
+def test_a_host_pin_keeps_a_released_conversations_blocks_until_it_goes(
+        leases: Leases) -> None:
+    m = manager(8, leases)
+    request(m, "a1", keys("a", 2), "A")
+    leases.lease("A", Standing.PINNED)  # released while pinned: the table still says pinned
+    assert m.discard(["A"]) == 0 and all(present(m, keys("a", 2)))
+    del leases.live["A"]  # the last pin went
+    assert m.discard(["A"]) == 2
+
+
+def test_the_read_side_channel_reaches_the_scheduler_side_once() -> None:
+    _, caches = kv_caches(4)
+    worker = HostCopyWorker(caches, 1, num_chunks=2)
+    assert worker.take_read_port() is None  # serves no reads
+    worker.read_endpoint = SimpleNamespace(port=41000, drain=lambda: 0,  # type: ignore[assignment]
+                                           close=lambda: None)
+    assert worker.take_read_port() == 41000 and worker.take_read_port() is None
+    one = HostWorkerMetadata(completed_jobs={}, read_port=41000)
+    merged = HostWorkerMetadata(completed_jobs={}).aggregate(one)
+    assert isinstance(merged, HostWorkerMetadata) and merged.read_port == 41000

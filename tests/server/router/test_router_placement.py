@@ -23,7 +23,7 @@ from kvturn_server.router._placement import (
 )
 from kvturn_server.router._pool import Backend, Pool
 from kvturn_server.router._state import Placement
-from tests.fakes.backends import Cluster
+from tests.fakes.backends import Cluster, wait_for
 from tests.fakes.router_harness import MakeHarness
 
 KEY = conversation_key("c", None)
@@ -259,6 +259,28 @@ async def test_a_host_only_history_not_continued_is_recomputed_and_kept(
     assert metric(h, "kvturn_router_stale_handles_total", reason="evicted") == 0
     assert metric(h, "kvturn_router_not_continued_total",
                   why="too_long" if continue_tokens else "off") == 1
+
+
+async def test_a_host_only_history_not_continued_is_read_from_the_host_tier_when_served(
+        make_harness: MakeHarness) -> None:
+    cluster = Cluster()
+    h = await make_harness(cluster, decode_continue_tokens=512, decode_continue_host_tokens=0)
+    await h.chat("c", messages=[U1])
+    decode = cluster.decodes[0]
+    decode.host_only[KEY] = 64
+    decode.host_reads = True
+    resp = await h.chat("c", messages=turn2(LONG_TOOL))
+    assert resp.headers["X-KVTurn-Route"] == "prefill"
+    pins = [e.body for e in cluster.calls("decode0.control", "POST")
+            if e.path.endswith("/pin")]
+    # The first pin answers host_tokens; not continued there, the second asks a host read.
+    assert [p.get("host_reads") for p in pins] == [None, True]
+    params = cluster.bodies("prefill0")[-1]["kv_transfer_params"]
+    assert (params["remote_engine_id"], params["remote_port"]) == \
+        (f"{decode.engine_id}-host", 41000)
+    assert resp.headers["X-KVTurn-Reuse"] != "stale"  # what the prefill's report says
+    await wait_for(lambda: bool(decode.unpinned))  # the host pin goes with the leg
+    assert not decode.pins
 
 
 async def test_a_host_continuation_whose_decode_fails_first_takes_the_prefill_path(

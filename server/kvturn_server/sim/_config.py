@@ -337,3 +337,9 @@ class SimSettings:
     """What the prefill connector is configured with (``compute_tokens_per_s`` in
     ``kv_connector_extra_config``) for its read-or-compute decision; None: the profile's rate,
     as a calibrated connector would measure it. Timings always follow the profile."""
+
+    def host_load_s(self, blocks: int) -> float:
+        """Reading ``blocks`` back from a host tier (PCIe), one more engine step included."""
+        assert self.cost.host_read_gbps is not None
+        return self.cost.read_fixed_ms / 1e3 + blocks * self.fleet.block_bytes \
+            / (self.cost.host_read_gbps * 1e9)

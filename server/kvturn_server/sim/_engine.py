@@ -12,7 +12,8 @@ calls: a pin is the table's pin, a prefill leg's reuse report is what ``decide_r
 A turn runs the router's steps (``router/_turn.py``): the record looked up, the route planned
 (the decode alone, or a prefill chosen and the retention pinned for it or not; a pin that finds
 the retention in the decode's host tier alone may move the turn to that decode:
-:func:`plan_host_route`), the prefill's hit, read and compute (FIFO behind its other work), a
+:func:`plan_host_route`; if not, the prefill reads it from that host tier), the prefill's hit,
+read and compute (FIFO behind its other work), a
 decode chosen, its blocks allocated (evicting retentions rather than starving) and the missing
 KV pulled, the reply decoded, the turn retained (or left in the decode's prefix cache) and
 recorded, an older retention on another decode released; then the agent's tool gap, with its
@@ -263,13 +264,6 @@ class Simulation:
 
     # The prefill leg.
 
-    def _host_load_s(self, blocks: int) -> float:
-        """Reading ``blocks`` back from a host tier (PCIe), one more engine step included."""
-        cost = self.s.cost
-        assert cost.host_read_gbps is not None
-        return cost.read_fixed_ms / 1e3 + blocks * self.s.fleet.block_bytes \
-            / (cost.host_read_gbps * 1e9)
-
     def _prefill(self, turn: Turn) -> None:
         s, bs = self.s, self.block_size
         prefill = turn.prefill
@@ -278,6 +272,7 @@ class Simulation:
         key, hashes = turn.conv.cid, turn.hashes
         pin = None
         decode = None
+        host_hashes: tuple[bytes, ...] = ()
         placement = turn.placement
         # The router's pin decision, then its pin (the control call is the table's pin).
         plan = routing.plan_pin(self.plan, placement=placement, holder=turn.holder,
@@ -298,6 +293,9 @@ class Simulation:
                     turn.reason = routing.gone_reuse(GoneReason.EVICTED)
                     if self._host_continue(turn, host_tokens):
                         return
+                    # Not continued: the router pins it again with host_reads, and the
+                    # prefill reads the history from the decode's host tier over NIXL.
+                    host_hashes = decode.host_readable(key, bs)
                 elif pin is None:
                     refused = routing.pin_gone(decode.table.gone_reason(key))
             if refused is not None:
@@ -310,21 +308,24 @@ class Simulation:
         if sim.host is not None:
             held = sim.host.lookup(key, hashes)
             if held > own:
-                load_s, own = self._host_load_s(held - own), held
+                load_s, own = self.s.host_load_s(held - own), held
         system = system_blocks(turn.conv, self.block_size)
         shared = min(sim.held_blocks(SHARED_SYSTEM), system, full) if system else 0
         local = max(own, shared) * bs
-        turn.pinned = pin is not None
+        offered = pin is not None or bool(host_hashes)
+        turn.pinned = offered
         read_tokens = 0
         read_s = 0.0
         # What the prefill's connector reports (``kvturn.reuse``): its own hit, and what it read.
         report = ReuseReport(ReuseReason.MISS, 0, local)
-        if pin is not None:
-            retention = pin[0]
+        if offered:
+            # A device pin's blocks, or a host-only retention's rows (ids: any distinct ones).
+            retained = (pin[0].block_hashes, pin[0].readable_block_ids) if pin is not None \
+                else (host_hashes, tuple(range(len(host_hashes))))
             decision = decide_reuse(
                 prompt_hashes=hashes, local_hit_tokens=local,
-                retained_hashes=retention.block_hashes,
-                retained_block_ids=retention.readable_block_ids, block_size=bs,
+                retained_hashes=retained[0],
+                retained_block_ids=retained[1], block_size=bs,
                 threshold=s.router.recompute_threshold, expired=False, engine_known=True,
                 enabled=True, cost=self.decision_model.estimate)
             read_tokens = decision.num_tokens
@@ -335,7 +336,7 @@ class Simulation:
             report = ReuseReport(decision.reason, read_tokens, local, declined)
         turn.prefill_report = report
         settled = routing.settle_prefill(
-            report, read_offered=pin is not None, pin_skipped=plan.skipped,
+            report, read_offered=offered, pin_skipped=plan.skipped,
             prompt_tokens=turn.prompt, block_size=placement.block_size if placement else 0)
         if settled is not None:
             turn.reason = settled.reason
@@ -401,7 +402,7 @@ class Simulation:
         if decode.host is not None:
             held = decode.host.lookup(turn.conv.cid, turn.hashes)
             if held > verified:
-                load_s, verified = self._host_load_s(held - verified), held
+                load_s, verified = self.s.host_load_s(held - verified), held
         start = max(self.now, turn.ready_at) + load_s
         hit = max(system_blocks(turn.conv, bs), verified) * bs  # the system prompt is hot
         if turn.route is Route.DECODE:

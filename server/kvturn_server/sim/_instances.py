@@ -282,6 +282,14 @@ class SimDecode:
         return min(self.host.resident(key, retention.block_hashes) * block_size,
                    retention.num_tokens)
 
+    def host_readable(self, key: str, block_size: int) -> tuple[bytes, ...]:
+        """The hashes of ``key``'s host-only retention that its host tier holds from the start:
+        what a pin with ``host_reads`` offers a prefill to read from host memory (the keeper's
+        host rows, ``offload/_reads.py``); empty when it is not host-only."""
+        tokens = self.host_tokens(key, block_size)
+        retention = self.table.get(key) if tokens else None
+        return () if retention is None else retention.block_hashes[:tokens // block_size]
+
     def keep_in_host(self, key: str, hashes: Sequence[bytes]) -> list[str]:
         """A finished request's blocks copied to the host tier (vLLM's offloading stores every
         computed block); returns the conversations whose host copy went (:meth:`host_lost`)."""

@@ -1,7 +1,8 @@
 """kvturn with a host tier in the simulator (``kvturn-host``): a retention live requests evict
 from a decode keeps its lease there, host-only, as the connector's table with ``host_tier``
 keeps it; a longer turn whose pin finds it so continues on that decode (the router's
-``plan_host_route``) instead of a prefill recompute; the host tier dropping the copy ends it."""
+``plan_host_route``), or else a prefill reads it from that host tier instead of recomputing it;
+the host tier dropping the copy ends it."""
 
 from __future__ import annotations
 
@@ -82,18 +83,19 @@ def test_a_host_only_retention_s_long_turn_continues_on_its_decode() -> None:
     assert [b.continuing for b in sim.decode_pool.members] == [0]
 
 
-def test_without_host_continuation_a_prefill_recomputes_it() -> None:
+def test_without_host_continuation_the_prefill_reads_it_from_the_decode_s_host_tier() -> None:
     sim = _Watched(host_gib=256 * BLOCK_GIB, host_tokens=0)
     summary = sim.run().summary()
     turn = sim.turns["a1"]
-    # The old behaviour: the pin's 404 leaves the turn on the prefill path, unpinned; its
-    # prefill reads nothing of the retention and computes all its own caches lack: the reply
-    # of the history (its host tier kept the first prompt) and the new tokens.
-    assert (turn.where, turn.route, turn.pinned) == (TurnPath.PREFILL, Route.PREFILL, False)
+    # Not continued on the decode: the router pins the host-only retention again with
+    # host_reads, and the prefill reads from the decode's host tier what its own caches lack
+    # (its host tier kept the first prompt, not the reply), then computes the new tokens.
+    assert (turn.where, turn.route, turn.pinned) == (TurnPath.PREFILL, Route.PREFILL, True)
     assert turn.local_hit == A.prompt_tokens(0) // BS * BS
-    assert turn.computed == A.prompt_tokens(1) - turn.local_hit
-    assert turn.computed > A.prompt_tokens(1) - _history(A) + A.replies[0] - BS
-    assert turn.reason is ReuseReason.STALE
+    assert turn.prefill_report is not None
+    assert turn.prefill_report.reused_tokens == _history(A) - turn.local_hit > 0
+    assert turn.computed == A.prompt_tokens(1) - _history(A)
+    assert turn.reason is ReuseReason.PARTIAL
     assert summary["routes"] == {"prefill": 3}
     # The router kept the record (the lease went on): the turn went back to "a"'s decode.
     assert turn.decode is not None and turn.decode.url == "d0"

@@ -46,6 +46,10 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
         # conversation -> its last finished turn (request id) and that turn's blocks a host
         # read may name: from its first, each at its own position (``resident_chunks``)
         self._turn_of: dict[str, tuple[str, tuple[OffloadKey, ...]]] = {}
+        # conversation -> the keys its last host read was handed (``resident_chunks``): kept
+        # from eviction while its standing is pinned, owned or not (a later turn of the
+        # conversation may have dropped some from its list while the read is in flight)
+        self._reading: dict[str, tuple[OffloadKey, ...]] = {}
         self.store_one_offs = True  # the manager sets it from its config
         # Tokens of one host block (chunk), the step of vLLM's offload key positions; 0:
         # unknown, and no host reads (the manager sets it).
@@ -75,11 +79,14 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
                 if chunk is None or not chunk.is_ready:
                     break
                 chunks.append(chunk.chunk_id)
+            if chunks:
+                self._reading[conversation] = turn[1][:len(chunks)]
             return chunks
 
     def drop(self, conversation: str, live: Iterable[str]) -> list[OffloadKey]:
         with self._lock:
             self._turn_of.pop(conversation, None)
+            self._reading.pop(conversation, None)
             return self.order.drop(conversation, set(live))
 
     def take_evicted(self) -> dict[str, int]:
@@ -143,6 +150,12 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
                 view = standings.get(conversation)
                 if view is None or view.standing < Standing.PINNED:
                     standings[conversation] = LeaseView(Standing.LEASED, math.inf)
+            for conversation in [c for c in self._reading
+                                 if (v := standings.get(c)) is None
+                                 or v.standing < Standing.PINNED]:
+                del self._reading[conversation]  # its reads are over
+            if self._reading:
+                protected = {*protected, *(k for keys in self._reading.values() for k in keys)}
             chosen = self.order.evict(n, protected, standings)
             if chosen is None:
                 return None
@@ -161,6 +174,7 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
             self.chunks.clear()
             self._running.clear()
             self._turn_of.clear()
+            self._reading.clear()
             self.order = HostOrder()
 
     def mark_evictable(self, key: OffloadKey) -> None:

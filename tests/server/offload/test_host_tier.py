@@ -573,6 +573,23 @@ def test_a_host_read_never_names_a_block_whose_store_is_in_flight(leases: Leases
     assert read is not None and read.rows == tuple(chunks)
 
 
+def test_blocks_a_host_read_was_handed_stay_while_pinned_even_once_disowned(
+        leases: Leases) -> None:
+    m = manager(4, leases)
+    m.read_port = 41000
+    history = keys("a", 3)
+    request(m, "a1", history, "A")
+    leases.lease("A", Standing.PINNED)  # pinned for a prefill's read of a1's host rows
+    assert m.host_read("A", "a1") is not None
+    # A later turn of A, not retained, lists other blocks than a1's third: that one is owned
+    # by nobody now, and would be the first to go.
+    request(m, "a2", [*history[:2], key("b0")], "A")
+    assert request(m, "y1", keys("y", 1)) is None  # no room: the read's blocks stay
+    assert all(present(m, history))
+    leases.lease("A")  # the pin went
+    assert request(m, "y1", keys("y", 1)) == [history[2]]
+
+
 def test_host_rows_count_every_device_block_of_a_chunk(leases: Leases) -> None:
     link = tier_link(f"engine-{uuid.uuid4().hex}")
     link.leases = leases

@@ -60,6 +60,7 @@ class HostTierManager(CPUOffloadingManager):  # type: ignore[misc]
         if isinstance(self._policy, LeasedCachePolicy):
             self._policy.link = link
             self._policy.store_one_offs = store_one_offs
+            self._policy.tokens_per_chunk = tokens_per_block
         link.host = self
 
     # kvturn's HostTier: what the keeper and the decode side ask.

@@ -43,9 +43,17 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
         self.evicted: dict[str, int] = {}  # blocks evicted by standing, since taken
         self.evicted_total: dict[str, int] = {}
         self._running: dict[str, str] = {}  # request id -> conversation, turns in progress
-        # conversation -> the request whose blocks the order lists as its turn (last finished)
-        self._turn_of: dict[str, str] = {}
+        # conversation -> its last finished turn (request id) and that turn's blocks a host
+        # read may name: from its first, each at its own position (``resident_chunks``)
+        self._turn_of: dict[str, tuple[str, tuple[OffloadKey, ...]]] = {}
+        # conversation -> the keys its last host read was handed (``resident_chunks``): kept
+        # from eviction while its standing is pinned, owned or not (a later turn of the
+        # conversation may have dropped some from its list while the read is in flight)
+        self._reading: dict[str, tuple[OffloadKey, ...]] = {}
         self.store_one_offs = True  # the manager sets it from its config
+        # Tokens of one host block (chunk), the step of vLLM's offload key positions; 0:
+        # unknown, and no host reads (the manager sets it).
+        self.tokens_per_chunk = 0
         self._lock = threading.Lock()
 
     # What the keeper asks (any thread).
@@ -55,18 +63,30 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
             return self.order.resident_prefix(conversation)
 
     def resident_chunks(self, conversation: str, request_id: str) -> list[int]:
-        """Chunk ids of the conversation's resident blocks from its first, without a gap, when
-        they are those of its turn ``request_id`` (else none: a later turn that was not
-        retained may have listed other blocks, and a read must get the retention's own)."""
+        """Chunk ids of the blocks of the conversation's turn ``request_id`` from its first
+        that are resident and written, without a gap (else none: a later turn that was not
+        retained may have listed other blocks, and a read must get the retention's own).
+
+        The i-th id holds the turn's i-th block: the turn's keys were checked against their
+        positions when it finished, and a block whose store is still in flight ends the list."""
         with self._lock:
-            if self._turn_of.get(conversation) != request_id:
+            turn = self._turn_of.get(conversation)
+            if turn is None or turn[0] != request_id:
                 return []
-            return [self.chunks[key].chunk_id
-                    for key in self.order.resident_keys(conversation)]
+            chunks: list[int] = []
+            for key in turn[1]:
+                chunk = self.chunks.get(key)
+                if chunk is None or not chunk.is_ready:
+                    break
+                chunks.append(chunk.chunk_id)
+            if chunks:
+                self._reading[conversation] = turn[1][:len(chunks)]
+            return chunks
 
     def drop(self, conversation: str, live: Iterable[str]) -> list[OffloadKey]:
         with self._lock:
             self._turn_of.pop(conversation, None)
+            self._reading.pop(conversation, None)
             return self.order.drop(conversation, set(live))
 
     def take_evicted(self) -> dict[str, int]:
@@ -117,7 +137,8 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
             self._running.pop(req_context.req_id, None)
             self.order.finish(conversation, keys)
             if conversation is not None:
-                self._turn_of[conversation] = req_context.req_id
+                self._turn_of[conversation] = (req_context.req_id,
+                                               self._in_place(keys, req_context))
 
     def evict(self, n: int,
               protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
@@ -129,6 +150,12 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
                 view = standings.get(conversation)
                 if view is None or view.standing < Standing.PINNED:
                     standings[conversation] = LeaseView(Standing.LEASED, math.inf)
+            for conversation in [c for c in self._reading
+                                 if (v := standings.get(c)) is None
+                                 or v.standing < Standing.PINNED]:
+                del self._reading[conversation]  # its reads are over
+            if self._reading:
+                protected = {*protected, *(k for keys in self._reading.values() for k in keys)}
             chosen = self.order.evict(n, protected, standings)
             if chosen is None:
                 return None
@@ -147,6 +174,7 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
             self.chunks.clear()
             self._running.clear()
             self._turn_of.clear()
+            self._reading.clear()
             self.order = HostOrder()
 
     def mark_evictable(self, key: OffloadKey) -> None:
@@ -156,6 +184,21 @@ class LeasedCachePolicy(CachePolicy):  # type: ignore[misc]
     def mark_non_evictable(self, key: OffloadKey) -> None:
         with self._lock:
             self.order.mark_busy(key)
+
+    def _in_place(self, keys: Sequence[OffloadKey],
+                  req_context: ReqContext) -> tuple[OffloadKey, ...]:
+        """The request's keys from its first block while the i-th is its i-th block (vLLM's
+        position of a key is the end token of its chunk). vLLM lists only the keys a request
+        stored, loaded or found ready: one another request was still storing is missing, and
+        so are the device prefix-cache hits before a load from here (vLLM's chunk-level
+        policy); every later key would name another block than the one a read expects."""
+        step = self.tokens_per_chunk
+        out: list[OffloadKey] = []
+        for i, key in enumerate(keys):
+            if step <= 0 or req_context.get_offload_key_position(key) != (i + 1) * step:
+                break
+            out.append(key)
+        return tuple(out)
 
     def _owner(self, req_context: ReqContext) -> str | None:
         """The request's conversation, when this engine has kvturn's leases to order by."""

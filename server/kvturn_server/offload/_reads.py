@@ -41,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlHandshakePayload,
 )
 
+from kvturn_server._control_secret import is_loopback
 from kvturn_server.connector import HOST_ENGINE_SUFFIX
 from kvturn_server.offload._regions import HostRegions, TensorPair, host_regions
 
@@ -122,11 +123,14 @@ class HostReadEndpoint:
         try:
             while not self._stop.is_set():
                 try:
-                    identity, _, message = sock.recv_multipart()
+                    frames = sock.recv_multipart()
                 except zmq.Again:
                     continue
+                # A REQ peer's message is three frames here; any other shape is garbage too
+                # (unpacking it would stop the channel for every prefill after it).
+                identity, message = frames[0], frames[-1] if len(frames) == 3 else b""
                 try:
-                    request = msgspec.msgpack.decode(message)
+                    request = msgspec.msgpack.decode(message) if message else None
                 except msgspec.DecodeError:
                     request = None
                 if not isinstance(request, list) or not request or request[0] != GET_META_MSG:
@@ -158,12 +162,19 @@ class HostReadEndpoint:
             log.exception("host KV tier: deregistering the host tensors from NIXL failed")
 
 
+def vllm_side_channel_host() -> str:
+    """Where the decode's own NIXL side channel listens (``VLLM_NIXL_SIDE_CHANNEL_HOST``)."""
+    from vllm import envs
+
+    return str(envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
+
+
 def start_endpoint(engine_id: str, device: list[torch.Tensor], host: list[torch.Tensor],
                    pages: list[int]) -> HostReadEndpoint | None:
     """The host tier's read endpoint for the decode ``engine_id`` of this worker process, or
     None (logged) when prefills cannot read it: no kvturn NIXL worker registered here (a host
-    tier without kvturn's connector, or built before it), or a layout whose regions have no
-    host twins."""
+    tier without kvturn's connector, or built before it), a decode whose side channel is not
+    on loopback (prefills on other hosts), or a layout whose regions have no host twins."""
     from kvturn_server.connector import registered_nixl_worker
 
     worker = registered_nixl_worker(engine_id)
@@ -173,6 +184,15 @@ def start_endpoint(engine_id: str, device: list[torch.Tensor], host: list[torch.
         return None
     if worker.vllm_config.kv_transfer_config.kv_role != "kv_consumer":
         return None  # a prefill: nobody reads its host tier (only decodes retain)
+    side_channel = vllm_side_channel_host()
+    if not is_loopback(side_channel):
+        # The decode advertises its side channel at a fleet address: its prefills may be on
+        # other hosts, where the loopback address a host read names is their own, and each
+        # would wait out vLLM's handshake timeout before recomputing.
+        log.warning("host KV tier: the decode's NIXL side channel is at %s, not loopback; "
+                    "prefills on other hosts cannot reach the host tier's side channel, so "
+                    "none read host memory", side_channel)
+        return None
     if worker.world_size != 1:
         log.warning("host KV tier: host reads need one tensor-parallel rank, this decode has "
                     "%d; prefills cannot read host memory", worker.world_size)

@@ -97,12 +97,20 @@ def request(m: CPUOffloadingManager, request_id: str, blocks: list[OffloadKey],
     """A request stores ``blocks`` the way vLLM's connector does (prepare, copy, complete) and
     finishes; what the store evicted, or None when it could not store."""
     ctx = context(request_id, conversation)
+    positions(m, ctx, blocks)
     m.on_new_request(ctx)
     out = m.prepare_store(blocks, ctx)
     if out is not None:
         m.complete_store(out.keys_to_store, ctx)
     m.on_request_finished(ctx)
     return None if out is None else list(out.evicted_keys)
+
+
+def positions(m: CPUOffloadingManager, ctx: ReqContext, blocks: list[OffloadKey]) -> None:
+    """Each block's end token in its request, as vLLM's offloading scheduler records it."""
+    step = getattr(m, "tokens_per_block", TOKENS)
+    for i, block in enumerate(blocks):
+        ctx.set_offload_key_position(block, (i + 1) * step)
 
 
 def present(m: CPUOffloadingManager, blocks: list[OffloadKey]) -> list[bool]:
@@ -520,6 +528,66 @@ def test_a_conversations_host_read_names_its_resident_rows_in_order(leases: Leas
     m.discard_keys(keys("a", 3)[1:2])  # a gap: only what a read could take from the start
     read = m.host_read("A", "a1")
     assert read is not None and read.rows == tuple(chunks[:1])
+
+
+def test_a_host_read_stops_where_vllm_listed_a_block_out_of_place(leases: Leases) -> None:
+    # B, sharing A's first two blocks (one system prompt), was still storing them when A
+    # offered them: vLLM lists only what A stored or found ready, so A's list starts at its
+    # third block, and a read taking it from the first would get blocks 2 and 3 as 0 and 1.
+    m = manager(16, leases)
+    m.read_port = 41000
+    history = keys("a", 4)
+    other = context("b1", "B")
+    positions(m, other, history[:2])
+    m.on_new_request(other)
+    pending = m.prepare_store(history[:2], other)
+    assert pending is not None
+    request(m, "a1", history, "A")
+    m.complete_store(pending.keys_to_store, other)
+    m.on_request_finished(other)
+    assert all(present(m, history))
+    read = m.host_read("A", "a1")
+    assert read is None  # A listed neither of B's blocks: nothing of its own from its first
+    request(m, "a2", history, "A")  # the next turn finds all four ready
+    read = m.host_read("A", "a2")
+    chunks = [m._policy.get(k).chunk_id for k in history]  # type: ignore[union-attr]
+    assert read is not None and read.rows == tuple(chunks)
+
+
+def test_a_host_read_never_names_a_block_whose_store_is_in_flight(leases: Leases) -> None:
+    m = manager(16, leases)
+    m.read_port = 41000
+    history = keys("a", 3)
+    ctx = context("a1", "A")
+    positions(m, ctx, history)
+    m.on_new_request(ctx)
+    out = m.prepare_store(history, ctx)
+    assert out is not None
+    m.complete_store([history[0], history[2]], ctx)  # the second block's copy is in flight
+    m.on_request_finished(ctx)
+    chunks = [m._policy.get(k).chunk_id for k in history]  # type: ignore[union-attr]
+    read = m.host_read("A", "a1")
+    assert read is not None and read.rows == tuple(chunks[:1])
+    m.complete_store([history[1]], ctx)
+    read = m.host_read("A", "a1")
+    assert read is not None and read.rows == tuple(chunks)
+
+
+def test_blocks_a_host_read_was_handed_stay_while_pinned_even_once_disowned(
+        leases: Leases) -> None:
+    m = manager(4, leases)
+    m.read_port = 41000
+    history = keys("a", 3)
+    request(m, "a1", history, "A")
+    leases.lease("A", Standing.PINNED)  # pinned for a prefill's read of a1's host rows
+    assert m.host_read("A", "a1") is not None
+    # A later turn of A, not retained, lists other blocks than a1's third: that one is owned
+    # by nobody now, and would be the first to go.
+    request(m, "a2", [*history[:2], key("b0")], "A")
+    assert request(m, "y1", keys("y", 1)) is None  # no room: the read's blocks stay
+    assert all(present(m, history))
+    leases.lease("A")  # the pin went
+    assert request(m, "y1", keys("y", 1)) == [history[2]]
 
 
 def test_host_rows_count_every_device_block_of_a_chunk(leases: Leases) -> None:

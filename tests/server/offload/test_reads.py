@@ -78,6 +78,33 @@ def test_host_reads_are_on_unless_the_host_tier_says_false() -> None:
         host_reads({"host_reads": "no"})
 
 
+def test_a_decode_whose_side_channel_is_not_on_loopback_serves_no_host_reads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A host read names the host tier's loopback side channel: a prefill on another host
+    # would dial its own loopback and wait out vLLM's handshake timeout before recomputing.
+    from types import SimpleNamespace
+
+    from kvturn_server.connector import _worker
+    from kvturn_server.offload import _reads
+
+    decode = SimpleNamespace(
+        xfer_handshake_metadata=object(), world_size=1, nixl_backends=["UCX"],
+        vllm_config=SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_role="kv_consumer")))
+    monkeypatch.setitem(_worker._registered, "dec", decode)  # type: ignore[arg-type]
+    built: list[tuple[object, ...]] = []
+
+    def endpoint(*args: object) -> tuple[object, ...]:
+        built.append(args)
+        return args
+
+    monkeypatch.setattr(_reads, "HostReadEndpoint", endpoint)
+    for side_channel, serves in (("10.0.0.7", False), ("localhost", True),
+                                 ("127.0.0.4", True)):
+        monkeypatch.setattr(_reads, "vllm_side_channel_host", lambda at=side_channel: at)
+        assert (_reads.start_endpoint("dec", [], [], []) is not None) is serves, side_channel
+    assert len(built) == 2
+
+
 def test_the_side_channel_answers_vllms_handshake_and_survives_garbage() -> None:
     """A real NIXL agent over real tensors, asked the way vLLM's prefill asks
     (``NixlConnectorWorker._nixl_handshake``): the reply is the payload and a clock."""
@@ -108,6 +135,8 @@ def test_the_side_channel_answers_vllms_handshake_and_survives_garbage() -> None
         garbage = context.socket(zmq.DEALER)
         garbage.connect(f"tcp://127.0.0.1:{endpoint.port}")
         garbage.send_multipart([b"", b"\xc1not msgpack"])
+        garbage.send_multipart([b"one frame, no delimiter"])  # not three frames at the router
+        garbage.send_multipart([b"", b"a", b"b"])
         ask = context.socket(zmq.REQ)
         ask.setsockopt(zmq.RCVTIMEO, 5000)
         ask.connect(f"tcp://127.0.0.1:{endpoint.port}")

@@ -119,6 +119,31 @@ def turn(cfg: StackConfig, client: OpenAI, conversation: str,
     return answer
 
 
+def host_only_history(cfg: StackConfig, client: OpenAI, router_url: str, words: Words,
+                      name: str, next_words: int) -> tuple[str, list[dict[str, Any]], int,
+                                                            dict[str, Any]]:
+    """A conversation whose history the decode keeps in host memory alone: a first turn, a
+    short one the decode continues (the prefill's own cache lacks it from then on, as in an
+    agent loop where most turns never reach a prefill, so a pin is worth asking for), its
+    whole turn copied to the host tier, then another conversation's long turn that pushes it
+    out of the decode's device KV while a keepalive holds its lease. Its key, history, retained
+    tokens and the decode's description of it."""
+    key = f"host-{name}-{uuid.uuid4().hex[:8]}"
+    history: list[dict[str, Any]] = [{"role": "user", "content": words.text(key, SHORT_WORDS)}]
+    turn(cfg, client, key, history)
+    history.append({"role": "user", "content": words.text("and", next_words)})
+    assert turn(cfg, client, key, history).headers["x-kvturn-route"] == "decode"
+    tokens = describe(cfg, key)[1]["num_tokens"]
+    wait_until(lambda: describe(cfg, key)[1].get("host_tokens") == tokens, 10,
+               f"{key}'s whole turn in host memory")
+    conversation_call(cfg, key, "POST", "/keepalive", router_url)
+    other = f"host-{name}-long-{uuid.uuid4().hex[:8]}"
+    turn(cfg, client, other, [{"role": "user", "content": words.text(other, LONG_WORDS)}])
+    status, spilled = describe(cfg, key)
+    assert status == 200 and spilled["where"] == "host", spilled
+    return key, history, tokens, spilled
+
+
 def conversation_call(cfg: StackConfig, conversation: str, method: str, suffix: str = "",
                       router_url: str | None = None) -> None:
     """The router's conversation endpoint, as the SDK calls it (keepalive, release)."""
@@ -306,21 +331,7 @@ def test_a_long_turn_whose_history_only_host_memory_holds_continues_on_the_decod
     router_url = router_at_512
     client = OpenAI(base_url=f"{router_url}/v1", api_key=API_KEY, max_retries=0)
     words = Words(seed=28)
-    e = f"host-e-{uuid.uuid4().hex[:8]}"
-    history: list[dict[str, Any]] = [{"role": "user", "content": words.text(e, SHORT_WORDS)}]
-    turn(cfg, client, e, history)
-    # A short turn the decode continues: the prefill's own cache lacks it from now on (as in
-    # an agent loop, where most turns never reach a prefill), so a pin is worth asking for.
-    history.append({"role": "user", "content": words.text("and", 20)})
-    assert turn(cfg, client, e, history).headers["x-kvturn-route"] == "decode"
-    e_tokens = describe(cfg, e)[1]["num_tokens"]
-    wait_until(lambda: describe(cfg, e)[1].get("host_tokens") == e_tokens, 10,
-               "E's whole turn in host memory")
-    conversation_call(cfg, e, "POST", "/keepalive", router_url)
-    f = f"host-f-{uuid.uuid4().hex[:8]}"
-    turn(cfg, client, f, [{"role": "user", "content": words.text(f, LONG_WORDS)}])
-    status, spilled = describe(cfg, e)
-    assert status == 200 and spilled["where"] == "host", spilled
+    e, history, e_tokens, spilled = host_only_history(cfg, client, router_url, words, "e", 20)
     assert spilled["host_tokens"] == e_tokens, spilled
 
     # Twice as long as E's history: well past this router's decode_continue_tokens (512).
@@ -371,21 +382,7 @@ def test_a_prefill_reads_a_history_only_host_memory_holds_from_the_decodes_host_
     router_url = router_reading_host
     client = OpenAI(base_url=f"{router_url}/v1", api_key=API_KEY, max_retries=0)
     words = Words(seed=29)
-    g = f"host-g-{uuid.uuid4().hex[:8]}"
-    history: list[dict[str, Any]] = [{"role": "user", "content": words.text(g, SHORT_WORDS)}]
-    turn(cfg, client, g, history)
-    # A turn the decode continues (under 512 new tokens): the prefill's own cache lacks its
-    # blocks from now on, so the retention holds more than the prefill and a pin is worth it.
-    history.append({"role": "user", "content": words.text("and", 60)})
-    assert turn(cfg, client, g, history).headers["x-kvturn-route"] == "decode"
-    g_tokens = describe(cfg, g)[1]["num_tokens"]
-    wait_until(lambda: describe(cfg, g)[1].get("host_tokens") == g_tokens, 10,
-               "G's whole turn in host memory")
-    conversation_call(cfg, g, "POST", "/keepalive", router_url)
-    h = f"host-h-{uuid.uuid4().hex[:8]}"
-    turn(cfg, client, h, [{"role": "user", "content": words.text(h, LONG_WORDS)}])
-    status, spilled = describe(cfg, g)
-    assert status == 200 and spilled["where"] == "host", spilled
+    g, history, g_tokens, _ = host_only_history(cfg, client, router_url, words, "g", 60)
 
     # Past the router's 512 tokens: the prefill path; the host-only history is not continued.
     history.append({"role": "user", "content": words.text("then read", 2 * SHORT_WORDS)})

@@ -263,8 +263,9 @@ class RetentionKeeper:
             if pinned is None and (host_only is None or host_only.on_device):
                 return Gone(key, table.gone_reason(key))
         if host_only is not None:
-            # Nothing a prefill could read, but this decode can still load it for a turn it
-            # continues itself (the router's choice: plan_host_route).
+            # Nothing a prefill could read on the device (a pin with host_reads reads the host
+            # tier: _pin_host), but this decode can still load it for a turn it continues
+            # itself (the router's choice: plan_host_route).
             placed = self._placed(host_only, {})
             if isinstance(placed, Gone):
                 return placed

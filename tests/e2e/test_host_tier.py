@@ -386,9 +386,14 @@ def test_a_prefill_reads_a_history_only_host_memory_holds_from_the_decodes_host_
 
     # Past the router's 512 tokens: the prefill path; the host-only history is not continued.
     history.append({"role": "user", "content": words.text("then read", 2 * SHORT_WORDS)})
+    host_pins = retention_stats(cfg.decode_control_url)["events"]["host_pinned"]
     with Delta(cfg.prefill_url) as p:
         third = turn(cfg, client, g, history)
     assert third.headers["x-kvturn-route"] == "prefill", third.headers
+    # The decode counts the pin it gave for a read of its host tier (and in its metrics).
+    assert retention_stats(cfg.decode_control_url)["events"]["host_pinned"] == host_pins + 1
+    wait_until(lambda: total(scrape(cfg.decode_url), "kvturn:retention_events_total",
+                             event="host_pinned") >= 1, 10, "the host pin in the metrics")
     read = p.value
     assert read is not None
     # Over NIXL (the prefill's own host tier counts apart), whole blocks: from the decode's

@@ -43,7 +43,7 @@ from kvturn_server.connector._retention import RetentionTable
 from kvturn_server.connector._tiers import HostTier, LeaseView
 
 RETENTION_EVENTS = ("created", "renewed", "released", "expired", "evicted", "replaced",
-                    "refused", "pinned", "host_evicted")
+                    "refused", "pinned", "host_evicted", "host_pinned")
 
 
 class BlockPool(Protocol):
@@ -483,7 +483,7 @@ class RetentionKeeper:
     def _snapshot(table: RetentionTable) -> tuple[int, ...]:
         s = table.stats
         return (s.created, s.renewed, s.released, s.expired, s.evicted, s.replaced, s.refused,
-                s.pinned, s.host_evicted)
+                s.pinned, s.host_evicted, s.host_pinned)
 
     def _count(self, table: RetentionTable, before: tuple[int, ...]) -> None:
         # Events are derived from the table's counters so that no code path can forget one;

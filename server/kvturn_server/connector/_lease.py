@@ -92,7 +92,8 @@ class RetentionStats:
     ``replaced``, ``released``, ``expired``, ``evicted`` and ``refused`` count retentions handed
     back for freeing, by cause (with a host tier, ``evicted`` and ``refused`` hand back device
     blocks while the lease goes on host-only); ``created`` counts retentions stored; ``renewed``
-    successful keepalives; ``host_evicted`` host-only retentions whose host copy was evicted too.
+    successful keepalives; ``host_evicted`` host-only retentions whose host copy was evicted too;
+    ``pinned`` pins given, ``host_pinned`` those of them for a read of the host tier.
     """
 
     created: int = 0
@@ -105,6 +106,7 @@ class RetentionStats:
     pinned: int = 0
     pins_expired: int = 0
     host_evicted: int = 0
+    host_pinned: int = 0
 
 
 def check_retain(

@@ -31,9 +31,7 @@ its blocks stay held ("draining") until the last pin goes, by unpin or by the pi
 Eviction prefers unpinned retentions.
 
 The table never frees blocks itself: every method that drops a retention returns it, and the
-caller must return its ``block_ids`` to the allocator. That keeps this file free of vLLM and
-lets the caller free blocks inside the scheduler step, where vLLM allows it.
-
+caller returns its ``block_ids`` to the allocator inside the scheduler step, where vLLM allows it.
 The table is not thread-safe; its owner serialises access.
 """
 
@@ -307,6 +305,8 @@ class RetentionTable:
         ident = (key, retention.request_id)
         self._pin_counts[ident] = self._pin_counts.get(ident, 0) + 1
         self.stats.pinned += 1
+        if not retention.on_device:
+            self.stats.host_pinned += 1
         return retention, pin
 
     def unpin(self, pin_id: str) -> tuple[bool, list[Retention]]:

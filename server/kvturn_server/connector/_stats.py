@@ -8,7 +8,7 @@ keep working unchanged.
 Keys (all lists, one item per observation; aggregation concatenates):
 
 - ``kvturn_retention_events``: ``created``, ``renewed``, ``released``, ``expired``,
-  ``evicted``, ``replaced``, ``refused``, ``pinned``, ``host_evicted`` (decode).
+  ``evicted``, ``replaced``, ``refused``, ``pinned``, ``host_evicted``, ``host_pinned`` (decode).
 - ``kvturn_retentions`` / ``kvturn_retained_blocks`` / ``kvturn_retained_bytes`` /
   ``kvturn_host_retentions``: gauge samples, the last one wins (decode).
 - ``kvturn_host_loaded_tokens``: prompt tokens a conversation turn the decode served alone loaded

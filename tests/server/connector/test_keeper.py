@@ -363,7 +363,8 @@ def test_stats_and_gauges_count_draining_blocks_as_held(pool: FakeBlockPool,
         "held_blocks": 6, "held_bytes": 6 * 1024, "budget_blocks": 32, "pins": 1,
         "host_only": 0,
         "events": {"created": 2, "renewed": 0, "released": 1, "expired": 0, "evicted": 0,
-                   "replaced": 0, "refused": 0, "pinned": 1, "host_evicted": 0},
+                   "replaced": 0, "refused": 0, "pinned": 1, "host_evicted": 0,
+                   "host_pinned": 0},
     }
     assert keeper.gauges() == (1, 6, 6 * 1024, 0)
 
@@ -614,7 +615,7 @@ def test_take_events_reports_each_event_once_in_order(
     assert keeper.take_events() == []
     assert keeper.stats()["events"] == {
         "created": 4, "renewed": 1, "released": 1, "expired": 1, "evicted": 1,
-        "replaced": 1, "refused": 1, "pinned": 1, "host_evicted": 0}
+        "replaced": 1, "refused": 1, "pinned": 1, "host_evicted": 0, "host_pinned": 0}
     keeper.unpin("pin-1")
     keeper.service()
     assert all_free(pool)
@@ -910,8 +911,12 @@ def test_a_host_pin_lapses_like_a_device_pin(
         pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
     keeper = host_only(pool, clock, host)
     host.read_port = 41000
+    keeper.take_events()
     pinned = keeper.pin("a", 5, host_reads=True)
     assert isinstance(pinned, dict) and pinned["pin_expires_in"] == 5
+    # Counted twice: a pin, and one for a read of the host tier (kvturn:retention_events).
+    assert keeper.take_events() == ["pinned", "host_pinned"]
+    assert keeper.stats()["events"]["host_pinned"] == 1
     clock.advance(6)
     keeper.service()
     assert not keeper.has_pins()

@@ -830,6 +830,16 @@ def host_only(pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier,
     return keeper
 
 
+def host_pinned(pool: FakeBlockPool, clock: FakeClock,
+                host: FakeHostTier) -> tuple[RetentionKeeper, dict[str, Any]]:
+    """:func:`host_only`'s keeper on a decode that serves host reads, and "a" pinned for one."""
+    keeper = host_only(pool, clock, host)
+    host.read_port = 41000
+    pinned = keeper.pin("a", 5, host_reads=True)
+    assert isinstance(pinned, dict)
+    return keeper, pinned
+
+
 def test_a_host_only_pin_with_host_reads_reads_host_rows_with_the_retentions_hashes(
         pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
     keeper = host_only(pool, clock, host)
@@ -890,10 +900,7 @@ def test_a_device_retention_pinned_with_host_reads_is_read_from_the_device(
 
 def test_a_host_pinned_retention_released_mid_read_leaves_the_host_tier_at_its_unpin(
         pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
-    keeper = host_only(pool, clock, host)
-    host.read_port = 41000
-    pinned = keeper.pin("a", 5, host_reads=True)
-    assert isinstance(pinned, dict)
+    keeper, pinned = host_pinned(pool, clock, host)
     assert in_thread(lambda: keeper.release("a")) is True
     keeper.service()
     # Released, but a read may be in flight: pinned as far as the host tier goes (its discard
@@ -925,10 +932,7 @@ def test_a_host_pin_lapses_like_a_device_pin(
 
 def test_a_newer_turn_does_not_unpin_the_host_blocks_a_read_of_the_older_one_holds(
         pool: FakeBlockPool, clock: FakeClock, host: FakeHostTier) -> None:
-    keeper = host_only(pool, clock, host)
-    host.read_port = 41000
-    pinned = keeper.pin("a", 5, host_reads=True)
-    assert isinstance(pinned, dict)
+    keeper, pinned = host_pinned(pool, clock, host)
     finish(pool, keeper, "a", "r2", 2)  # the next turn replaces the pinned retention
     assert keeper.standings()["a"].standing is Standing.PINNED
     assert keeper.unpin(pinned["pin_id"])
